@@ -1,0 +1,20 @@
+"""ds41numba: a fast, exact CPU reference for DeepSeek-V4.1 compressed attention.
+
+It reproduces DeepSeek's ``inference/model.py`` (bit for bit in its index selections, at bf16
+tolerance in its tensors) and runs at full length on multicore CPUs. The public names follow
+the reference's.
+"""
+
+from .numerics import (FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK, act_quant_fp8_inplace,
+                       fp4_quant_e4m3_inplace, fp4_quant_e8m0_inplace, is_bf16_valued,
+                       linear_bf16, linear_f32, pow2ceil, rms_norm, to_bf16_rne, to_e2m1_rne,
+                       to_e4m3_rne)
+from .rope import apply_rotary, yarn_freqs_cis
+from .topk import torch_cpu_topk_rows, torch_cpu_topk_set
+from .config import PRESETS, AttnConfig, preset
+from .compressor import CompressorState, CompressorWeights, compressor
+from .indexer import IndexerCfg, IndexerWeights, indexer, select_candidate_blocks
+from .attention import CompAttnRun, attention_any, output_projection, sparse_attn, window_index_rows
+from .stack import AttentionStack, AttnWeights, LayerAttnState, SharedRuntime, weight_specs
+
+__version__ = "0.1.0"

@@ -1,0 +1,218 @@
+"""One compressed-attention layer for any ``compress_ratio``: ``attention_any``.
+
+Every query attends to two sets of rows: the sliding window of the last ``window_size``
+tokens (fp8-quantised KV, kept in a ring) and, for ratio > 0, the compressed positions its
+index source selected (fp4 latents of the shared compressed cache). Attention is sparse over
+those listed rows, with a per-head *sink* logit that absorbs probability mass without
+contributing a value. The heads' outputs are projected back in ``o_groups`` independent groups
+(``wo_a``) and then mixed (``wo_b``).
+
+The forward builds what every query needs first (window rows, latents, index keys, the
+index selection) and then runs the queries in tiles end to end, so memory grows with
+``seqlen * (dim + head_dim)`` rather than ``seqlen * heads * head_dim``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from .compressor import compressor, latent_positions
+from .indexer import IndexerCfg, index_keys, indexer
+from .numerics import (act_quant_fp8_inplace, fp4_quant_e4m3_inplace, linear_bf16, rms_norm,
+                       to_bf16_rne)
+from .rope import apply_rotary, yarn_freqs_cis
+
+__all__ = ["CompAttnRun", "attention_any", "sparse_attn", "window_index_rows",
+           "output_projection", "layer_rope_table"]
+
+
+@dataclass
+class CompAttnRun:
+    """One layer's step. ``out`` is always set; the rest only with ``capture=True``.
+
+    ``q`` queries after RoPE ``[seqlen, H, hd]``; ``kv_rows`` the rows attention received
+    (window rows, then compressed rows); ``idx`` the index rows ``[seqlen, topk]`` int32
+    (window entries, then compressed entries; -1 = skip); ``o`` the attention output before
+    the inverse RoPE; ``index_score`` the indexer's scores after the visibility mask (index
+    sources only).
+    """
+
+    out: np.ndarray
+    q: np.ndarray | None = None
+    kv_rows: np.ndarray | None = None
+    idx: np.ndarray | None = None
+    topk: int | None = None
+    o: np.ndarray | None = None
+    index_score: np.ndarray | None = None
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_table(dim, length, original_seq_len, base, factor, beta_fast, beta_slow):
+    return yarn_freqs_cis(dim, length, original_seq_len, base, factor, beta_fast, beta_slow)
+
+
+def layer_rope_table(config, ratio: int, end_pos: int):
+    """The layer's ``(cos, sin)`` table covering positions ``0 .. end_pos - 1`` at least.
+
+    Ratio-0 layers rotate with ``rope_theta`` and no YaRN; compressed layers with
+    ``compress_rope_theta`` and YaRN. Table rows do not depend on the table's length, so a
+    longer cached table serves shorter needs.
+    """
+    length = min(config.max_seq_len, max(1024, 1 << (max(end_pos, 1) - 1).bit_length()))
+    if ratio == 0:
+        return _cached_table(config.rope_head_dim, length, 0, float(config.rope_theta), 1.0, 0, 0)
+    return _cached_table(config.rope_head_dim, length, config.original_seq_len,
+                         float(config.compress_rope_theta), float(config.rope_factor),
+                         config.beta_fast, config.beta_slow)
+
+
+def window_index_rows(start_pos: int, seqlen: int, window: int) -> np.ndarray:
+    """Index rows into the window KV rows; -1 marks an entry to skip.
+
+    Prefill: query t sees the new rows ``max(0, t - win + 1) ..`` (``min(seqlen, win)`` entries,
+    future ones -1). Decode: the whole ring, oldest slot first, slots not yet filled -1.
+    """
+    if start_pos == 0:
+        n = min(seqlen, window)
+        t = np.arange(seqlen)[:, None]
+        pos = np.maximum(0, t - window + 1) + np.arange(n)[None, :]
+        return np.where(pos > t, -1, pos).astype(np.int32)
+    first = start_pos % window + 1
+    slots = (np.arange(window) + first) % window
+    return np.where(slots > start_pos, -1, slots).astype(np.int32)[None, :]
+
+
+def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.ndarray,
+                softmax_scale: float) -> np.ndarray:
+    """Attention of each query over its listed KV rows, with a sink logit per head.
+
+    ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads), ``idx [S, W]`` (-1 = skip),
+    ``attn_sink [H]``. Softmax in f32 over the listed scores plus the sink, which joins only
+    the denominator. A query with no listed row outputs zeros. Result rounded to bf16.
+    """
+    S, H, hd = q.shape
+    valid = idx >= 0
+    rows = kv[np.where(valid, idx, 0)]                       # [S, W, hd]
+    scores = np.matmul(q, rows.transpose(0, 2, 1)) * np.float32(softmax_scale)   # [S, H, W]
+    scores = np.where(valid[:, None, :], scores, np.float32(-np.inf))
+    m = scores.max(axis=2, initial=-np.inf, keepdims=True)
+    any_valid = valid.any(axis=1)
+    m = np.where(any_valid[:, None, None], m, np.float32(0.0))
+    p = np.exp(scores - m)
+    denom = p.sum(axis=2, keepdims=True) + np.exp(attn_sink[None, :, None] - m)
+    o = np.matmul(p, rows) / denom
+    o[~any_valid] = 0.0
+    return to_bf16_rne(o.astype(np.float32))
+
+
+def output_projection(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: int) -> np.ndarray:
+    """Grouped low-rank output projection: heads in ``groups`` groups through ``wo_a``, then ``wo_b``."""
+    S = o.shape[0]
+    per_group = o.reshape(S, groups, -1)
+    rank = wo_a.shape[0] // groups
+    mid = np.empty((S, groups * rank), np.float32)
+    for g in range(groups):
+        mid[:, g * rank:(g + 1) * rank] = linear_bf16(per_group[:, g], wo_a[g * rank:(g + 1) * rank])
+    return linear_bf16(mid, wo_b)
+
+
+def _default_tile(seqlen: int, width: int) -> int:
+    """Queries per tile: enough to keep BLAS busy, few enough to bound ``tile * width``."""
+    return int(max(1, min(64, seqlen, (1 << 22) // max(width, 1))))
+
+
+def attention_any(config, layer_id: int, weights, state, shared, states, x: np.ndarray,
+                  start_pos: int, capture: bool = False, tile: int | None = None):
+    """One layer's forward for any ratio; updates ``state`` and the ``shared`` slots.
+
+    Inputs are assumed valid (``AttentionStack.forward`` checks them). ``states`` maps layer
+    ids to their states, for the caches of the layer's sources.
+    """
+    c = config
+    seqlen = x.shape[0]
+    end_pos = start_pos + seqlen
+    r = c.ratio(layer_id)
+    win = c.window_size
+    eps = c.norm_eps
+    positions = np.arange(start_pos, end_pos, dtype=np.int64)
+    table = layer_rope_table(c, r, end_pos)
+
+    qr = rms_norm(linear_bf16(x, weights.wq_a), weights.q_norm, eps)
+
+    # Sliding window: this step's KV rows, fp8-quantised, kept in the ring.
+    kv_new = rms_norm(linear_bf16(x, weights.wkv), weights.kv_norm, eps)
+    kv_new = act_quant_fp8_inplace(apply_rotary(kv_new, positions, table))
+    if start_pos == 0:
+        keep = min(seqlen, win)
+        state.window_kv[positions[-keep:] % win] = kv_new[-keep:]
+        window_rows, offset = kv_new, seqlen
+    else:
+        state.window_kv[start_pos % win] = kv_new[0]
+        window_rows, offset = state.window_kv.copy(), win
+    idx_window = window_index_rows(start_pos, seqlen, win)
+    if idx_window.shape[0] != seqlen:
+        idx_window = np.broadcast_to(idx_window, (seqlen, idx_window.shape[1]))
+
+    index_score = None
+    if r == 0:
+        kv_rows, idx_comp = window_rows, np.zeros((seqlen, 0), np.int32)
+    else:
+        width = end_pos // r
+        latents = lpos = None
+        if c.is_kv_source(layer_id):
+            latents = compressor(x, start_pos, r, weights.compressor, state.compressor, eps)
+            lpos = latent_positions(start_pos, seqlen, r)
+        first_row = start_pos // r
+        if c.is_index_source(layer_id):
+            if c.is_key_owner(layer_id) and latents is not None:
+                # The key owner publishes its cache only on a step that wrote keys: otherwise
+                # the slot keeps the previous writer's cache (even another ratio's), as in the
+                # reference, and this layer scores against that.
+                keys = index_keys(latents, lpos, weights.indexer, table, eps)
+                state.index_cache[first_row:first_row + len(keys)] = keys
+                shared.index_k = state.index_cache
+            if width == 0:
+                topk_idxs = np.zeros((seqlen, 0), np.int32)
+            else:
+                cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
+                topk_idxs, published, index_score = indexer(
+                    x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
+                    shared.index_k, offset, candidate_blocks=cands, capture=capture)
+                if published is not None:
+                    shared.candidate_blocks = published
+                    shared.candidate_width = width
+                    shared.candidate_block_size = c.candidate_block_size
+            shared.topk_idxs = topk_idxs
+        if latents is not None:
+            lat = fp4_quant_e4m3_inplace(apply_rotary(latents, lpos, table))
+            state.compress_cache[first_row:first_row + len(lat)] = lat
+        if c.is_kv_source(layer_id):
+            shared.compress_kv = state.compress_cache
+        kv_rows = np.concatenate([window_rows, shared.compress_kv[:width]])
+        idx_comp = shared.topk_idxs
+    idx = np.concatenate([idx_window, idx_comp], axis=1).astype(np.int32)
+
+    H, hd = c.n_heads, c.head_dim
+    scale = hd ** -0.5
+    out = np.empty((seqlen, c.dim), np.float32)
+    q_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
+    o_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
+    step = tile or _default_tile(seqlen, idx.shape[1])
+    for s0 in range(0, seqlen, step):
+        s1 = min(seqlen, s0 + step)
+        q = linear_bf16(qr[s0:s1], weights.wq_b).reshape(s1 - s0, H, hd)
+        q = apply_rotary(q, positions[s0:s1], table)
+        o = sparse_attn(q, kv_rows, idx[s0:s1], weights.attn_sink, scale)
+        if capture:
+            q_cap[s0:s1] = q
+            o_cap[s0:s1] = o
+        o = apply_rotary(o, positions[s0:s1], table, inverse=True)
+        out[s0:s1] = output_projection(o.reshape(s1 - s0, H * hd), weights.wo_a, weights.wo_b,
+                                       c.o_groups)
+    if not capture:
+        return CompAttnRun(out=out)
+    return CompAttnRun(out=out, q=q_cap, kv_rows=kv_rows, idx=idx, topk=idx.shape[1], o=o_cap,
+                       index_score=index_score)

@@ -1,0 +1,197 @@
+"""The ``ds41numba`` command: argument parsing and printing only (the work is in ``golden.py``).
+
+Exit status: 0 success; 1 a replay or comparison that disagrees; 2 a bad argument, an unreadable
+config or file, or an output that exists without ``--force`` (always one line on stderr);
+130 interrupted (no partial output is left behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+
+from . import golden
+from .golden import CAPTURE_MODES, GoldenError
+
+__all__ = ["main"]
+
+PROG = "ds41numba"
+_EPILOG = "Exit status: 0 ok, 1 disagreement, 2 bad usage or unreadable input, 130 interrupted."
+
+
+class _UsageError(Exception):
+    """Raised by the parser instead of printing its multi-line usage and exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="A CPU reference for DeepSeek-V4.1 compressed attention: "
+                "write, replay and compare golden files.", epilog=_EPILOG)
+    sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare}")
+
+    g = sub.add_parser("golden", help="run a layer stack on generated weights and inputs and "
+                       "write a golden file", epilog=_EPILOG,
+                       description="Build a layer stack with deterministic weights and inputs "
+                       "from --seed, run a prefill and --decode steps, and write one "
+                       "self-contained safetensors file.")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
+    src.add_argument("--config", metavar="FILE", help="a JSON config in the reference's ModelArgs "
+                     "names or a Hugging Face V4.1 config.json")
+    g.add_argument("--layers", metavar="LIST", help="layers to run, e.g. 20 or 2,3,20-24 "
+                   "(default: all); every source they read must be included")
+    g.add_argument("--prefill", type=int, metavar="N", help="prefill tokens (default: 12, or the "
+                   "reference golden's 203 for --preset mixed)")
+    g.add_argument("--decode", type=int, metavar="M", help="decode steps after the prefill "
+                   "(default: 40, or 48 for --preset mixed)")
+    g.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")
+    g.add_argument("--capture", choices=tuple(CAPTURE_MODES), default="all",
+                   help="io: out, idx and shared.topk_idxs; all (default): everything the "
+                   "reference goldens carry")
+    g.add_argument("--out", metavar="FILE", help="output file (default: "
+                   "./ds41numba-golden-PRESET.safetensors)")
+    g.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    r = sub.add_parser("replay", help="recompute a golden's captures from its own weights and "
+                       "inputs and report agreement", epilog=_EPILOG)
+    r.add_argument("file", metavar="FILE", help="a ds41numba golden (.safetensors) or a "
+                   "reference golden (.npz)")
+    r.add_argument("--json", action="store_true", help="machine-readable report")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    c = sub.add_parser("compare", help="compare a candidate's tensors with a golden's",
+                       epilog=_EPILOG, description="Index tensors must be identical; float "
+                       f"tensors within the SPEC tolerance ({golden.TOLERANCE}). Either file may "
+                       "be a ds41numba .safetensors golden or a reference .npz golden.")
+    c.add_argument("golden", metavar="GOLDEN")
+    c.add_argument("candidate", metavar="CANDIDATE")
+    c.add_argument("--json", action="store_true", help="machine-readable report")
+    c.add_argument("--subset", action="store_true", help="the candidate may leave out tensors "
+                   "of the golden (e.g. only a kernel's outputs)")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            raise _UsageError(f"{PROG}: error: choose a command: golden, replay or compare "
+                              f"(see {PROG} --help)")
+        with _sigterm_as_exit():
+            return {"golden": _golden, "replay": _replay, "compare": _compare}[args.command](args)
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except GoldenError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except SystemExit as e:   # --help, or SIGTERM via _sigterm_as_exit
+        return e.code if isinstance(e.code, int) else 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """Turn SIGTERM into SystemExit so cleanup (the temporary output file) runs, as on Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        print(f"{PROG}: terminated; nothing was written", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _progress(total: int, quiet: bool, desc: str):
+    """A tqdm bar on stderr that shows itself only when a run lasts more than two seconds."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=quiet, delay=2.0, unit="tok", unit_scale=True,
+                desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _golden(args) -> int:
+    config, preset_name = golden.load_config(args.preset, args.config)
+    layers = (golden.parse_layers(args.layers, config.n_layers) if args.layers is not None
+              else tuple(range(config.n_layers)))
+    prefill, decode = golden.default_run(preset_name)
+    plan = golden.GoldenPlan(config=config, layers=layers,
+                             prefill=prefill if args.prefill is None else args.prefill,
+                             decode=decode if args.decode is None else args.decode,
+                             seed=args.seed, capture=args.capture, preset=preset_name)
+    if args.out is not None:
+        out = args.out
+    else:
+        stem = preset_name or os.path.splitext(os.path.basename(args.config))[0]
+        out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
+    with _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as bar:
+        info = golden.write_golden(plan, out, force=args.force, progress=bar.update)
+    what = preset_name or args.config
+    print(f"wrote {info['path']}  ({what}, layers {_ranges(plan.layers)}, prefill {plan.prefill} "
+          f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "
+          f"{_size(info['bytes'])}, {info['seconds']:.1f} s)")
+    return 0
+
+
+def _replay(args) -> int:
+    with golden.GoldenFile(args.file) as f:
+        info = f.run_info()
+    total = (info.prefill + info.decode) * len(info.layers)
+    with _progress(total, args.quiet, "replay") as bar:
+        report = golden.replay(args.file, progress=bar.update)
+    if args.json:
+        print(report.to_json())
+    else:
+        print(report.table())
+        print(report.text())
+    return 0 if report.ok else 1
+
+
+def _compare(args) -> int:
+    report = golden.compare_files(args.golden, args.candidate, subset=args.subset)
+    print(report.to_json() if args.json else report.text())
+    return 0 if report.ok else 1
+
+
+def _ranges(ids) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    out, ids = [], list(ids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

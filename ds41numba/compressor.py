@@ -1,0 +1,115 @@
+"""The KV compressor: one latent per ``compress_ratio`` tokens.
+
+A ratio-r layer attends, beyond its sliding window, to a compressed history in which each
+group of r consecutive tokens is pooled into one latent. The pooling weights are learned:
+each token gets a gate score per feature, and the group's latent is the softmax-weighted sum
+of the group's KV projections, feature by feature. Ratio 1 degenerates to a plain projection.
+During decode a group fills one token at a time, so the partial group lives in the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from .numerics import linear_bf16, linear_f32, rms_norm, to_bf16_rne
+
+__all__ = ["CompressorWeights", "CompressorState", "compressor", "latent_positions"]
+
+
+@dataclass
+class CompressorWeights:
+    """``wkv [hd, dim]`` (bf16 values for ratio 1, f32 for ratio > 1), ``wgate [hd, dim]`` f32
+    (ratio > 1 only), ``norm [hd]`` bf16."""
+
+    wkv: np.ndarray
+    wgate: np.ndarray | None
+    norm: np.ndarray
+
+
+@dataclass
+class CompressorState:
+    """The partial group of a ratio > 1 compressor: ``kv`` and ``score``, ``[r, hd]`` f32.
+
+    Token p's projections live in slot ``p % r`` until its group completes. Slots start as
+    kv 0 and score -inf; pooling does not clear them.
+    """
+
+    kv: np.ndarray | None
+    score: np.ndarray | None
+
+    @classmethod
+    def fresh(cls, ratio: int, head_dim: int) -> "CompressorState":
+        if ratio <= 1:
+            return cls(kv=None, score=None)
+        return cls(kv=np.zeros((ratio, head_dim), np.float32),
+                   score=np.full((ratio, head_dim), -np.inf, np.float32))
+
+
+def latent_positions(start_pos: int, seqlen: int, ratio: int) -> np.ndarray:
+    """Positions of the latents a step produces: a latent stands for its group's first token."""
+    if start_pos == 0:
+        return np.arange(seqlen // ratio, dtype=np.int64) * ratio
+    if (start_pos + 1) % ratio == 0:
+        return np.array([start_pos + 1 - ratio], dtype=np.int64)
+    return np.zeros(0, dtype=np.int64)
+
+
+@njit(parallel=True, cache=True)
+def _pool_groups(kv, score, ratio):
+    """Softmax over each group's r scores, per feature, then the weighted sum of kv, in f32.
+
+    The r-term sums run in token order, as torch reduces a non-innermost dimension.
+    """
+    groups = kv.shape[0] // ratio
+    hd = kv.shape[1]
+    out = np.empty((groups, hd), np.float32)
+    for g in prange(groups):
+        base = g * ratio
+        for f in range(hd):
+            m = score[base, f]
+            for j in range(1, ratio):
+                if score[base + j, f] > m:
+                    m = score[base + j, f]
+            denom = np.float32(0.0)
+            for j in range(ratio):
+                denom += np.float32(np.exp(score[base + j, f] - m))
+            acc = np.float32(0.0)
+            for j in range(ratio):
+                p = np.float32(np.exp(score[base + j, f] - m)) / denom
+                acc += kv[base + j, f] * p
+            out[g, f] = acc
+    return out
+
+
+def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWeights,
+               state: CompressorState, norm_eps: float) -> np.ndarray | None:
+    """Compress the step's tokens; return the new pre-RoPE latents ``[groups, hd]`` or None.
+
+    Prefill (``start_pos == 0``) pools every complete group and keeps the trailing
+    ``P % r`` tokens in ``state`` slots ``0 .. P % r - 1``; decode puts the token in slot
+    ``start_pos % r`` and pools when that completes a group. Positions: :func:`latent_positions`.
+    """
+    if ratio == 1:
+        return rms_norm(linear_bf16(x, weights.wkv), weights.norm, norm_eps)
+    kv = linear_f32(x, weights.wkv)
+    score = linear_f32(x, weights.wgate)
+    seqlen = x.shape[0]
+    if start_pos == 0:
+        full = seqlen - seqlen % ratio
+        rest = seqlen - full
+        state.kv[:rest] = kv[full:]
+        state.score[:rest] = score[full:]
+        if full == 0:
+            return None
+        pooled = _pool_groups(kv[:full], score[:full], ratio)
+    else:
+        slot = start_pos % ratio
+        state.kv[slot] = kv[0]
+        state.score[slot] = score[0]
+        if (start_pos + 1) % ratio:
+            return None
+        pooled = _pool_groups(state.kv, state.score, ratio)
+    return rms_norm(to_bf16_rne(pooled), weights.norm, norm_eps)

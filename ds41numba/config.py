@@ -1,0 +1,314 @@
+"""The attention fields of the reference's ``ModelArgs``, validated, plus named presets.
+
+A config describes a whole stack: one ``compress_ratios`` entry per layer and the cross-layer
+roles (which layers own a compressed KV cache, which run the indexer, which publishes the
+candidate blocks). Everything the layers later assume about each other is checked here once,
+so that a bad topology is a clear ``ValueError`` at construction instead of a wrong answer later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from .numerics import FP4_BLOCK, LATENT_BLOCK
+
+__all__ = ["AttnConfig", "PRESETS", "preset"]
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Attention hyper-parameters of a DeepSeek-V4.1 layer stack (the reference's names)."""
+
+    dim: int
+    n_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    window_size: int
+    compress_ratios: tuple[int, ...]
+    kv_source_layers: tuple[int, ...]
+    index_source_layers: tuple[int, ...]
+    candidate_source_layer: int = -1
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: int = 32
+    beta_slow: int = 1
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-20
+    max_seq_len: int = 1048576
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        for name in ("compress_ratios", "kv_source_layers", "index_source_layers"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                raise ValueError(f"config: {name} must be a list of integers, got {value!r}")
+            object.__setattr__(self, name, tuple(int(v) for v in value))
+        self._validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
+
+    @classmethod
+    def from_dict(cls, mapping: dict) -> "AttnConfig":
+        """Build from the reference's ModelArgs names; unknown keys are kept in ``extra``.
+
+        A mapping that looks like a Hugging Face ``config.json`` (it has ``hidden_size``) is
+        translated first, see :meth:`from_hf_dict`.
+        """
+        if not isinstance(mapping, dict):
+            raise ValueError(f"config: expected a mapping, got {type(mapping).__name__}")
+        if "hidden_size" in mapping or "text_config" in mapping:
+            return cls.from_hf_dict(mapping)
+        names = cls.field_names()
+        known = {k: v for k, v in mapping.items() if k in names}
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in known]
+        if missing:
+            raise ValueError(f"config: missing field(s) {', '.join(missing)}")
+        extra = {k: v for k, v in mapping.items() if k not in names}
+        return cls(**known, extra=extra)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "AttnConfig":
+        """Translate a Hugging Face V4.1 ``config.json`` (its text config) to the reference names."""
+        if "text_config" in hf and isinstance(hf["text_config"], dict):
+            hf = {**hf, **hf["text_config"]}
+        rename = {
+            "hidden_size": "dim",
+            "num_attention_heads": "n_heads",
+            "head_dim": "head_dim",
+            "qk_rope_head_dim": "rope_head_dim",
+            "q_lora_rank": "q_lora_rank",
+            "o_lora_rank": "o_lora_rank",
+            "o_groups": "o_groups",
+            "sliding_window": "window_size",
+            "compress_ratios": "compress_ratios",
+            "kv_source_layer_ids": "kv_source_layers",
+            "index_source_layer_ids": "index_source_layers",
+            "candidate_source_layer_id": "candidate_source_layer",
+            "candidate_topk_blocks": "candidate_topk_blocks",
+            "candidate_block_size": "candidate_block_size",
+            "index_n_heads": "index_n_heads",
+            "index_head_dim": "index_head_dim",
+            "index_topk": "index_topk",
+            "compress_rope_theta": "compress_rope_theta",
+            "rope_theta": "rope_theta",
+            "rms_norm_eps": "norm_eps",
+            "max_position_embeddings": "max_seq_len",
+        }
+        out = {ref: hf[key] for key, ref in rename.items() if key in hf}
+        # The reference's own names are accepted too (some exports keep them).
+        for name in cls.field_names():
+            if name not in out and name in hf:
+                out[name] = hf[name]
+        if out.get("candidate_source_layer") is None:
+            out["candidate_source_layer"] = -1
+        rs = hf.get("rope_scaling") or {}
+        if rs:
+            kind = rs.get("type", rs.get("rope_type", "yarn"))
+            if kind != "yarn":
+                raise ValueError(f"config: rope_scaling type {kind!r} is not supported (only 'yarn')")
+            out["rope_factor"] = rs.get("factor", cls.rope_factor)
+            out["original_seq_len"] = rs.get("original_max_position_embeddings", cls.original_seq_len)
+            out["beta_fast"] = rs.get("beta_fast", cls.beta_fast)
+            out["beta_slow"] = rs.get("beta_slow", cls.beta_slow)
+        elif "rope_scaling" in hf:  # explicitly null: no YaRN
+            out["original_seq_len"] = 0
+        return cls.from_dict(out)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "AttnConfig":
+        """Load a JSON file in either naming (reference ModelArgs or Hugging Face)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ValueError(f"config: cannot read {os.fspath(path)!r}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config: {os.fspath(path)!r} is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict:
+        """The reference-named fields as plain JSON-able values."""
+        d = {name: getattr(self, name) for name in self.field_names()}
+        for name in ("compress_ratios", "kv_source_layers", "index_source_layers"):
+            d[name] = list(d[name])
+        return d
+
+    def replace(self, **changes) -> "AttnConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def n_layers(self) -> int:
+        return len(self.compress_ratios)
+
+    def ratio(self, layer_id: int) -> int:
+        return self.compress_ratios[layer_id]
+
+    def is_kv_source(self, layer_id: int) -> bool:
+        return layer_id in self.kv_source_layers
+
+    def is_index_source(self, layer_id: int) -> bool:
+        return layer_id in self.index_source_layers
+
+    def is_key_owner(self, layer_id: int) -> bool:
+        """An index source that also owns a compressor writes the shared index keys."""
+        return self.is_index_source(layer_id) and self.is_kv_source(layer_id)
+
+    def is_candidate_source(self, layer_id: int) -> bool:
+        return layer_id == self.candidate_source_layer
+
+    def uses_candidates(self, layer_id: int) -> bool:
+        return self.is_index_source(layer_id) and 0 <= self.candidate_source_layer < layer_id
+
+    def kv_source_of(self, layer_id: int) -> int:
+        """The kv source whose compressed cache this layer reads (itself when it is one)."""
+        return max(s for s in self.kv_source_layers if s <= layer_id)
+
+    def index_source_of(self, layer_id: int) -> int:
+        """The index source whose selection this layer reuses (itself when it is one)."""
+        return max(s for s in self.index_source_layers if s <= layer_id)
+
+    def key_owner_of(self, layer_id: int) -> int:
+        """The key owner whose index keys this index source scores against."""
+        return max(s for s in self.kv_source_layers if s <= layer_id and self.is_index_source(s))
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self):
+        def bad(msg):
+            raise ValueError(f"config: {msg}")
+
+        positive = ("dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_lora_rank",
+                    "o_groups", "window_size", "index_n_heads", "index_head_dim", "index_topk",
+                    "max_seq_len", "candidate_topk_blocks", "candidate_block_size")
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad(f"{name} must be a positive integer, got {v!r}")
+        for name in ("compress_rope_theta", "rope_theta", "rope_factor", "norm_eps"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                bad(f"{name} must be a positive number, got {v!r}")
+        for name in ("original_seq_len", "beta_fast", "beta_slow", "candidate_source_layer"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(f"{name} must be an integer, got {v!r}")
+        if self.original_seq_len < 0:
+            bad(f"original_seq_len must be >= 0, got {self.original_seq_len}")
+        if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
+            bad(f"rope_head_dim ({self.rope_head_dim}) must be even and at most head_dim ({self.head_dim})")
+        if self.rope_head_dim > self.index_head_dim:
+            bad(f"rope_head_dim ({self.rope_head_dim}) must be at most index_head_dim ({self.index_head_dim})")
+        if self.head_dim % 32:
+            bad(f"head_dim ({self.head_dim}) must be a multiple of 32 (the fp8 block and FP4_BLOCK)")
+        if self.head_dim % LATENT_BLOCK:
+            bad(f"head_dim ({self.head_dim}) must be a multiple of LATENT_BLOCK ({LATENT_BLOCK})")
+        if self.index_head_dim % FP4_BLOCK:
+            bad(f"index_head_dim ({self.index_head_dim}) must be a multiple of FP4_BLOCK ({FP4_BLOCK})")
+        if self.n_heads % self.o_groups:
+            bad(f"n_heads ({self.n_heads}) must be a multiple of o_groups ({self.o_groups})")
+        n = self.n_layers
+        if n == 0:
+            bad("compress_ratios is empty: a stack needs at least one layer")
+        if any(r < 0 for r in self.compress_ratios):
+            bad(f"compress_ratios must be >= 0, got {list(self.compress_ratios)}")
+        for name in ("kv_source_layers", "index_source_layers"):
+            ids = getattr(self, name)
+            if len(set(ids)) != len(ids):
+                bad(f"{name} has duplicates: {list(ids)}")
+            for i in ids:
+                if not 0 <= i < n:
+                    bad(f"{name} names layer {i}, but the stack has layers 0..{n - 1}")
+                if self.compress_ratios[i] == 0:
+                    bad(f"{name} names layer {i}, whose compress_ratio is 0 (no compressed attention)")
+        for i, r in enumerate(self.compress_ratios):
+            if r == 0:
+                continue
+            kv_src = [s for s in self.kv_source_layers if s <= i]
+            if not kv_src:
+                bad(f"layer {i} has compress_ratio {r} but no kv source at or before it")
+            s = max(kv_src)
+            if self.compress_ratios[s] != r:
+                bad(f"layer {i} (ratio {r}) would read the compressed cache of kv source {s} "
+                    f"(ratio {self.compress_ratios[s]}): ratios must agree")
+            idx_src = [s for s in self.index_source_layers if s <= i]
+            if not idx_src:
+                bad(f"layer {i} has compress_ratio {r} but no index source at or before it")
+            s = max(idx_src)
+            if self.compress_ratios[s] != r:
+                bad(f"layer {i} (ratio {r}) would reuse the selection of index source {s} "
+                    f"(ratio {self.compress_ratios[s]}): ratios must agree")
+            if self.is_index_source(i):
+                owners = [k for k in self.kv_source_layers if k <= i and self.is_index_source(k)]
+                if not owners:
+                    bad(f"index source {i} has no key owner (an index source that is also a kv "
+                        f"source) at or before it")
+                if self.compress_ratios[max(owners)] != r:
+                    bad(f"index source {i} (ratio {r}) would score against the keys of layer "
+                        f"{max(owners)} (ratio {self.compress_ratios[max(owners)]}): ratios must agree")
+        c = self.candidate_source_layer
+        if c < -1 or c >= n:
+            bad(f"candidate_source_layer must be -1 (off) or a layer 0..{n - 1}, got {c}")
+        if c >= 0:
+            if not self.is_index_source(c):
+                bad(f"candidate_source_layer {c} must be an index source")
+            for i in self.index_source_layers:
+                if i > c and self.compress_ratios[i] != self.compress_ratios[c]:
+                    bad(f"candidate consumer {i} has compress_ratio {self.compress_ratios[i]} but its "
+                        f"candidate source {c} has {self.compress_ratios[c]}: they must agree")
+
+
+# ---------------------------------------------------------------------- presets
+_TINY = dict(
+    dim=64, n_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=16, o_lora_rank=16, o_groups=2,
+    window_size=8, compress_ratios=[0, 0, 2, 2, 1, 1], kv_source_layers=[2, 4],
+    index_source_layers=[2, 4, 5], candidate_source_layer=4, candidate_topk_blocks=3,
+    candidate_block_size=2, index_n_heads=2, index_head_dim=32, index_topk=6,
+    compress_rope_theta=40000.0, rope_factor=2.0, original_seq_len=32, beta_fast=32, beta_slow=1,
+    rope_theta=10000.0, norm_eps=1e-20, max_seq_len=64,
+)
+_MIXED = dict(
+    dim=128, n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_lora_rank=32, o_groups=2,
+    window_size=16, compress_ratios=[0, 4, 4, 16, 16, 1, 1, 1], kv_source_layers=[1, 3, 5],
+    index_source_layers=[1, 3, 4, 5, 6], candidate_source_layer=5, candidate_topk_blocks=6,
+    candidate_block_size=4, index_n_heads=4, index_head_dim=32, index_topk=3,
+    compress_rope_theta=160000.0, rope_factor=16.0, original_seq_len=64, beta_fast=32, beta_slow=1,
+    rope_theta=10000.0, norm_eps=1e-20, max_seq_len=320,
+)
+_V41_FLASH = dict(
+    dim=5120, n_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1280, o_lora_rank=1024,
+    o_groups=8, window_size=128, compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
+    kv_source_layers=[2, 8, 14, 20], index_source_layers=[2, 8, 14, 20, 24, 28, 32, 36],
+    candidate_source_layer=20, candidate_topk_blocks=2048, candidate_block_size=8,
+    index_n_heads=32, index_head_dim=128, index_topk=512, compress_rope_theta=160000.0,
+    rope_factor=16.0, original_seq_len=65536, beta_fast=32, beta_slow=1, rope_theta=10000.0,
+    norm_eps=1e-20, max_seq_len=1048576,
+)
+
+#: Named configs: ``tiny`` and ``mixed`` are the developer goldens' stacks, ``v41-flash`` is the
+#: production V4.1-Flash attention (43 layers incl. the 3 draft layers).
+PRESETS: dict[str, dict] = {"tiny": _TINY, "mixed": _MIXED, "v41-flash": _V41_FLASH}
+
+
+def preset(name: str, **overrides) -> AttnConfig:
+    """The named preset as an :class:`AttnConfig`, with any field overridden."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return AttnConfig.from_dict({**PRESETS[name], **overrides})

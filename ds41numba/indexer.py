@@ -1,0 +1,222 @@
+"""The lightning indexer: which compressed positions each query attends to.
+
+Scoring every compressed position with full attention would cost as much as dense attention,
+so V4.1 first scores them cheaply: a few small fp4-quantised index heads, ReLU'd dot products
+against fp4 index keys, mixed by per-token head weights. Each query keeps the ``index_topk``
+best positions, chosen exactly as torch's CPU ``topk`` chooses them (ties included). The
+*candidate source* also publishes, per query, the best blocks of positions; later index sources
+(candidate consumers) may only pick inside those blocks.
+
+The scores are computed a tile of queries at a time, so a prefill never holds a
+``[seqlen, positions]`` tensor unless the caller asks to capture it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from .numerics import (bf16_scalar, fp4_quant_e8m0_inplace, linear_bf16, rms_norm,
+                       to_bf16_rne)
+from .rope import apply_rotary
+from .topk import torch_cpu_topk_rows
+
+__all__ = ["IndexerWeights", "IndexerCfg", "indexer", "index_keys", "select_candidate_blocks",
+           "visible_lengths"]
+
+# Positions scored per BLAS call; bounds the [tile * heads, chunk] product's memory.
+_POS_CHUNK = 4096
+
+
+@dataclass
+class IndexerWeights:
+    """``wq_b [ih*id, q_lora]``, ``weights_proj [ih, dim]``; key owners add ``wk [id, hd]`` and
+    ``k_norm [id]``. All bf16 values."""
+
+    wq_b: np.ndarray
+    weights_proj: np.ndarray
+    wk: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class IndexerCfg:
+    """What one index source needs to know about its place in the stack."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    ratio: int
+    norm_eps: float
+    candidate_source: bool = False
+    use_candidates: bool = False
+    candidate_topk_blocks: int = 1
+    candidate_block_size: int = 1
+
+    @classmethod
+    def for_layer(cls, config, layer_id: int) -> "IndexerCfg":
+        return cls(n_heads=config.index_n_heads, head_dim=config.index_head_dim,
+                   topk=config.index_topk, ratio=config.ratio(layer_id), norm_eps=config.norm_eps,
+                   candidate_source=config.is_candidate_source(layer_id),
+                   use_candidates=config.uses_candidates(layer_id),
+                   candidate_topk_blocks=config.candidate_topk_blocks,
+                   candidate_block_size=config.candidate_block_size)
+
+
+def visible_lengths(start_pos: int, seqlen: int, ratio: int) -> np.ndarray:
+    """Compressed positions each query may see: ``(s + 1) // r`` at prefill, all at decode."""
+    if start_pos == 0:
+        return (np.arange(1, seqlen + 1, dtype=np.int64)) // ratio
+    return np.full(seqlen, (start_pos + seqlen) // ratio, dtype=np.int64)
+
+
+def index_keys(latents: np.ndarray, positions: np.ndarray, weights: IndexerWeights, table,
+               norm_eps: float) -> np.ndarray:
+    """Index keys of new latents (pre-RoPE): projected, normed, rotated, fp4 (e8m0) quantised."""
+    k = rms_norm(linear_bf16(latents, weights.wk), weights.k_norm, norm_eps)
+    k = apply_rotary(k, positions, table)
+    return fp4_quant_e8m0_inplace(k)
+
+
+@njit(parallel=True, cache=True)
+def _mix_heads(d, w, clen, t0, out):
+    """``out[s, t0 + t] = bf16(sum_h bf16(relu(bf16(d[s, h, t])) * w[s, h]))`` for visible t.
+
+    The head sum accumulates in f32 in head order, as torch sums a bf16 tensor over a
+    non-innermost dimension; positions at or past ``clen[s]`` get -inf.
+    """
+    T, ih, C = d.shape
+    for s in prange(T):
+        for t in range(C):
+            if t0 + t >= clen[s]:
+                out[s, t0 + t] = -np.inf
+                continue
+            acc = np.float32(0.0)
+            for h in range(ih):
+                v = bf16_scalar(d[s, h, t])
+                if v < 0:       # relu; a NaN passes through as torch's relu does
+                    v = np.float32(0.0)
+                acc += bf16_scalar(v * w[s, h])
+            out[s, t0 + t] = bf16_scalar(acc)
+
+
+def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
+                 width: int) -> np.ndarray:
+    """Scores ``[T, width]`` of a tile of queries after the visibility mask."""
+    T, ih, idim = iq.shape
+    out = np.full((T, width), -np.inf, np.float32)
+    n_vis = int(clen.max(initial=0))
+    flat = iq.reshape(T * ih, idim)
+    for t0 in range(0, n_vis, _POS_CHUNK):
+        t1 = min(n_vis, t0 + _POS_CHUNK)
+        d = (flat @ keys[t0:t1].T).reshape(T, ih, t1 - t0)
+        _mix_heads(d, w, clen, t0, out)
+    return out
+
+
+@njit(parallel=True, cache=True)
+def _block_scores(scores, clen, block):
+    """Per row, the max over each block of ``block`` positions; the newest visible block is +inf."""
+    rows, width = scores.shape
+    nb = (width + block - 1) // block
+    out = np.full((rows, nb), -np.inf, np.float32)
+    for s in prange(rows):
+        for t in range(width):
+            v = scores[s, t]
+            b = t // block
+            # NaN wins the max, as torch's amax propagates it.
+            if v > out[s, b] or np.isnan(v):
+                if not np.isnan(out[s, b]):
+                    out[s, b] = v
+        if clen[s] > 0:
+            out[s, (clen[s] - 1) // block] = np.inf
+    return out
+
+
+def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int,
+                          block: int) -> np.ndarray:
+    """Per row, which blocks are candidates: ``[rows, n_blocks]`` bool."""
+    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen.astype(np.int64), block)
+    rows, nb = bs.shape
+    k = min(topk_blocks, nb)
+    picked = torch_cpu_topk_rows(bs, k)
+    mask = np.zeros((rows, nb), dtype=bool)
+    if k:
+        r = np.repeat(np.arange(rows), k)
+        c = picked.reshape(-1)
+        keep = bs[r, c] > -np.inf
+        mask[r[keep], c[keep]] = True
+    return mask
+
+
+def select_candidate_blocks(scores: np.ndarray, clen, topk_blocks: int,
+                            block_size: int) -> np.ndarray:
+    """The candidate mask ``[rows, width]`` bool of the candidate source.
+
+    Blocks of ``block_size`` positions score their max; each row's newest visible block is
+    pinned; torch's top-k over the block scores picks ``min(topk_blocks, n_blocks)`` blocks
+    and those scoring above -inf are kept, expanded back to positions.
+    """
+    scores = np.asarray(scores, dtype=np.float32)
+    if scores.ndim != 2:
+        raise ValueError(f"scores must be [rows, width], got shape {scores.shape}")
+    rows, width = scores.shape
+    clen = np.broadcast_to(np.asarray(clen, dtype=np.int64), (rows,))
+    if topk_blocks < 1 or block_size < 1:
+        raise ValueError(f"topk_blocks ({topk_blocks}) and block_size ({block_size}) must be >= 1")
+    if np.any(clen < 0) or np.any(clen > width):
+        raise ValueError(f"clen must lie in 0..{width}")
+    blocks = _candidate_block_mask(scores, clen, topk_blocks, block_size)
+    return np.repeat(blocks, block_size, axis=1)[:, :width]
+
+
+def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
+            weights: IndexerWeights, table, index_k: np.ndarray, offset: int,
+            candidate_blocks: np.ndarray | None = None, tile: int = 64,
+            capture: bool = False):
+    """Select each query's compressed positions.
+
+    ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows); ``offset`` is
+    added to every kept index (the number of window rows ahead of the compressed rows).
+    Returns ``(topk_idxs [seqlen, k] int32, candidate_blocks or None, index_score or None)``:
+    the candidate source's per-block mask, and with ``capture`` the scores after the
+    visibility mask and before candidate masking.
+    """
+    seqlen = x.shape[0]
+    end_pos = start_pos + seqlen
+    r = cfg.ratio
+    width = end_pos // r
+    k = min(cfg.topk, width)
+    clen = visible_lengths(start_pos, seqlen, r)
+    positions = np.arange(start_pos, end_pos, dtype=np.int64)
+    keys = index_k[:width]
+    scale = np.float32(cfg.head_dim ** -0.5 * cfg.n_heads ** -0.5)
+    w_all = to_bf16_rne(linear_bf16(x, weights.weights_proj) * scale)
+
+    topk_idxs = np.empty((seqlen, k), np.int32)
+    published = None
+    if cfg.candidate_source:
+        nb = (width + cfg.candidate_block_size - 1) // cfg.candidate_block_size
+        published = np.zeros((seqlen, nb), dtype=bool)
+    score_capture = np.empty((seqlen, width), np.float32) if capture else None
+    for s0 in range(0, seqlen, tile):
+        s1 = min(seqlen, s0 + tile)
+        iq = linear_bf16(qr[s0:s1], weights.wq_b).reshape(s1 - s0, cfg.n_heads, cfg.head_dim)
+        iq = fp4_quant_e8m0_inplace(apply_rotary(iq, positions[s0:s1], table))
+        scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width)
+        if capture:
+            score_capture[s0:s1] = scores
+        if cfg.candidate_source:
+            published[s0:s1] = _candidate_block_mask(scores, clen[s0:s1],
+                                                     cfg.candidate_topk_blocks,
+                                                     cfg.candidate_block_size)
+        if cfg.use_candidates:
+            allowed = np.repeat(candidate_blocks[s0:s1], cfg.candidate_block_size, axis=1)
+            scores[~allowed[:, :width]] = -np.inf
+        picked = torch_cpu_topk_rows(scores, k) if k else np.zeros((s1 - s0, 0), np.int64)
+        # Positions past a query's visible range are dropped; a candidate-masked position
+        # inside it that top-k still picked (fewer candidates than k) stays valid.
+        topk_idxs[s0:s1] = np.where(picked >= clen[s0:s1, None], -1, picked + offset)
+    return topk_idxs, published, score_capture

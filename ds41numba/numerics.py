@@ -1,0 +1,579 @@
+"""Bit-exact low-precision building blocks: bf16/fp8/fp4 roundings, the quantisers, linears, RMSNorm.
+
+The reference rounds to bf16 after almost every op and quantises KV and index tensors to fp8/fp4, so an
+implementation is only as exact as these primitives. Every rounding here is done on the IEEE bit
+pattern of the f32 input (RNE on the integer significand), never through a float64 intermediate that
+could round twice. The scalar helpers (``bf16_scalar``, ``e4m3_scalar``, ``e2m1_scalar``,
+``pow2ceil_scalar``) and the row quantisers (``_fp8_quant_row``, ``_fp4_e8m0_row``, ``_fp4_e4m3_row``)
+are plain ``@njit`` functions so that other kernels of the package can call them inside their own loops;
+the public array functions validate at the Python boundary and hand off to parallel kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = [
+    "FP4_BLOCK",
+    "LATENT_BLOCK",
+    "FP8_BLOCK",
+    "E4M3_MAX",
+    "E2M1_MAX",
+    "bf16_scalar",
+    "e4m3_scalar",
+    "e2m1_scalar",
+    "pow2ceil_scalar",
+    "to_bf16_rne",
+    "to_e4m3_rne",
+    "to_e2m1_rne",
+    "pow2ceil",
+    "round_bf16_inplace",
+    "is_bf16_valued",
+    "act_quant_fp8_inplace",
+    "fp4_quant_e8m0_inplace",
+    "fp4_quant_e4m3_inplace",
+    "linear_bf16",
+    "linear_f32",
+    "rms_norm",
+    "torch_sum_f32",
+    "SUM_LANES",
+]
+
+FP4_BLOCK = 32
+LATENT_BLOCK = 16
+FP8_BLOCK = 32
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+# Below this many elements the thread start-up of a parallel kernel costs more than the work.
+_PARALLEL_MIN = 1 << 15
+# Elements per parallel work item of the element-wise kernels.
+_CHUNK = 1 << 14
+
+_F32_NAN_BITS = 0x7FC00000
+
+
+# ----------------------------------------------------------------------------------------------
+# Scalar roundings (callable from any njit kernel)
+# ----------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _f32_from_bits(bits):
+    return np.uint32(bits).view(np.float32)
+
+
+@njit(cache=True)
+def _round_magnitude(a, mbits, emin):
+    """RNE of the finite f32 magnitude with bit pattern ``a`` onto a binary format with ``mbits``
+    mantissa bits, normal exponents from ``emin`` up (no upper bound) and subnormals below. Returns
+    the bit pattern of the rounded magnitude as an f32 (int64); the caller handles overflow."""
+    e = (a >> 23) - 127
+    if e >= emin:
+        # Normal in the target: drop 23 - mbits low bits with RNE on the integer pattern; a carry
+        # out of the mantissa correctly bumps the exponent.
+        shift = 23 - mbits
+        lsb = (a >> shift) & 1
+        return (a + ((1 << (shift - 1)) - 1) + lsb) & ~((1 << shift) - 1)
+    # Subnormal in the target: round the significand to a multiple of the quantum 2^(emin - mbits).
+    if (a >> 23) == 0:
+        sig = a
+        big_e = -126
+    else:
+        sig = (a & 0x7FFFFF) | 0x800000
+        big_e = e
+    k = (emin - mbits) - (big_e - 23)  # right shift from f32 significand units to quanta, >= 2
+    if k > 25:
+        return np.int64(0)  # sig < 2^24 <= half a quantum
+    n = sig >> k
+    rem = sig & ((1 << k) - 1)
+    half = np.int64(1) << (k - 1)
+    if rem > half or (rem == half and (n & 1) == 1):
+        n += 1
+    # n * 2^(emin - mbits) is exact in f32 (n has at most mbits + 1 bits).
+    return np.int64(np.float32(np.float32(n) * np.float32(2.0 ** (emin - mbits))).view(np.uint32))
+
+
+@njit(cache=True)
+def bf16_scalar(v):
+    """Round an f32 to the nearest bf16 value (RNE), returned as f32. NaN -> quiet NaN of the same
+    sign (as ml_dtypes), +-inf -> +-inf, overflow past the largest bf16 -> +-inf, -0.0 stays -0.0."""
+    bits = np.int64(np.float32(v).view(np.uint32))
+    if (bits & 0x7FFFFFFF) > 0x7F800000:
+        return _f32_from_bits((bits & 0x80000000) | _F32_NAN_BITS)
+    # Ties go to the even bf16 pattern: add 0x7FFF plus the lowest kept bit, then truncate.
+    return _f32_from_bits((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000)
+
+
+@njit(cache=True)
+def e4m3_scalar(v):
+    """f32 -> float8_e4m3fn (RNE) -> f32, as ml_dtypes converts: |v| rounding above 448 (that is
+    |v| > 464; 464 itself ties to the even 448) and +-inf become NaN, because e4m3fn has no infinity
+    and does not saturate. Subnormals (multiples of 2^-9 below 2^-6) round with RNE; the sign of a
+    zero result is kept."""
+    bits = np.int64(np.float32(v).view(np.uint32))
+    sign = bits & 0x80000000
+    a = bits & 0x7FFFFFFF
+    if a >= 0x7F800000:
+        return _f32_from_bits(sign | _F32_NAN_BITS)
+    r = _round_magnitude(a, 3, -6)
+    if r > 0x43E00000:  # 448.0
+        return _f32_from_bits(sign | _F32_NAN_BITS)
+    return _f32_from_bits(sign | r)
+
+
+@njit(cache=True)
+def e2m1_scalar(v):
+    """f32 -> float4_e2m1fn (RNE) -> f32: |v| onto {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Binary RNE is the
+    SPEC's even-3-bit-code tie rule, since the codes 0..7 are the format's bit patterns in order.
+    The sign is kept (-0.2 -> -0.0). Beyond 6 it saturates to +-6 (inf included), as ml_dtypes does.
+    NaN -> NaN (ml_dtypes turns NaN into a zero; e2m1 has no NaN, but an f32 result can keep it)."""
+    bits = np.int64(np.float32(v).view(np.uint32))
+    sign = bits & 0x80000000
+    a = bits & 0x7FFFFFFF
+    if a > 0x7F800000:
+        return _f32_from_bits(sign | _F32_NAN_BITS)
+    if a == 0x7F800000:
+        return _f32_from_bits(sign | 0x40C00000)
+    r = _round_magnitude(a, 1, 0)
+    if r > 0x40C00000:  # 6.0
+        r = np.int64(0x40C00000)
+    return _f32_from_bits(sign | r)
+
+
+@njit(cache=True)
+def pow2ceil_scalar(v):
+    """The smallest power of two >= v, exactly: 2^e for v = 1.m * 2^e, times 2 when m != 0. Defined
+    for v > 0: a subnormal v gives its exact (possibly subnormal) power of two, v > 2^127 and +inf give
+    +inf. Outside the domain (v <= 0, -0.0, NaN) the result is NaN. The quantisers' amax floors keep
+    their arguments positive normal, where this is the SPEC's bit rule."""
+    bits = np.int64(np.float32(v).view(np.uint32))
+    if bits == 0 or bits >= 0x7F800001:  # +0, NaN, or any negative (incl. -0.0, -inf)
+        return np.float32(np.nan)
+    if bits == 0x7F800000:
+        return np.float32(np.inf)
+    exp_field = bits >> 23
+    man = bits & 0x7FFFFF
+    if exp_field == 0:
+        # Subnormal v = man * 2^-149: the next power of two of the integer man; 2^23 is 2^-126.
+        p = np.int64(1)
+        while p < man:
+            p <<= 1
+        return _f32_from_bits(p)
+    if man == 0:
+        return np.float32(v)
+    if exp_field + 1 >= 255:
+        return np.float32(np.inf)
+    return _f32_from_bits((exp_field + 1) << 23)
+
+
+# ----------------------------------------------------------------------------------------------
+# Element-wise array conversions
+# ----------------------------------------------------------------------------------------------
+
+_OP_BF16 = 0
+_OP_E4M3 = 1
+_OP_E2M1 = 2
+_OP_POW2CEIL = 3
+
+
+@njit(cache=True)
+def _convert_range(src, dst, op, lo, hi):
+    if op == 0:
+        for i in range(lo, hi):
+            dst[i] = bf16_scalar(src[i])
+    elif op == 1:
+        for i in range(lo, hi):
+            dst[i] = e4m3_scalar(src[i])
+    elif op == 2:
+        for i in range(lo, hi):
+            dst[i] = e2m1_scalar(src[i])
+    else:
+        for i in range(lo, hi):
+            dst[i] = pow2ceil_scalar(src[i])
+
+
+@njit(parallel=True, cache=True)
+def _convert_kernel(src, dst, op, chunk):
+    n = src.shape[0]
+    nchunks = (n + chunk - 1) // chunk
+    for c in prange(nchunks):
+        lo = c * chunk
+        _convert_range(src, dst, op, lo, min(lo + chunk, n))
+
+
+def _as_f32_array(x, name):
+    arr = np.asarray(x)
+    if arr.dtype != np.float32:
+        raise TypeError(f"{name}: expected a float32 array, got dtype {arr.dtype}")
+    return arr
+
+
+def _convert(x, op, name):
+    arr = _as_f32_array(x, name)
+    flat = np.array(arr, dtype=np.float32, order="C", copy=True).reshape(-1)
+    out = np.empty_like(flat)
+    _run_convert(flat, out, op)
+    return out.reshape(arr.shape)
+
+
+def _run_convert(src, dst, op):
+    n = src.shape[0]
+    if n >= _PARALLEL_MIN:
+        _convert_kernel(src, dst, op, _CHUNK)
+    elif n:
+        _convert_range(src, dst, op, 0, n)
+
+
+def to_bf16_rne(x):
+    """A new float32 array holding ``x`` rounded to bf16 (RNE; see ``bf16_scalar``)."""
+    return _convert(x, _OP_BF16, "to_bf16_rne")
+
+
+def to_e4m3_rne(x):
+    """A new float32 array holding ``x`` cast to float8_e4m3fn and back (see ``e4m3_scalar``)."""
+    return _convert(x, _OP_E4M3, "to_e4m3_rne")
+
+
+def to_e2m1_rne(x):
+    """A new float32 array holding ``x`` cast to float4_e2m1fn and back (see ``e2m1_scalar``)."""
+    return _convert(x, _OP_E2M1, "to_e2m1_rne")
+
+
+def pow2ceil(x):
+    """A new float32 array with the smallest power of two >= each element (see ``pow2ceil_scalar``)."""
+    return _convert(x, _OP_POW2CEIL, "pow2ceil")
+
+
+@njit(cache=True)
+def _bf16_valued_range(src, lo, hi):
+    for i in range(lo, hi):
+        v = src[i]
+        # NaN counts as bf16-valued whatever its payload ("NaN stays NaN").
+        if v == v and (np.int64(np.float32(v).view(np.uint32)) & 0xFFFF) != 0:
+            return False
+    return True
+
+
+def is_bf16_valued(x):
+    """True when every element of the float32 array ``x`` is a bf16 value (its low 16 bits are zero;
+    any NaN counts). Used to check inputs and weights that the reference holds in bf16."""
+    arr = _as_f32_array(x, "is_bf16_valued")
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    return bool(_bf16_valued_range(flat, 0, flat.shape[0]))
+
+
+def _check_inplace(x, name):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy array, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise TypeError(f"{name}: expected a float32 array, got dtype {x.dtype}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: the array must be C-contiguous to be quantised in place")
+    if not x.flags.writeable:
+        raise ValueError(f"{name}: the array is read-only")
+
+
+def round_bf16_inplace(x):
+    """Round a writeable C-contiguous float32 array to bf16 in place and return it."""
+    _check_inplace(x, "round_bf16_inplace")
+    flat = x.reshape(-1)
+    _run_convert(flat, flat, _OP_BF16)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantisers (quantise, then dequantise, in place; SPEC "Quantisers")
+# ----------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _block_amax(row, lo, hi):
+    # Largest |x| in f32; a NaN anywhere makes it NaN, as torch's amax does.
+    amax = np.float32(0.0)
+    for j in range(lo, hi):
+        a = abs(row[j])
+        if a > amax or a != a:
+            amax = a
+    return amax
+
+
+@njit(cache=True)
+def _clamp(y, bound):
+    # NaN passes through unchanged, as in torch.clamp.
+    if y > bound:
+        return bound
+    if y < -bound:
+        return -bound
+    return y
+
+
+@njit(cache=True)
+def _fp8_quant_row(row, block):
+    """act_quant on a 1-D float32 view in place: per block of ``block`` values, amax floored at
+    1e-4, ``s = pow2ceil(amax / 448)``, ``bf16(e4m3(clamp(x / s, +-448)) * s)``."""
+    bound = np.float32(448.0)
+    floor = np.float32(1e-4)
+    for lo in range(0, row.shape[0], block):
+        hi = lo + block
+        amax = _block_amax(row, lo, hi)
+        if amax < floor:
+            amax = floor
+        s = pow2ceil_scalar(amax / bound)
+        for j in range(lo, hi):
+            # A true f32 division, not a multiply by 1/s.
+            y = _clamp(row[j] / s, bound)
+            row[j] = bf16_scalar(e4m3_scalar(y) * s)
+
+
+@njit(cache=True)
+def _fp4_e8m0_row(row, block):
+    """fp4_act_quant with e8m0 scales on a 1-D float32 view in place: amax floored at 6 * 2^-126,
+    ``s = pow2ceil(amax / 6)``, ``bf16(e2m1(clamp(x / s, +-6)) * s)``."""
+    bound = np.float32(6.0)
+    floor = np.float32(6.0 * 2.0**-126)
+    for lo in range(0, row.shape[0], block):
+        hi = lo + block
+        amax = _block_amax(row, lo, hi)
+        if amax < floor:
+            amax = floor
+        s = pow2ceil_scalar(amax / bound)
+        for j in range(lo, hi):
+            y = _clamp(row[j] / s, bound)
+            row[j] = bf16_scalar(e2m1_scalar(y) * s)
+
+
+@njit(cache=True)
+def _fp4_e4m3_row(row, block):
+    """fp4 quantiser with e4m3 scales (compressed-KV latents) on a 1-D float32 view in place: amax
+    floored at 6 * 2^-9, ``s = e4m3(amax / 6)``, ``bf16(e2m1(clamp(x / s, +-6)) * s)``. A block with
+    amax / 6 > 464 gets a NaN scale, as the non-saturating e4m3fn cast gives."""
+    bound = np.float32(6.0)
+    floor = np.float32(6.0 * 2.0**-9)
+    for lo in range(0, row.shape[0], block):
+        hi = lo + block
+        amax = _block_amax(row, lo, hi)
+        if amax < floor:
+            amax = floor
+        s = e4m3_scalar(amax / bound)
+        for j in range(lo, hi):
+            y = _clamp(row[j] / s, bound)
+            row[j] = bf16_scalar(e2m1_scalar(y) * s)
+
+
+@njit(parallel=True, cache=True)
+def _fp8_kernel(flat, block):
+    for b in prange(flat.shape[0] // block):
+        _fp8_quant_row(flat[b * block : (b + 1) * block], block)
+
+
+@njit(parallel=True, cache=True)
+def _fp4_e8m0_kernel(flat, block):
+    for b in prange(flat.shape[0] // block):
+        _fp4_e8m0_row(flat[b * block : (b + 1) * block], block)
+
+
+@njit(parallel=True, cache=True)
+def _fp4_e4m3_kernel(flat, block):
+    for b in prange(flat.shape[0] // block):
+        _fp4_e4m3_row(flat[b * block : (b + 1) * block], block)
+
+
+def _check_block(x, block, name):
+    _check_inplace(x, name)
+    if isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise ValueError(f"{name}: block must be a positive integer, got {block!r}")
+    if x.ndim == 0 or x.shape[-1] % block != 0:
+        raise ValueError(
+            f"{name}: the last dimension of shape {x.shape} is not a multiple of block {block}"
+        )
+    return int(block)
+
+
+def _quantise(x, block, name, row_fn, kernel):
+    block = _check_block(x, block, name)
+    flat = x.reshape(-1)
+    if flat.shape[0] >= _PARALLEL_MIN:
+        kernel(flat, block)
+    elif flat.shape[0]:
+        row_fn(flat, block)
+    return x
+
+
+def act_quant_fp8_inplace(x, block=FP8_BLOCK):
+    """fp8 quantise-dequantise (the reference's ``act_quant``, window KV) of every block of ``block``
+    consecutive last-dimension values, in place. Returns ``x``; the result is bf16-valued."""
+    return _quantise(x, block, "act_quant_fp8_inplace", _fp8_quant_row, _fp8_kernel)
+
+
+def fp4_quant_e8m0_inplace(x, block=FP4_BLOCK):
+    """fp4 quantise-dequantise with power-of-two (e8m0) scales (indexer q and keys), in place."""
+    return _quantise(x, block, "fp4_quant_e8m0_inplace", _fp4_e8m0_row, _fp4_e8m0_kernel)
+
+
+def fp4_quant_e4m3_inplace(x, block=LATENT_BLOCK):
+    """fp4 quantise-dequantise with e4m3 scales (compressed KV latents), in place."""
+    return _quantise(x, block, "fp4_quant_e4m3_inplace", _fp4_e4m3_row, _fp4_e4m3_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Projections and RMSNorm (SPEC "Precision of the building blocks")
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_linear(x, w, name):
+    x = _as_f32_array(x, f"{name}: x")
+    w = _as_f32_array(w, f"{name}: w")
+    if w.ndim != 2:
+        raise ValueError(f"{name}: w must be 2-D [out, in], got shape {w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"{name}: x of shape {x.shape} does not match w of shape {w.shape} ([out, in])")
+    return x, w
+
+
+def linear_f32(x, w):
+    """``x @ w.T`` with numpy's f32 BLAS, f32 result (the ratio > 1 compressor's projections).
+    x is ``[..., in]``, w ``[out, in]``; returns ``[..., out]``."""
+    x, w = _check_linear(x, w, "linear_f32")
+    y = np.matmul(x.reshape(-1, w.shape[1]), w.T)
+    return np.ascontiguousarray(y, dtype=np.float32).reshape(x.shape[:-1] + (w.shape[0],))
+
+
+def linear_bf16(x, w):
+    """bf16 linear: ``x @ w.T`` (w holds bf16 values) summed in f32 by numpy's BLAS, rounded to bf16
+    once. x is ``[..., in]``, w ``[out, in]``; returns ``[..., out]``."""
+    y = linear_f32(x, w)
+    return round_bf16_inplace(y)
+
+
+# torch's CPU sum of a contiguous f32 row (ATen SumKernel: ``vectorized_inner_sum`` / ``row_sum`` /
+# ``multi_row_sum``), the reduction inside the reference RMSNorm's ``x.square().mean(-1)``. The
+# reference ran torch's AVX512 kernels: Vectorized<float> has 16 lanes.
+SUM_LANES = 16
+_SUM_ILP = 4
+_SUM_LEVELS = 4
+
+
+@njit(cache=True)
+def _ceil_log2(x):
+    if x <= 2:
+        return 1
+    r = 0
+    v = x - 1
+    while v > 0:
+        v >>= 1
+        r += 1
+    return r
+
+
+@njit(cache=True)
+def _multi_row_sum(x, square, lanes, size, acc):
+    """``multi_row_sum`` with 4 ILP rows of ``lanes`` lanes over ``size`` groups of 4 * lanes values:
+    ``acc[0, k, l]`` ends with the sum of values ``(4 * i + k) * lanes + l``, accumulated in cascade
+    levels of 16 groups (more for huge rows). ``acc`` is ``[levels, 4, lanes]`` f32, zeroed."""
+    level_power = max(4, _ceil_log2(size) // _SUM_LEVELS)
+    level_step = 1 << level_power
+    level_mask = level_step - 1
+    i = 0
+    while i + level_step <= size:
+        for _ in range(level_step):
+            for k in range(_SUM_ILP):
+                base = (i * _SUM_ILP + k) * lanes
+                for l in range(lanes):
+                    v = x[base + l]
+                    acc[0, k, l] += v * v if square else v
+            i += 1
+        for j in range(1, _SUM_LEVELS):
+            for k in range(_SUM_ILP):
+                for l in range(lanes):
+                    acc[j, k, l] += acc[j - 1, k, l]
+                    acc[j - 1, k, l] = np.float32(0.0)
+            if (i & (level_mask << (j * level_power))) != 0:
+                break
+    while i < size:
+        for k in range(_SUM_ILP):
+            base = (i * _SUM_ILP + k) * lanes
+            for l in range(lanes):
+                v = x[base + l]
+                acc[0, k, l] += v * v if square else v
+        i += 1
+    for j in range(1, _SUM_LEVELS):
+        for k in range(_SUM_ILP):
+            for l in range(lanes):
+                acc[0, k, l] += acc[j, k, l]
+
+
+@njit(cache=True)
+def torch_sum_f32(x, square):
+    """The f32 sum of the 1-D float32 row ``x`` (of its squares, each rounded to f32, when ``square``)
+    in exactly the order torch's CPU ``sum`` over a contiguous last dimension adds them with 16-lane
+    vectors (below 16 values: its scalar path, 4 interleaved partial sums). Thread-count independent."""
+    n = x.shape[0]
+    lanes = SUM_LANES if n >= SUM_LANES else 1
+    groups = n // lanes  # vectors (or scalars)
+    acc = np.zeros((_SUM_LEVELS, _SUM_ILP, lanes), dtype=np.float32)
+    _multi_row_sum(x, square, lanes, groups // _SUM_ILP, acc)
+    # row_sum: leftover vectors into partial 0, then partials 1..3 into partial 0, in order.
+    for g in range(groups - groups % _SUM_ILP, groups):
+        for l in range(lanes):
+            v = x[g * lanes + l]
+            acc[0, 0, l] += v * v if square else v
+    for k in range(1, _SUM_ILP):
+        for l in range(lanes):
+            acc[0, 0, l] += acc[0, k, l]
+    if lanes == 1:
+        return acc[0, 0, 0]
+    # vectorized_inner_sum: the scalar tail first, then the 16 lanes in order.
+    total = np.float32(0.0)
+    for e in range(groups * lanes, n):
+        v = x[e]
+        total += v * v if square else v
+    for l in range(lanes):
+        total += acc[0, 0, l]
+    return total
+
+
+@njit(cache=True)
+def _rms_norm_row(x, w, eps, out):
+    n = x.shape[0]
+    mean = torch_sum_f32(x, True) / np.float32(n)
+    r = np.float32(1.0) / np.sqrt(mean + eps)
+    for j in range(n):
+        out[j] = bf16_scalar((x[j] * r) * w[j])
+
+
+@njit(parallel=True, cache=True)
+def _rms_norm_kernel(x, w, eps, out):
+    for i in prange(x.shape[0]):
+        _rms_norm_row(x[i], w, eps, out[i])
+
+
+@njit(cache=True)
+def _rms_norm_serial(x, w, eps, out):
+    for i in range(x.shape[0]):
+        _rms_norm_row(x[i], w, eps, out[i])
+
+
+def rms_norm(x, w, eps):
+    """RMSNorm over the last dimension in f32: ``bf16((x * (1 / sqrt(mean(x^2) + eps))) * w)``.
+
+    ``mean`` is the f32 sum of the f32 squares divided (f32) by n. The sum adds in torch's CPU order
+    (``torch_sum_f32``), not left to right: on the goldens that order reproduces an order of magnitude
+    more RMSNorm outputs bit for bit than an in-order sum. x is ``[..., n]``, w ``[n]``.
+    """
+    x = _as_f32_array(x, "rms_norm: x")
+    w = _as_f32_array(w, "rms_norm: w")
+    if w.ndim != 1:
+        raise ValueError(f"rms_norm: w must be 1-D, got shape {w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0] or w.shape[0] == 0:
+        raise ValueError(f"rms_norm: x of shape {x.shape} does not match w of shape {w.shape}")
+    x2 = np.ascontiguousarray(x).reshape(-1, w.shape[0])
+    wc = np.ascontiguousarray(w)
+    out = np.empty_like(x2)
+    if x2.size >= _PARALLEL_MIN:
+        _rms_norm_kernel(x2, wc, np.float32(eps), out)
+    elif x2.shape[0]:
+        _rms_norm_serial(x2, wc, np.float32(eps), out)
+    return out.reshape(x.shape)

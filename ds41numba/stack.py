@@ -1,0 +1,277 @@
+"""The layer stack: per-layer weights and state, the runtime layers share, and the driver.
+
+In V4.1 a compressed-attention layer rarely works alone. A *kv source* owns the compressed
+KV cache that the following layers of its ratio read; an *index source* runs the indexer and
+publishes the top-k selection that the following layers reuse; a *key owner* (an index source
+that is also a kv source) writes the index keys the later index sources score against; the
+*candidate source* publishes block candidates that later index sources are restricted to.
+:class:`SharedRuntime` holds those four slots, :class:`LayerAttnState` what one layer carries
+from step to step, and :class:`AttentionStack` checks that a caller runs them in an order
+the reference could have run them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .attention import CompAttnRun, attention_any
+from .compressor import CompressorState, CompressorWeights
+from .config import AttnConfig
+from .indexer import IndexerWeights
+from .numerics import is_bf16_valued
+
+__all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "weight_specs"]
+
+
+def weight_specs(config: AttnConfig, layer_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every parameter of layer ``layer_id``: ``{"layers.{i}.attn.NAME": (shape, "bf16" | "f32")}``.
+
+    "bf16" means a float32 array holding bf16 values; "f32" a genuine float32 parameter.
+    """
+    c = config
+    H, hd, G = c.n_heads, c.head_dim, c.o_groups
+    r = c.ratio(layer_id)
+    spec = {
+        "attn_sink": ((H,), "f32"),
+        "wq_a.weight": ((c.q_lora_rank, c.dim), "bf16"),
+        "q_norm.weight": ((c.q_lora_rank,), "bf16"),
+        "wq_b.weight": ((H * hd, c.q_lora_rank), "bf16"),
+        "wkv.weight": ((hd, c.dim), "bf16"),
+        "kv_norm.weight": ((hd,), "bf16"),
+        "wo_a.weight": ((G * c.o_lora_rank, H * hd // G), "bf16"),
+        "wo_b.weight": ((c.dim, G * c.o_lora_rank), "bf16"),
+    }
+    if c.is_kv_source(layer_id):
+        spec["compressor.wkv.weight"] = ((hd, c.dim), "f32" if r > 1 else "bf16")
+        if r > 1:
+            spec["compressor.wgate.weight"] = ((hd, c.dim), "f32")
+        spec["compressor.norm.weight"] = ((hd,), "bf16")
+    if c.is_index_source(layer_id):
+        spec["indexer.wq_b.weight"] = ((c.index_n_heads * c.index_head_dim, c.q_lora_rank), "bf16")
+        spec["indexer.weights_proj.weight"] = ((c.index_n_heads, c.dim), "bf16")
+        if c.is_kv_source(layer_id):
+            spec["indexer.wk.weight"] = ((c.index_head_dim, hd), "bf16")
+            spec["indexer.k_norm.weight"] = ((c.index_head_dim,), "bf16")
+    return {f"layers.{layer_id}.attn.{name}": v for name, v in spec.items()}
+
+
+def _checked_weight(name: str, array, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    if array is None:
+        raise ValueError(f"weights: {name} is missing (expected shape {shape})")
+    a = np.asarray(array)
+    if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"):
+        raise ValueError(f"weights: {name} has dtype {a.dtype}, expected a float array")
+    if a.shape != shape:
+        raise ValueError(f"weights: {name} has shape {a.shape}, expected {shape}")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if kind == "bf16" and not is_bf16_valued(a):
+        raise ValueError(f"weights: {name} must hold bf16 values (round it to bfloat16 first)")
+    return a
+
+
+@dataclass
+class AttnWeights:
+    """One layer's attention parameters, float32 arrays (bf16 values where the reference has bf16)."""
+
+    attn_sink: np.ndarray
+    wq_a: np.ndarray
+    q_norm: np.ndarray
+    wq_b: np.ndarray
+    wkv: np.ndarray
+    kv_norm: np.ndarray
+    wo_a: np.ndarray
+    wo_b: np.ndarray
+    compressor: CompressorWeights | None = None
+    indexer: IndexerWeights | None = None
+
+    @classmethod
+    def from_mapping(cls, config: AttnConfig, layer_id: int, weights) -> "AttnWeights":
+        """Pick and check layer ``layer_id``'s parameters out of ``{"layers.{i}.attn.NAME": array}``."""
+        prefix = f"layers.{layer_id}.attn."
+        got = {}
+        for full, (shape, kind) in weight_specs(config, layer_id).items():
+            got[full[len(prefix):]] = _checked_weight(full, weights.get(full), shape, kind)
+        comp = idx = None
+        if "compressor.norm.weight" in got:
+            comp = CompressorWeights(wkv=got["compressor.wkv.weight"],
+                                     wgate=got.get("compressor.wgate.weight"),
+                                     norm=got["compressor.norm.weight"])
+        if "indexer.wq_b.weight" in got:
+            idx = IndexerWeights(wq_b=got["indexer.wq_b.weight"],
+                                 weights_proj=got["indexer.weights_proj.weight"],
+                                 wk=got.get("indexer.wk.weight"),
+                                 k_norm=got.get("indexer.k_norm.weight"))
+        return cls(attn_sink=got["attn_sink"], wq_a=got["wq_a.weight"], q_norm=got["q_norm.weight"],
+                   wq_b=got["wq_b.weight"], wkv=got["wkv.weight"], kv_norm=got["kv_norm.weight"],
+                   wo_a=got["wo_a.weight"], wo_b=got["wo_b.weight"], compressor=comp, indexer=idx)
+
+
+@dataclass
+class LayerAttnState:
+    """What one layer carries between steps.
+
+    ``window_kv`` is the ring of the last ``window_size`` quantised KV rows (token p in slot
+    ``p % win``). Kv sources own ``compress_cache`` (``[max_seq_len // r, hd]``) and, for
+    ratio > 1, the compressor's partial group; key owners own ``index_cache``.
+    """
+
+    window_kv: np.ndarray
+    compressor: CompressorState | None = None
+    compress_cache: np.ndarray | None = None
+    index_cache: np.ndarray | None = None
+    end_pos: int = 0               # the next position this layer expects
+    last_step: tuple[int, int] | None = None   # (start_pos, seqlen) of the step it last ran
+
+    @property
+    def kv_state(self) -> np.ndarray | None:
+        return None if self.compressor is None else self.compressor.kv
+
+    @property
+    def score_state(self) -> np.ndarray | None:
+        return None if self.compressor is None else self.compressor.score
+
+    @classmethod
+    def fresh(cls, config: AttnConfig, layer_id: int) -> "LayerAttnState":
+        r, hd = config.ratio(layer_id), config.head_dim
+        st = cls(window_kv=np.zeros((config.window_size, hd), np.float32))
+        if config.is_kv_source(layer_id):
+            st.compressor = CompressorState.fresh(r, hd)
+            st.compress_cache = np.zeros((config.max_seq_len // r, hd), np.float32)
+            if config.is_index_source(layer_id):
+                st.index_cache = np.zeros((config.max_seq_len // r, config.index_head_dim), np.float32)
+        return st
+
+
+@dataclass
+class SharedRuntime:
+    """The four slots carried down the stack within a step; never reset, as in the reference.
+
+    ``compress_kv`` and ``index_k`` are the latest writer's whole cache; ``topk_idxs`` is the
+    latest index source's selection (``[seqlen, k]`` int32, offsets applied); the candidate
+    source's mask is kept per block (``candidate_blocks [seqlen, n_blocks]``) and expanded to
+    positions on demand by :attr:`candidates`.
+    """
+
+    compress_kv: np.ndarray | None = None
+    index_k: np.ndarray | None = None
+    topk_idxs: np.ndarray | None = None
+    candidate_blocks: np.ndarray | None = None
+    candidate_width: int = 0
+    candidate_block_size: int = 1
+    # Which layer last wrote each slot, and at which step: for ordering checks.
+    writers: dict = field(default_factory=dict)
+
+    @property
+    def candidates(self) -> np.ndarray | None:
+        """The candidate mask ``[seqlen, width]`` bool (None until the candidate source ran)."""
+        if self.candidate_blocks is None:
+            return None
+        full = np.repeat(self.candidate_blocks, self.candidate_block_size, axis=1)
+        return full[:, : self.candidate_width]
+
+
+class AttentionStack:
+    """A stack of V4.1 attention layers that runs steps as the reference does.
+
+    ``weights`` maps ``layers.{i}.attn.NAME`` to arrays (see :func:`weight_specs`). ``layers``
+    restricts the stack to a subset of the config's layers (default: all); a layer outside it
+    cannot be run, and every source a member needs must be a member too.
+    """
+
+    def __init__(self, config: AttnConfig, weights, layers=None, tile: int | None = None):
+        if not isinstance(config, AttnConfig):
+            raise TypeError(f"config must be an AttnConfig, got {type(config).__name__}")
+        if not hasattr(weights, "get"):
+            raise TypeError("weights must be a mapping of 'layers.{i}.attn.NAME' to arrays")
+        self.config = config
+        n = config.n_layers
+        self.layers = tuple(range(n)) if layers is None else tuple(sorted({int(i) for i in layers}))
+        for i in self.layers:
+            if not 0 <= i < n:
+                raise ValueError(f"layers: {i} is not a layer of this config (0..{n - 1})")
+        members = set(self.layers)
+        for i in self.layers:
+            for src in _sources(config, i):
+                if src not in members:
+                    raise ValueError(f"layers: layer {i} needs layer {src} (a source it reads), "
+                                     f"which is not in the stack")
+        self.weights = {i: AttnWeights.from_mapping(config, i, weights) for i in self.layers}
+        self.states = {i: LayerAttnState.fresh(config, i) for i in self.layers}
+        self.shared = SharedRuntime()
+        self.tile = tile
+
+    def forward(self, layer_id: int, x, start_pos: int, capture: bool = False) -> CompAttnRun:
+        """Run layer ``layer_id`` on ``x [seqlen, dim]`` (bf16 values) at ``start_pos``.
+
+        ``start_pos == 0`` is a prefill and starts a new sequence for this layer; ``start_pos > 0``
+        is the decode of one token and must follow the layer's previous step.
+        """
+        c = self.config
+        if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        layer_id = int(layer_id)
+        if layer_id not in self.states:
+            raise ValueError(f"layer {layer_id} is not in this stack (layers {list(self.layers)})")
+        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)):
+            raise TypeError(f"start_pos must be an int, got {type(start_pos).__name__}")
+        start_pos = int(start_pos)
+        x = _checked_input(x, c.dim)
+        seqlen = x.shape[0]
+        if start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        if start_pos + seqlen > c.max_seq_len:
+            raise ValueError(f"positions {start_pos}..{start_pos + seqlen - 1} run past "
+                             f"max_seq_len {c.max_seq_len}")
+        state = self.states[layer_id]
+        if start_pos == 0:
+            self.states[layer_id] = state = LayerAttnState.fresh(c, layer_id)
+        else:
+            if seqlen != 1:
+                raise ValueError(f"a step at start_pos {start_pos} > 0 must be one token (decode), "
+                                 f"got {seqlen}: the reference has no chunked prefill")
+            if state.last_step is None or state.end_pos != start_pos:
+                expect = "a prefill at start_pos 0" if state.last_step is None else f"start_pos {state.end_pos}"
+                raise ValueError(f"layer {layer_id}: decode at start_pos {start_pos} does not follow "
+                                 f"its last step (expected {expect})")
+        step = (start_pos, seqlen)
+        for src in _sources(c, layer_id):
+            if src != layer_id and self.states[src].last_step != step:
+                raise ValueError(f"layer {layer_id} reads what layer {src} publishes, but layer {src} "
+                                 f"has not run this step (start_pos {start_pos}) yet: run sources first")
+        run = attention_any(c, layer_id, self.weights[layer_id], state, self.shared,
+                            self.states, x, start_pos, capture=capture, tile=self.tile)
+        state.end_pos = start_pos + seqlen
+        state.last_step = step
+        return run
+
+
+def _sources(config: AttnConfig, layer_id: int) -> list[int]:
+    """The layers whose published slots layer ``layer_id`` reads within a step."""
+    c = config
+    if c.ratio(layer_id) == 0:
+        return []
+    srcs = {c.kv_source_of(layer_id), c.index_source_of(layer_id)}
+    if c.is_index_source(layer_id):
+        srcs.add(c.key_owner_of(layer_id))
+    if c.uses_candidates(layer_id):
+        srcs.add(c.candidate_source_layer)
+    srcs.discard(layer_id)
+    return sorted(srcs)
+
+
+def _checked_input(x, dim: int) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype.name == "bfloat16":
+        a = a.astype(np.float32)
+    if a.dtype != np.float32:
+        raise ValueError(f"x must be float32 holding bf16 values (or ml_dtypes.bfloat16), got {a.dtype}")
+    if a.ndim != 2 or a.shape[1] != dim:
+        raise ValueError(f"x must have shape [seqlen, {dim}], got {list(a.shape)}")
+    if a.shape[0] == 0:
+        raise ValueError("x is empty: a step needs at least one token")
+    a = np.ascontiguousarray(a)
+    if not is_bf16_valued(a):
+        raise ValueError("x must hold bf16 values (round it to bfloat16 first)")
+    return a

@@ -1,0 +1,436 @@
+"""The index set torch's CPU ``topk`` returns, ties included.
+
+The reference model picks its sparse-attention rows with ``torch.topk`` on bf16 score rows that are
+full of ties (equal bf16 scores, and long runs of ``-inf`` for masked positions). Which of the tied
+entries end up in the top k is not defined by the maths: it is whatever the C++ standard library
+algorithm torch calls happens to do. torch pairs every value with its index, ``(v, i)`` in index
+order, orders pairs with ``before(a, b) = (isnan(a.v) and not isnan(b.v)) or a.v > b.v`` (values
+compared as f32; the index never breaks a tie) and then calls
+
+* ``std::nth_element(begin, begin + k - 1, end, before)`` when ``k * 64 > n``, or
+* ``std::partial_sort(begin, begin + k, end, before)`` when ``k * 64 <= n``;
+
+the set is the first k pairs afterwards. To get the same set we replay libstdc++'s versions of those
+algorithms step by step (introselect, and the heap select that ``partial_sort`` starts with),
+including the exact shape of ``__adjust_heap``: a textbook heap or quickselect keeps different ties.
+
+Public functions validate at the Python boundary and call njit kernels. ``_topk_set_into`` is the
+allocation-free core other kernels call from inside their own ``prange`` loops.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows"]
+
+
+# --------------------------------------------------------------------------- comparator
+
+
+@njit(cache=True)
+def _before(a, b):
+    """torch's ``largest=True`` comparator: NaN first, then larger values; never looks at the index."""
+    return (a != a and b == b) or a > b
+
+
+# --------------------------------------------------------------------------- heap (libstdc++ shape)
+
+
+@njit(cache=True)
+def _adjust_heap(hv, hi, first, hole, length, val, vidx):
+    """libstdc++ ``__adjust_heap`` + ``__push_heap`` on the heap ``[first, first + length)``.
+
+    The hole walks all the way down to a leaf before the pair is pushed back up; stopping the walk
+    early (a textbook sift-down) would keep different tied pairs.
+    """
+    top = hole
+    child = hole
+    while child < (length - 1) // 2:
+        child = 2 * (child + 1)
+        # The right child moves up unless it comes `before` the left one (the heap's top is the
+        # pair LAST in `before` order).
+        if _before(hv[first + child], hv[first + child - 1]):
+            child -= 1
+        hv[first + hole] = hv[first + child]
+        hi[first + hole] = hi[first + child]
+        hole = child
+    if (length & 1) == 0 and child == (length - 2) // 2:
+        # A lone last left child.
+        child = 2 * (child + 1)
+        hv[first + hole] = hv[first + child - 1]
+        hi[first + hole] = hi[first + child - 1]
+        hole = child - 1
+    parent = (hole - 1) // 2
+    while hole > top and _before(hv[first + parent], val):
+        hv[first + hole] = hv[first + parent]
+        hi[first + hole] = hi[first + parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    hv[first + hole] = val
+    hi[first + hole] = vidx
+
+
+@njit(cache=True)
+def _make_heap(hv, hi, first, length):
+    """libstdc++ ``__make_heap``: re-seat the parents from ``(len - 2) / 2`` down to 0."""
+    if length < 2:
+        return
+    parent = (length - 2) // 2
+    while True:
+        _adjust_heap(hv, hi, first, parent, length, hv[first + parent], hi[first + parent])
+        if parent == 0:
+            return
+        parent -= 1
+
+
+@njit(cache=True)
+def _heap_select(v, ix, first, middle, last):
+    """libstdc++ ``__heap_select`` on ``[first, last)`` in place (used by introselect at depth 0)."""
+    length = middle - first
+    _make_heap(v, ix, first, length)
+    for i in range(middle, last):
+        if _before(v[i], v[first]):
+            val = v[i]
+            vidx = ix[i]
+            v[i] = v[first]
+            ix[i] = ix[first]
+            _adjust_heap(v, ix, first, 0, length, val, vidx)
+
+
+@njit(cache=True)
+def _heap_select_row(row, k, hv, hi):
+    """``std::partial_sort``'s set: heap-select the first k pairs of ``row`` into ``hv/hi[:k]``.
+
+    Same steps as ``_heap_select`` over the pairs ``(row[i], i)``, but the row itself is never
+    copied: the displaced top would be written back to position i, which the scan never reads
+    again, so only the k-pair heap needs storage. The hot loop compares against a cached top.
+    """
+    n = row.shape[0]
+    for j in range(k):
+        hv[j] = row[j]
+        hi[j] = j
+    _make_heap(hv, hi, 0, k)
+    top = hv[0]
+    top_is_nan = top != top
+    for i in range(k, n):
+        x = row[i]
+        # Inlined `before(x, top)`; a NaN top is never displaced.
+        if x > top or (x != x and not top_is_nan):
+            _adjust_heap(hv, hi, 0, 0, k, x, i)
+            top = hv[0]
+            top_is_nan = top != top
+
+
+# --------------------------------------------------------------------------- introselect
+
+
+@njit(cache=True)
+def _move_median_to_first(v, ix, result, a, b, c):
+    """libstdc++ ``__move_median_to_first``: swap the median of a, b, c (under `before`) into result."""
+    if _before(v[a], v[b]):
+        if _before(v[b], v[c]):
+            pick = b
+        elif _before(v[a], v[c]):
+            pick = c
+        else:
+            pick = a
+    elif _before(v[a], v[c]):
+        pick = a
+    elif _before(v[b], v[c]):
+        pick = c
+    else:
+        pick = b
+    _swap(v, ix, result, pick)
+
+
+@njit(cache=True)
+def _swap(v, ix, p, q):
+    tv = v[p]
+    v[p] = v[q]
+    v[q] = tv
+    ti = ix[p]
+    ix[p] = ix[q]
+    ix[q] = ti
+
+
+@njit(cache=True)
+def _unguarded_partition(v, ix, first, last, pivot):
+    """libstdc++ ``__unguarded_partition``: Hoare partition around ``v[pivot]``, returns the cut."""
+    pv = v[pivot]
+    while True:
+        while _before(v[first], pv):
+            first += 1
+        last -= 1
+        while _before(pv, v[last]):
+            last -= 1
+        if not first < last:
+            return first
+        _swap(v, ix, first, last)
+        first += 1
+
+
+@njit(cache=True)
+def _insertion_sort(v, ix, first, last):
+    """libstdc++ ``__insertion_sort`` (stable): straight to the front, else an unguarded walk back."""
+    if first == last:
+        return
+    for i in range(first + 1, last):
+        val = v[i]
+        vidx = ix[i]
+        if _before(val, v[first]):
+            j = i
+            while j > first:
+                v[j] = v[j - 1]
+                ix[j] = ix[j - 1]
+                j -= 1
+            v[first] = val
+            ix[first] = vidx
+        else:
+            j = i
+            while _before(val, v[j - 1]):
+                v[j] = v[j - 1]
+                ix[j] = ix[j - 1]
+                j -= 1
+            v[j] = val
+            ix[j] = vidx
+
+
+@njit(cache=True)
+def _floor_log2(n):
+    r = 0
+    while n > 1:
+        n >>= 1
+        r += 1
+    return r
+
+
+@njit(cache=True)
+def _nth_element(v, ix, n, nth):
+    """libstdc++ ``std::nth_element(v, v + nth, v + n, before)`` (``__introselect``) in place."""
+    if n == 0 or nth == n:
+        return
+    first = 0
+    last = n
+    depth = 2 * _floor_log2(n)
+    while last - first > 3:
+        if depth == 0:
+            _heap_select(v, ix, first, nth + 1, last)
+            # libstdc++ then swaps first and nth; that does not change which pairs are in
+            # [0, nth], so the set is already final.
+            _swap(v, ix, first, nth)
+            return
+        depth -= 1
+        mid = first + (last - first) // 2
+        _move_median_to_first(v, ix, first, first + 1, mid, last - 1)
+        cut = _unguarded_partition(v, ix, first + 1, last, first)
+        if cut <= nth:
+            first = cut
+        else:
+            last = cut
+    _insertion_sort(v, ix, first, last)
+
+
+# --------------------------------------------------------------------------- njit core
+
+
+@njit(cache=True)
+def _heapsort_ints(a, k):
+    """Sort ``a[:k]`` ascending in place (distinct indices, so any correct sort gives the same)."""
+    for start in range((k - 2) // 2, -1, -1):
+        _sift_down_ints(a, start, k)
+    for end in range(k - 1, 0, -1):
+        t = a[0]
+        a[0] = a[end]
+        a[end] = t
+        _sift_down_ints(a, 0, end)
+
+
+@njit(cache=True)
+def _sift_down_ints(a, root, end):
+    while True:
+        child = 2 * root + 1
+        if child >= end:
+            return
+        if child + 1 < end and a[child + 1] > a[child]:
+            child += 1
+        if a[root] >= a[child]:
+            return
+        t = a[root]
+        a[root] = a[child]
+        a[child] = t
+        root = child
+
+
+@njit(cache=True)
+def _topk_scratch_len(n, k):
+    """Scratch entries ``_topk_set_into`` needs for a row of n values: n when ``k * 64 > n``, else k."""
+    if k * 64 > n:
+        return n
+    return k
+
+
+@njit(cache=True)
+def _topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
+    """Write torch's CPU ``topk(row_vals, k)`` index set, sorted ascending, into ``out_idx[:k]``.
+
+    Signature (all arrays 1-D, any layout; nothing is allocated):
+
+    * ``row_vals``: float32 ``[n]``, read only (torch compares as f32; a float64 row would be
+      compared unrounded in the partial_sort branch, so round it first).
+    * ``k``: int, ``0 <= k <= n``.
+    * ``out_idx``: int64 (any integer dtype that holds n - 1) ``[>= k]``; only ``[:k]`` is written.
+    * ``scratch_vals``: float32, ``scratch_idx``: int64, each of length at least
+      ``_topk_scratch_len(n, k)`` (n when ``k * 64 > n``, the nth_element branch, which permutes a
+      full copy of the row; k otherwise, the partial_sort branch, which only keeps a k-pair heap).
+      Their contents on entry do not matter and are garbage on exit.
+
+    Raises ValueError (from njit code) if k is out of range or the scratch is too short.
+    Safe to call concurrently from a ``prange`` loop as long as each iteration has its own
+    ``out_idx`` and scratch.
+    """
+    n = row_vals.shape[0]
+    if k < 0 or k > n:
+        raise ValueError("_topk_set_into: k must be in [0, n]")
+    if k == 0:
+        return
+    need = _topk_scratch_len(n, k)
+    if scratch_vals.shape[0] < need or scratch_idx.shape[0] < need:
+        raise ValueError("_topk_set_into: scratch shorter than _topk_scratch_len(n, k)")
+    if k * 64 > n:
+        for j in range(n):
+            scratch_vals[j] = row_vals[j]
+            scratch_idx[j] = j
+        _nth_element(scratch_vals, scratch_idx, n, k - 1)
+        # k > n / 64 here, so listing the set in index order by marking it in the (now free)
+        # value scratch costs O(n), no more than the selection itself.
+        for j in range(n):
+            scratch_vals[j] = 0.0
+        for j in range(k):
+            scratch_vals[scratch_idx[j]] = 1.0
+        m = 0
+        for j in range(n):
+            if scratch_vals[j] != 0.0:
+                out_idx[m] = j
+                m += 1
+    else:
+        _heap_select_row(row_vals, k, scratch_vals, scratch_idx)
+        for j in range(k):
+            out_idx[j] = scratch_idx[j]
+        _heapsort_ints(out_idx, k)
+
+
+# --------------------------------------------------------------------------- batched kernel
+
+
+@njit(parallel=True, cache=True)
+def _topk_rows_kernel(vals, ks, out):
+    """One ``_topk_set_into`` per row in parallel; each row allocates its own scratch.
+
+    A row's result depends only on that row, so the output does not depend on the thread count
+    or on how rows are scheduled.
+    """
+    rows = vals.shape[0]
+    n = vals.shape[1]
+    for r in prange(rows):
+        k = ks[r]
+        need = _topk_scratch_len(n, k)
+        sv = np.empty(need, dtype=np.float32)
+        si = np.empty(need, dtype=np.int64)
+        _topk_set_into(vals[r], k, out[r], sv, si)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _as_float32(vals, name):
+    arr = np.asarray(vals)
+    if not np.issubdtype(arr.dtype, np.floating):
+        # bf16 from ml_dtypes is not an np.floating subclass but converts exactly.
+        if arr.dtype.name != "bfloat16":
+            raise TypeError(f"{name} must be a real floating-point array, got dtype {arr.dtype}")
+    return arr
+
+
+def _check_k(k, n, name="k"):
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(k).__name__}")
+    k = int(k)
+    if k < 0 or k > n:
+        raise ValueError(f"{name} must be in [0, n] = [0, {n}], got {k}")
+    return k
+
+
+def torch_cpu_topk_set(vals, k):
+    """The index set ``torch.topk(vals, k)`` returns on torch's CPU backend, sorted ascending.
+
+    Parameters
+    ----------
+    vals : 1-D array of real floats, length n
+        Converted to float32 (torch compares bf16 and f32 rows as f32; values that already are
+        float32, or bf16 stored as float32, are used exactly). NaN, +inf and -inf are allowed.
+    k : int, ``0 <= k <= n``
+
+    Returns
+    -------
+    int64 array of length k: the indices of the pairs torch's ``largest=True`` topk keeps
+    (NaN counts as the largest value; ties are settled as libstdc++'s ``nth_element`` when
+    ``k * 64 > n``, or ``partial_sort`` when ``k * 64 <= n``, settles them), sorted ascending.
+    ``sorted=True/False`` in torch never changes this set.
+    """
+    arr = _as_float32(vals, "vals")
+    if arr.ndim != 1:
+        raise ValueError(f"vals must be 1-D, got shape {arr.shape}")
+    row = np.ascontiguousarray(arr, dtype=np.float32)
+    n = row.shape[0]
+    k = _check_k(k, n)
+    out = np.empty(k, dtype=np.int64)
+    if k == 0:
+        return out
+    need = _topk_scratch_len(n, k)
+    _topk_set_into(row, k, out, np.empty(need, np.float32), np.empty(need, np.int64))
+    return out
+
+
+def torch_cpu_topk_rows(vals, k):
+    """Row-wise :func:`torch_cpu_topk_set` on a ``[rows, n]`` array, rows in parallel.
+
+    Parameters
+    ----------
+    vals : 2-D array of real floats ``[rows, n]`` (converted to C-contiguous float32)
+    k : int, or integer array ``[rows]`` with a k per row; every k in ``[0, n]``
+
+    Returns
+    -------
+    int64 ``[rows, max_k]``: row r holds its k[r] indices sorted ascending, then -1 padding.
+    ``max_k`` is k for a scalar k and ``max(k)`` (0 when there are no rows) for an array.
+    """
+    arr = _as_float32(vals, "vals")
+    if arr.ndim != 2:
+        raise ValueError(f"vals must be 2-D [rows, n], got shape {arr.shape}")
+    mat = np.ascontiguousarray(arr, dtype=np.float32)
+    rows, n = mat.shape
+    if isinstance(k, numbers.Integral) and not isinstance(k, (bool, np.bool_)):
+        kk = _check_k(k, n)
+        ks = np.full(rows, kk, dtype=np.int64)
+        max_k = kk
+    elif isinstance(k, (bool, np.bool_)) or np.isscalar(k):
+        raise TypeError(f"k must be an integer or an integer array, got {type(k).__name__}")
+    else:
+        karr = np.asarray(k)
+        if karr.dtype == np.bool_ or not np.issubdtype(karr.dtype, np.integer):
+            raise TypeError(f"k array must have an integer dtype, got {karr.dtype}")
+        if karr.shape != (rows,):
+            raise ValueError(f"k array must have shape ({rows},) to match vals, got {karr.shape}")
+        ks = karr.astype(np.int64)
+        if rows and (ks.min() < 0 or ks.max() > n):
+            bad = int(np.flatnonzero((ks < 0) | (ks > n))[0])
+            raise ValueError(f"k[{bad}] = {ks[bad]} is outside [0, n] = [0, {n}]")
+        max_k = int(ks.max()) if rows else 0
+    out = np.full((rows, max_k), -1, dtype=np.int64)
+    if rows and max_k:
+        _topk_rows_kernel(mat, ks, out)
+    return out

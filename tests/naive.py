@@ -1,0 +1,403 @@
+"""Slow, obviously-correct pure-Python references the fast kernels are tested against.
+
+Each part of the package has its own section below, under a ``# --- name ---`` header.
+"""
+
+# --- topk ---
+# A line-by-line transcription of the libstdc++ algorithms torch's CPU topk calls
+# (std::nth_element for k * 64 > n, std::partial_sort otherwise), on a Python list of
+# (value, index) tuples with integer positions standing in for iterators. See SPEC.md,
+# "torch_cpu_topk_set(vals, k)".
+
+import math as _topk_math
+
+import numpy as _topk_np
+
+# Incremented each time introselect hits its depth limit and falls back to heap select, so
+# tests can check that path is exercised.
+TOPK_STATS = {"introselect_heap_select": 0}
+
+
+def topk_before(a, b):
+    """torch's largest=True comparator on (value, index) pairs: NaN first, then larger value."""
+    return (_topk_math.isnan(a[0]) and not _topk_math.isnan(b[0])) or a[0] > b[0]
+
+
+def _std_push_heap(a, first, hole, top, value, comp):
+    parent = (hole - 1) // 2
+    while hole > top and comp(a[first + parent], value):
+        a[first + hole] = a[first + parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    a[first + hole] = value
+
+
+def _std_adjust_heap(a, first, hole, length, value, comp):
+    top = hole
+    second = hole
+    while second < (length - 1) // 2:
+        second = 2 * (second + 1)
+        if comp(a[first + second], a[first + second - 1]):
+            second -= 1
+        a[first + hole] = a[first + second]
+        hole = second
+    if (length & 1) == 0 and second == (length - 2) // 2:
+        second = 2 * (second + 1)
+        a[first + hole] = a[first + second - 1]
+        hole = second - 1
+    _std_push_heap(a, first, hole, top, value, comp)
+
+
+def _std_make_heap(a, first, last, comp):
+    if last - first < 2:
+        return
+    length = last - first
+    parent = (length - 2) // 2
+    while True:
+        value = a[first + parent]
+        _std_adjust_heap(a, first, parent, length, value, comp)
+        if parent == 0:
+            return
+        parent -= 1
+
+
+def _std_pop_heap(a, first, last, result, comp):
+    value = a[result]
+    a[result] = a[first]
+    _std_adjust_heap(a, first, 0, last - first, value, comp)
+
+
+def _std_heap_select(a, first, middle, last, comp):
+    _std_make_heap(a, first, middle, comp)
+    for i in range(middle, last):
+        if comp(a[i], a[first]):
+            _std_pop_heap(a, first, middle, i, comp)
+
+
+def _std_sort_heap(a, first, last, comp):
+    while last - first > 1:
+        last -= 1
+        _std_pop_heap(a, first, last, last, comp)
+
+
+def std_partial_sort(a, middle, comp):
+    """std::partial_sort(a.begin(), a.begin() + middle, a.end(), comp), in place."""
+    _std_heap_select(a, 0, middle, len(a), comp)
+    _std_sort_heap(a, 0, middle, comp)
+
+
+def _std_iter_swap(a, i, j):
+    a[i], a[j] = a[j], a[i]
+
+
+def _std_move_median_to_first(a, result, x, y, z, comp):
+    if comp(a[x], a[y]):
+        if comp(a[y], a[z]):
+            _std_iter_swap(a, result, y)
+        elif comp(a[x], a[z]):
+            _std_iter_swap(a, result, z)
+        else:
+            _std_iter_swap(a, result, x)
+    elif comp(a[x], a[z]):
+        _std_iter_swap(a, result, x)
+    elif comp(a[y], a[z]):
+        _std_iter_swap(a, result, z)
+    else:
+        _std_iter_swap(a, result, y)
+
+
+def _std_unguarded_partition(a, first, last, pivot, comp):
+    while True:
+        while comp(a[first], a[pivot]):
+            first += 1
+        last -= 1
+        while comp(a[pivot], a[last]):
+            last -= 1
+        if not first < last:
+            return first
+        _std_iter_swap(a, first, last)
+        first += 1
+
+
+def _std_unguarded_partition_pivot(a, first, last, comp):
+    mid = first + (last - first) // 2
+    _std_move_median_to_first(a, first, first + 1, mid, last - 1, comp)
+    return _std_unguarded_partition(a, first + 1, last, first, comp)
+
+
+def _std_unguarded_linear_insert(a, last, comp):
+    val = a[last]
+    nxt = last - 1
+    while comp(val, a[nxt]):
+        a[last] = a[nxt]
+        last = nxt
+        nxt -= 1
+    a[last] = val
+
+
+def _std_insertion_sort(a, first, last, comp):
+    if first == last:
+        return
+    for i in range(first + 1, last):
+        if comp(a[i], a[first]):
+            val = a[i]
+            a[first + 1:i + 1] = a[first:i]  # move_backward
+            a[first] = val
+        else:
+            _std_unguarded_linear_insert(a, i, comp)
+
+
+def _std_lg(n):
+    return n.bit_length() - 1
+
+
+def _std_introselect(a, first, nth, last, depth_limit, comp):
+    while last - first > 3:
+        if depth_limit == 0:
+            TOPK_STATS["introselect_heap_select"] += 1
+            _std_heap_select(a, first, nth + 1, last, comp)
+            _std_iter_swap(a, first, nth)
+            return
+        depth_limit -= 1
+        cut = _std_unguarded_partition_pivot(a, first, last, comp)
+        if cut <= nth:
+            first = cut
+        else:
+            last = cut
+    _std_insertion_sort(a, first, last, comp)
+
+
+def std_nth_element(a, nth, comp):
+    """std::nth_element(a.begin(), a.begin() + nth, a.end(), comp), in place."""
+    first, last = 0, len(a)
+    if first == last or nth == last:
+        return
+    _std_introselect(a, first, nth, last, _std_lg(last - first) * 2, comp)
+
+
+def naive_topk_set(vals, k):
+    """The index set torch's CPU topk(vals, k) returns, sorted ascending (a list of ints)."""
+    row = _topk_np.asarray(vals, dtype=_topk_np.float32)
+    n = len(row)
+    if not 0 <= k <= n:
+        raise ValueError("k out of range")
+    if k == 0:
+        return []
+    pairs = [(float(v), i) for i, v in enumerate(row)]
+    if k * 64 > n:
+        std_nth_element(pairs, k - 1, topk_before)
+    else:
+        std_partial_sort(pairs, k, topk_before)
+    return sorted(i for _, i in pairs[:k])
+
+
+def topk_value_multiset(vals, k):
+    """The k values topk must keep, NaN first then descending (ties make the indices ambiguous,
+    never the values): the sorted-by-order top k, returned as a float32 array."""
+    row = _topk_np.asarray(vals, dtype=_topk_np.float32)
+    nan = row[_topk_np.isnan(row)]
+    rest = _topk_np.sort(row[~_topk_np.isnan(row)])[::-1]
+    return _topk_np.concatenate([nan, rest])[:k]
+
+
+# --- numerics and rope ---
+# Roundings through ml_dtypes casts, quantisers and RMSNorm as whole-array numpy, the rotary table
+# written after the reference's torch code, the rotation in explicit f32 real arithmetic. (numpy's own
+# complex64 product fuses a*c - b*d into an FMA, which the reference's complex multiply does not.)
+
+import math as _nr_math
+
+import ml_dtypes as _nr_md
+import numpy as _nr_np
+
+_nr_f32 = _nr_np.float32
+
+
+def naive_bf16(x):
+    with _nr_np.errstate(invalid="ignore", over="ignore"):
+        return _nr_np.asarray(x, _nr_f32).astype(_nr_md.bfloat16).astype(_nr_f32)
+
+
+def naive_e4m3(x):
+    with _nr_np.errstate(invalid="ignore", over="ignore"):
+        return _nr_np.asarray(x, _nr_f32).astype(_nr_md.float8_e4m3fn).astype(_nr_f32)
+
+
+def naive_e2m1(x):
+    with _nr_np.errstate(invalid="ignore", over="ignore"):
+        return _nr_np.asarray(x, _nr_f32).astype(_nr_md.float4_e2m1fn).astype(_nr_f32)
+
+
+def naive_pow2ceil(x):
+    """Smallest power of two >= v for v > 0 (inf past 2^127); NaN for v <= 0 or NaN."""
+    with _nr_np.errstate(invalid="ignore"):
+        v = _nr_np.asarray(x, _nr_f32).astype(_nr_np.float64)
+    out = _nr_np.full(v.shape, _nr_np.nan)
+    ok = v > 0
+    m, e = _nr_np.frexp(_nr_np.where(ok & _nr_np.isfinite(v), v, 1.0))  # v = m * 2^e, m in [0.5, 1)
+    p = _nr_np.ldexp(1.0, _nr_np.where(m == 0.5, e - 1, e))
+    out[ok] = p[ok]
+    out[_nr_np.isposinf(v)] = _nr_np.inf
+    with _nr_np.errstate(over="ignore"):
+        return out.astype(_nr_f32)
+
+
+def _naive_quant(x, block, amax_floor, scale_fn, bound, cast):
+    x = _nr_np.asarray(x, _nr_f32)
+    b = x.reshape(-1, block)
+    with _nr_np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax = _nr_np.maximum(_nr_np.max(_nr_np.abs(b), axis=1), _nr_f32(amax_floor))
+        s = scale_fn(amax / _nr_f32(bound))[:, None]
+        y = _nr_np.clip(b / s, _nr_f32(-bound), _nr_f32(bound))
+        q = naive_bf16(cast(y) * s)
+    return q.reshape(x.shape)
+
+
+def naive_act_quant_fp8(x, block=32):
+    return _naive_quant(x, block, 1e-4, naive_pow2ceil, 448.0, naive_e4m3)
+
+
+def naive_fp4_quant_e8m0(x, block=32):
+    return _naive_quant(x, block, 6.0 * 2.0**-126, naive_pow2ceil, 6.0, naive_e2m1)
+
+
+def naive_fp4_quant_e4m3(x, block=16):
+    return _naive_quant(x, block, 6.0 * 2.0**-9, naive_e4m3, 6.0, naive_e2m1)
+
+
+def naive_torch_sum_f32(row, lanes=16):
+    """torch's CPU sum of one contiguous f32 row, transcribed from ATen's SumKernel.cpp
+    (vectorized_inner_sum -> row_sum -> multi_row_sum) with numpy f32 vectors standing in for
+    Vectorized<float>; below ``lanes`` values, its scalar_inner_sum (the same row_sum on scalars)."""
+    row = _nr_np.asarray(row, _nr_f32)
+    n = row.shape[0]
+    vectorized = n >= lanes
+    width = lanes if vectorized else 1
+    vecs = [row[i * width:(i + 1) * width] for i in range(n // width)]
+    zero = _nr_np.zeros(width, _nr_f32)
+
+    # row_sum(in, size=len(vecs)) with ilp_factor 4 -> multi_row_sum over size // 4 rows of 4
+    ilp, levels = 4, 4
+    size = len(vecs) // ilp
+    ceil_log2 = 1 if size <= 2 else int(size - 1).bit_length()
+    level_power = max(4, ceil_log2 // levels)
+    level_step, level_mask = 1 << level_power, (1 << level_power) - 1
+    acc = [[zero.copy() for _ in range(ilp)] for _ in range(levels)]
+    i = 0
+    while i + level_step <= size:
+        for _ in range(level_step):
+            for k in range(ilp):
+                acc[0][k] = acc[0][k] + vecs[i * ilp + k]
+            i += 1
+        for j in range(1, levels):
+            for k in range(ilp):
+                acc[j][k] = acc[j][k] + acc[j - 1][k]
+                acc[j - 1][k] = zero.copy()
+            if i & (level_mask << (j * level_power)):
+                break
+    while i < size:
+        for k in range(ilp):
+            acc[0][k] = acc[0][k] + vecs[i * ilp + k]
+        i += 1
+    for j in range(1, levels):
+        for k in range(ilp):
+            acc[0][k] = acc[0][k] + acc[j][k]
+    partial = acc[0]
+    for v in vecs[size * ilp:]:
+        partial[0] = partial[0] + v
+    for k in range(1, ilp):
+        partial[0] = partial[0] + partial[k]
+    if not vectorized:
+        return _nr_f32(partial[0][0])
+    total = _nr_f32(0.0)
+    for v in row[len(vecs) * width:]:
+        total = _nr_f32(total + v)
+    for v in partial[0]:
+        total = _nr_f32(total + v)
+    return total
+
+
+def naive_rms_norm(x, w, eps):
+    x = _nr_np.asarray(x, _nr_f32)
+    sq = x * x
+    ss = _nr_np.array([naive_torch_sum_f32(r) for r in sq.reshape(-1, x.shape[-1])], _nr_f32)
+    r = _nr_f32(1.0) / _nr_np.sqrt(ss.reshape(x.shape[:-1] + (1,)) / _nr_f32(x.shape[-1]) + _nr_f32(eps))
+    return naive_bf16((x * r) * _nr_np.asarray(w, _nr_f32))
+
+
+def naive_linear_bf16(x, w):
+    """The exact dot products (float64 holds each bf16 x bf16 product exactly), rounded to f32 and
+    then to bf16: a summation-order-free reference, equal to an f32 accumulation within rounding."""
+    x = _nr_np.asarray(x, _nr_np.float64)
+    w = _nr_np.asarray(w, _nr_np.float64)
+    return naive_bf16((x @ w.T).astype(_nr_f32))
+
+
+def naive_yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow):
+    f32 = _nr_f32
+    freqs = f32(1.0) / (f32(base) ** (_nr_np.arange(0, dim, 2, dtype=f32) / f32(dim)).astype(
+        _nr_np.float64)).astype(f32)
+    if original_seq_len > 0:
+        def correction_dim(num_rotations):
+            return dim * _nr_math.log(original_seq_len / (num_rotations * 2 * _nr_math.pi)) / (
+                2 * _nr_math.log(base))
+
+        low = max(_nr_math.floor(correction_dim(beta_fast)), 0)
+        high = min(_nr_math.ceil(correction_dim(beta_slow)), dim - 1)
+        linear = (_nr_np.arange(dim // 2, dtype=f32) - f32(low)) / f32(max(high - low, 0.001))
+        smooth = f32(1) - _nr_np.clip(linear, f32(0), f32(1))
+        freqs = freqs / f32(factor) * (f32(1) - smooth) + freqs * smooth
+    angle = _nr_np.outer(_nr_np.arange(seqlen).astype(f32), freqs)
+    assert angle.dtype == f32
+    return (_nr_np.cos(angle.astype(_nr_np.float64)).astype(f32),
+            _nr_np.sin(angle.astype(_nr_np.float64)).astype(f32))
+
+
+def naive_fma_f32(a, b, c):
+    """Exact a * b + c rounded once to f32. The f32 product is exact in float64; the float64 sum's
+    rounding error is recovered with TwoSum and decides the one case where rounding that sum to f32
+    would round twice: a sum that lands exactly on a midpoint between two f32 values."""
+    f64 = _nr_np.float64
+    p = _nr_np.asarray(a, _nr_f32).astype(f64) * _nr_np.asarray(b, _nr_f32).astype(f64)
+    cc = _nr_np.asarray(c, _nr_f32).astype(f64)
+    s = p + cc
+    bb = s - p
+    err = (p - (s - bb)) + (cc - bb)
+    r = s.astype(_nr_f32)
+    # The f32 neighbour of r on s's side, and whether s sits exactly halfway between the two.
+    toward = _nr_np.nextafter(r, _nr_np.where(s > r.astype(f64), _nr_f32(_nr_np.inf), _nr_f32(-_nr_np.inf)))
+    midpoint = (r.astype(f64) != s) & ((r.astype(f64) + toward.astype(f64)) / 2 == s)
+    # On a midpoint the exact value lies on err's side of it.
+    lo = _nr_np.minimum(r, toward)
+    hi = _nr_np.maximum(r, toward)
+    r = _nr_np.where(midpoint & (err > 0), hi, _nr_np.where(midpoint & (err < 0), lo, r))
+    return r
+
+
+def naive_apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
+    """Pair by pair, as torch's complex64 multiply runs the reference's broadcast product: inner
+    loops of rd/2 pairs per vector (one loop over all n * rd/2 pairs when x has one vector per row),
+    whole blocks of 16 pairs with rounded products, the rest with the compiler's FMA contraction."""
+    x = _nr_np.array(x, dtype=_nr_f32)
+    cos, sin = table
+    w = cos.shape[1]
+    n = x.shape[0]
+    y = x.reshape(n, -1, x.shape[-1])
+    heads = y.shape[1]
+    coalesce = heads == 1 if coalesce_rows is None else coalesce_rows
+    off = x.shape[-1] - 2 * w
+    loop_len = n * w if coalesce else w
+    vec_end = loop_len // 16 * 16
+    for i in range(n):
+        c = cos[positions[i]]
+        s = -sin[positions[i]] if inverse else sin[positions[i]]
+        t = i * w + _nr_np.arange(w) if coalesce else _nr_np.arange(w)
+        vec = t < vec_end
+        for h in range(heads):
+            a = y[i, h, off::2].copy()
+            b = y[i, h, off + 1::2].copy()
+            re = _nr_np.where(vec, a * c - b * s, naive_fma_f32(a, c, -(b * s)))
+            im = _nr_np.where(vec, a * s + b * c, naive_fma_f32(a, s, b * c))
+            y[i, h, off::2] = naive_bf16(re)
+            y[i, h, off + 1::2] = naive_bf16(im)
+    return y.reshape(x.shape)

@@ -1,0 +1,351 @@
+"""The ``ds41numba`` command line, run in-process through ``main(argv)`` (and once for real)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from ds41numba import golden
+from ds41numba.cli import main
+from ds41numba.config import PRESETS, preset
+from ds41numba.stack import AttentionStack
+
+DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _golden(tmp_path, name="g.safetensors", *args):
+    out = tmp_path / name
+    assert main(["golden", "--quiet", "--out", str(out), *args]) == 0
+    return out
+
+
+def _metadata(path):
+    with safe_open(path, framework="np") as f:
+        return f.metadata()
+
+
+def _rewrite(src, dst, change):
+    """Copy a golden with ``change(tensors)`` applied, metadata kept."""
+    tensors = dict(load_file(src))
+    change(tensors)
+    save_file(tensors, dst, metadata=_metadata(src))
+
+
+# --------------------------------------------------------------------------- golden
+
+
+def test_default_command_writes_the_tiny_golden(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["golden", "--quiet"]) == 0
+    path = tmp_path / "ds41numba-golden-tiny.safetensors"
+    assert str(path) in capsys.readouterr().out
+    meta = _metadata(path)
+    assert meta["preset"] == "tiny" and meta["capture"] == "all"
+    assert json.loads(meta["config"]) == preset("tiny").to_dict()
+    assert (meta["prefill"], meta["decode"], json.loads(meta["layers"])) == ("12", "40", list(range(6)))
+    assert meta["generator"] == golden.GENERATOR and "splitmix64" in meta["generator_spec"].lower()
+    for key in ("format", "format_version", "ds41numba_version", "seed"):
+        assert meta[key]
+    # The same tensors, by name, as the reference golden of the same run.
+    with golden.GoldenFile(path) as mine, golden.GoldenFile(DATA / "tiny.npz") as ref:
+        assert mine.names == ref.names
+    assert os.listdir(tmp_path) == [path.name]
+
+
+def test_storage_dtypes(tmp_path):
+    path = _golden(tmp_path, "g.safetensors", "--prefill", "5", "--decode", "2")
+    t = load_file(path)
+    assert t["layers.2.attn.wq_a.weight"].dtype == ml_dtypes.bfloat16
+    assert t["layers.2.attn.attn_sink"].dtype == np.float32
+    assert t["layers.2.attn.compressor.wgate.weight"].dtype == np.float32
+    assert t["layers.4.attn.compressor.wkv.weight"].dtype == ml_dtypes.bfloat16
+    assert t["step0.layers.2.x"].dtype == ml_dtypes.bfloat16
+    assert t["step1.layers.4.idx"].dtype == np.int32
+    assert t["step1.layers.4.shared.topk_idxs"].dtype == np.int32
+    assert t["step1.layers.4.shared.candidates"].dtype == np.uint8
+    assert t["step1.layers.2.state.score_state"].dtype == np.float32
+    assert t["step1.layers.2.out"].dtype == ml_dtypes.bfloat16
+    # Weights and inputs are the documented generator's.
+    x = golden.make_input("step1.layers.3.x", (1, 64), seed=0)
+    assert np.array_equal(t["step1.layers.3.x"].astype(np.float32), x)
+
+
+@pytest.mark.parametrize("name, args", [
+    ("tiny", ["--preset", "tiny", "--prefill", "9", "--decode", "7", "--seed", "3"]),
+    ("mixed", ["--preset", "mixed", "--prefill", "37", "--decode", "12", "--seed", "4"]),
+])
+def test_golden_then_replay_agrees_exactly(tmp_path, capsys, name, args):
+    path = _golden(tmp_path, f"{name}.safetensors", *args)
+    capsys.readouterr()
+    assert main(["replay", "--quiet", "--json", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    s = report["summary"]
+    assert s["ok"] and s["index_rows_differ"] == 0 and s["bit_identical_fraction"] == 1.0
+    assert s["compared"] > 0 and s["only_in_golden"] == 0
+
+
+def test_mixed_default_run_has_the_reference_layout(tmp_path):
+    path = _golden(tmp_path, "mixed.safetensors", "--preset", "mixed")
+    with golden.GoldenFile(path) as mine, golden.GoldenFile(DATA / "mixed.npz") as ref:
+        assert mine.names == ref.names
+        for name in ("step0.layers.5.shared.candidates", "step7.layers.3.shared.compress_kv",
+                     "step0.layers.1.index_score", "step3.layers.6.idx"):
+            assert mine.get(name).shape == ref.get(name).shape, name
+
+
+def test_io_capture_matches_the_full_capture(tmp_path):
+    args = ["--preset", "tiny", "--prefill", "10", "--decode", "5"]
+    full = load_file(_golden(tmp_path, "all.safetensors", *args))
+    io_path = _golden(tmp_path, "io.safetensors", *args, "--capture", "io")
+    io = load_file(io_path)
+    whats = {n.split(".", 3)[3] for n in io if n.startswith("step")}
+    assert whats == {"x", "out", "idx", "shared.topk_idxs"}
+    for name, value in io.items():
+        assert np.array_equal(value.view(np.uint8), full[name].view(np.uint8)), name
+    assert main(["replay", "--quiet", str(io_path)]) == 0
+
+
+def test_layer_subset(tmp_path):
+    path = _golden(tmp_path, "g.safetensors", "--layers", "0,2-3", "--prefill", "6", "--decode", "3")
+    assert json.loads(_metadata(path)["layers"]) == [0, 2, 3]
+    names = load_file(path)
+    assert {n.split(".")[1 if n.startswith("layers") else 2] for n in names} == {"0", "2", "3"}
+    assert main(["replay", "--quiet", str(path)]) == 0
+
+
+def test_hf_config_json(tmp_path):
+    t = PRESETS["tiny"]
+    hf = {
+        "architectures": ["DeepseekV4ForCausalLM"], "hidden_size": t["dim"],
+        "num_attention_heads": t["n_heads"], "head_dim": t["head_dim"],
+        "qk_rope_head_dim": t["rope_head_dim"], "q_lora_rank": t["q_lora_rank"],
+        "o_lora_rank": t["o_lora_rank"], "o_groups": t["o_groups"],
+        "sliding_window": t["window_size"], "compress_ratios": t["compress_ratios"],
+        "kv_source_layer_ids": t["kv_source_layers"], "index_source_layer_ids": t["index_source_layers"],
+        "candidate_source_layer_id": t["candidate_source_layer"],
+        "candidate_topk_blocks": t["candidate_topk_blocks"], "candidate_block_size": t["candidate_block_size"],
+        "index_n_heads": t["index_n_heads"], "index_head_dim": t["index_head_dim"],
+        "index_topk": t["index_topk"], "compress_rope_theta": t["compress_rope_theta"],
+        "rope_theta": t["rope_theta"], "rms_norm_eps": t["norm_eps"],
+        "max_position_embeddings": t["max_seq_len"],
+        "rope_scaling": {"type": "yarn", "factor": t["rope_factor"],
+                         "original_max_position_embeddings": t["original_seq_len"],
+                         "beta_fast": t["beta_fast"], "beta_slow": t["beta_slow"]},
+    }
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(hf))
+    path = _golden(tmp_path, "g.safetensors", "--config", str(cfg), "--prefill", "4", "--decode", "2")
+    meta = _metadata(path)
+    assert json.loads(meta["config"]) == preset("tiny").to_dict() and meta["preset"] == ""
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps(PRESETS["tiny"]))
+    assert main(["golden", "--quiet", "--config", str(ref), "--prefill", "4", "--decode", "2",
+                 "--out", str(tmp_path / "ref.safetensors")]) == 0
+
+
+def test_default_output_name_for_a_config_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my-stack.json").write_text(json.dumps(PRESETS["tiny"]))
+    monkeypatch.chdir(tmp_path)
+    assert main(["golden", "--quiet", "--config", "my-stack.json", "--prefill", "2", "--decode", "0"]) == 0
+    assert (tmp_path / "ds41numba-golden-my-stack.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- errors: exit 2, one line
+
+
+@pytest.mark.parametrize("argv, msg", [
+    ([], "choose a command"),
+    (["golden", "--prefill", "abc"], "invalid int value"),
+    (["golden", "--prefill", "0"], "--prefill must be at least 1"),
+    (["golden", "--decode", "-2"], "--decode must be at least 0"),
+    (["golden", "--bogus"], "unrecognized arguments"),
+    (["golden", "--preset", "huge"], "unknown preset 'huge'"),
+    (["golden", "--preset", "tiny", "--config", "x.json"], "not allowed with"),
+    (["golden", "--config", "does-not-exist.json"], "cannot read"),
+    (["golden", "--capture", "some"], "invalid choice"),
+    (["golden", "--layers", "1-x"], "--layers"),
+    (["golden", "--layers", "5"], "layer 5 needs layer 4"),
+    (["golden", "--preset", "v41-flash", "--layers", "24"], "layer 24 needs layer 20"),
+    (["golden", "--prefill", "60", "--decode", "10"], "max_seq_len"),
+    (["golden", "--out", "no/such/dir/g.safetensors"], "does not exist"),
+    (["replay", "missing.safetensors"], "cannot read"),
+    (["compare", "a.safetensors"], "required"),
+])
+def test_bad_usage_exits_2_with_one_line(tmp_path, monkeypatch, capsys, argv, msg):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_unreadable_config_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["golden", "--config", str(bad), "--out", str(tmp_path / "g.safetensors")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    incomplete = tmp_path / "incomplete.json"
+    incomplete.write_text(json.dumps({"dim": 64}))
+    assert main(["golden", "--config", str(incomplete), "--out", str(tmp_path / "g.safetensors")]) == 2
+    assert "missing field" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["bad.json", "incomplete.json"]
+
+
+def test_existing_output_needs_force(tmp_path, capsys):
+    out = tmp_path / "g.safetensors"
+    out.write_bytes(b"precious")
+    assert main(["golden", "--quiet", "--prefill", "3", "--decode", "1", "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err and out.read_bytes() == b"precious"
+    assert main(["golden", "--quiet", "--prefill", "3", "--decode", "1", "--out", str(out), "--force"]) == 0
+    assert _metadata(out)["format"] == golden.FORMAT
+
+
+# --------------------------------------------------------------------------- interruption
+
+
+def _interrupt_forward(monkeypatch, after, action):
+    real = AttentionStack.forward
+    calls = {"n": 0}
+
+    def forward(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] > after:
+            action()
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(AttentionStack, "forward", forward)
+
+
+def _raise_keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_leaves_no_file(tmp_path, monkeypatch, capsys):
+    _interrupt_forward(monkeypatch, 20, _raise_keyboard_interrupt)
+    assert main(["golden", "--quiet", "--out", str(tmp_path / "g.safetensors")]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_sigterm_leaves_no_file(tmp_path, monkeypatch):
+    _interrupt_forward(monkeypatch, 20, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    assert main(["golden", "--quiet", "--out", str(tmp_path / "g.safetensors")]) == 128 + signal.SIGTERM
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupt_while_writing_leaves_no_file(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    real = safetensors.numpy.save_file
+
+    def write_then_interrupt(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", write_then_interrupt)
+    assert main(["golden", "--quiet", "--prefill", "3", "--decode", "1",
+                 "--out", str(tmp_path / "g.safetensors")]) == 130
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- replay and compare
+
+
+def test_replay_detects_a_tampered_capture(tmp_path, capsys):
+    path = _golden(tmp_path, "g.safetensors", "--prefill", "6", "--decode", "2")
+
+    def tamper(t):
+        idx = t["step1.layers.4.idx"].copy()
+        idx[0, -1] = idx[0, -1] + 1
+        t["step1.layers.4.idx"] = idx
+
+    bad = tmp_path / "bad.safetensors"
+    _rewrite(path, bad, tamper)
+    capsys.readouterr()
+    assert main(["replay", "--quiet", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "step1.layers.4.idx" in out and "1 of 1 rows differ" in out and "FAIL" in out
+
+
+def test_replay_of_a_reference_golden():
+    assert main(["replay", "--quiet", str(DATA / "tiny.npz")]) == 0
+
+
+def test_compare_self_passes_and_perturbed_copy_fails(tmp_path, capsys):
+    path = _golden(tmp_path, "g.safetensors", "--prefill", "6", "--decode", "2")
+    capsys.readouterr()
+    assert main(["compare", str(path), str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK:") and len(out.splitlines()) == 1
+
+    def perturb(t):
+        o = t["step2.layers.3.out"].astype(np.float32)
+        o[0, 5] += 0.5
+        t["step2.layers.3.out"] = o.astype(ml_dtypes.bfloat16)
+        k = t["step0.layers.2.shared.topk_idxs"].copy()
+        k[3] = -1
+        t["step0.layers.2.shared.topk_idxs"] = k
+        del t["step1.layers.0.q"]
+
+    bad = tmp_path / "bad.safetensors"
+    _rewrite(path, bad, perturb)
+    assert main(["compare", str(path), str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert any(l.startswith("step2.layers.3.out [1, 64]:") and "over tolerance" in l for l in lines)
+    assert any(l.startswith("step0.layers.2.shared.topk_idxs") and "rows differ (first: 3)" in l
+               for l in lines)
+    assert any(l.startswith("step1.layers.0.q:") and "missing" in l for l in lines)
+    assert lines[-1].startswith("FAIL (3 tensors disagree)")
+    assert main(["compare", "--json", str(path), str(bad)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["summary"]["failing_tensors"] == 3 and not report["summary"]["ok"]
+    bad_out = next(r for r in report["tensors"] if r["name"] == "step2.layers.3.out")
+    assert bad_out["kind"] == "float" and bad_out["over_tolerance"] == 1
+
+
+def test_compare_accepts_reference_npz(tmp_path, capsys):
+    npz = str(DATA / "tiny.npz")
+    assert main(["compare", npz, npz]) == 0
+    assert "OK" in capsys.readouterr().out
+    # npz on one side, safetensors on the other: the replayed reference's captures in our format.
+    with golden.GoldenFile(npz) as ref:
+        tensors = {n: ref.get(n) for n in ref.names if n.startswith("step1.")}
+    ours = tmp_path / "step1.safetensors"
+    save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()}, ours)
+    assert main(["compare", "--subset", npz, str(ours)]) == 0
+    assert main(["compare", npz, str(ours)]) == 1
+
+
+def test_compare_unreadable_file_exits_2(tmp_path, capsys):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\xff" * 16)
+    assert main(["compare", str(junk), str(junk)]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- the real command
+
+
+def test_python_dash_m_smoke(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    out = tmp_path / "g.safetensors"
+    run = subprocess.run([sys.executable, "-m", "ds41numba", "golden", "--prefill", "4", "--decode", "2",
+                          "--quiet", "--out", str(out)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert str(out) in run.stdout and run.stderr == ""
+    run = subprocess.run([sys.executable, "-m", "ds41numba", "golden", "--out", str(out)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "--force" in run.stderr

@@ -1,0 +1,284 @@
+"""The golden-file library: generator, layer selection, storage, atomic writing, comparison."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from ds41numba import golden
+from ds41numba.config import preset
+from ds41numba.golden import GoldenError, GoldenPlan, compare_tensor
+from ds41numba.stack import weight_specs
+
+DATA = Path(__file__).parent / "data"
+
+
+# --------------------------------------------------------------------------- the generator
+
+
+def _spec_value(seed: int, name: str, n: int, center: float, scale: float, bf16: bool) -> float:
+    """The generator as the module docstring writes it, in plain Python integers and floats."""
+    mask = (1 << 64) - 1
+
+    def mix64(z):
+        z &= mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    h = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    key = mix64(seed) ^ h
+    bits = mix64(key + (n + 1) * 0x9E3779B97F4A7C15)
+    m = bits >> 40
+    t = (2 * m + 1 - 2 ** 24) / 2 ** 24
+    v = np.float32(center + scale * t)
+    return float(v.astype(ml_dtypes.bfloat16)) if bf16 else float(v)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2 ** 64 - 1])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_generator_matches_its_documented_algorithm(seed, bf16):
+    name, center, scale = "layers.3.attn.wq_a.weight", 0.0, math.sqrt(3 / 64)
+    got = golden.make_tensor(name, (5, 7), seed, center, scale, bf16=bf16).reshape(-1)
+    want = [_spec_value(seed, name, n, center, scale, bf16) for n in range(35)]
+    assert got.tolist() == want
+
+
+def test_generator_is_independent_of_chunking_and_threads():
+    name = "step3.layers.1.x"
+    whole = golden.make_input(name, (300, 64), seed=11)
+    flat = whole.reshape(-1)
+    pieces = [golden.make_tensor(name, (k,), 11, 0.0, math.sqrt(3.0), start=lo)
+              for lo, k in [(0, 1), (1, 4095), (4096, 10000), (14096, 5104)]]
+    assert np.array_equal(np.concatenate(pieces).view(np.uint32), flat.view(np.uint32))
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        single = golden.make_input(name, (300, 64), seed=11)
+    finally:
+        numba.set_num_threads(before)
+    assert np.array_equal(single.view(np.uint32), whole.view(np.uint32))
+
+
+def test_generator_streams_differ_by_seed_and_name():
+    a = golden.make_input("step0.layers.0.x", (64, 64), seed=1)
+    assert not np.array_equal(a, golden.make_input("step0.layers.0.x", (64, 64), seed=2))
+    assert not np.array_equal(a, golden.make_input("step0.layers.1.x", (64, 64), seed=1))
+    assert np.array_equal(a, golden.make_input("step0.layers.0.x", (64, 64), seed=1))
+
+
+def test_inputs_are_bf16_with_unit_variance():
+    x = golden.make_input("step0.layers.0.x", (512, 256), seed=3)
+    assert x.dtype == np.float32
+    assert np.array_equal(x.astype(ml_dtypes.bfloat16).astype(np.float32), x)
+    assert abs(float(x.std()) - 1.0) < 0.02 and abs(float(x.mean())) < 0.02
+    assert float(np.abs(x).max()) <= math.sqrt(3.0) + 0.01
+
+
+def test_make_weights_follows_weight_specs_and_kinds():
+    cfg = preset("tiny")
+    w = golden.make_weights(cfg, [2, 4], seed=5)
+    specs = {**weight_specs(cfg, 2), **weight_specs(cfg, 4)}
+    assert set(w) == set(specs)
+    for name, (shape, kind) in specs.items():
+        a = w[name]
+        assert a.shape == shape and a.dtype == np.float32, name
+        is_bf16 = np.array_equal(a.astype(ml_dtypes.bfloat16).astype(np.float32), a)
+        assert is_bf16 == (kind == "bf16"), name
+        center, scale = golden.weight_distribution(name, shape)
+        assert np.all(np.abs(a - center) <= scale * 1.01), name
+    # A layer's weights do not depend on which other layers were made with it.
+    alone = golden.make_weights(cfg, [4], seed=5)
+    for name, a in alone.items():
+        assert np.array_equal(a, w[name])
+
+
+def test_weight_distribution_rejects_unknown_parameters():
+    with pytest.raises(ValueError, match="no distribution"):
+        golden.weight_distribution("layers.0.attn.mystery", (3, 3, 3))
+
+
+def test_bad_seed_is_a_usage_error():
+    with pytest.raises(GoldenError, match="seed"):
+        golden.make_input("x", (2, 2), seed=-1)
+
+
+# --------------------------------------------------------------------------- layer selection
+
+
+def test_parse_layers():
+    assert golden.parse_layers("20", 43) == (20,)
+    assert golden.parse_layers("2,3,20-24", 43) == (2, 3, 20, 21, 22, 23, 24)
+    assert golden.parse_layers(" 5 , 1-2,2", 6) == (1, 2, 5)
+    for bad, msg in [("a", "not a layer"), ("3-1", "backwards"), ("50", "not a layer of this config"),
+                     ("1,,2", "not a layer"), ("-1", "not a layer")]:
+        with pytest.raises(GoldenError, match=msg):
+            golden.parse_layers(bad, 43)
+
+
+def test_missing_sources_are_named():
+    cfg = preset("v41-flash")
+    assert golden.missing_sources(cfg, [20]) == []
+    assert golden.missing_sources(cfg, [0, 1, 41]) == []
+    msgs = golden.missing_sources(cfg, [24])
+    assert msgs and "layer 24 needs layer 20" in msgs[0]
+    with pytest.raises(GoldenError, match="layer 24 needs layer 20"):
+        GoldenPlan(cfg, (24,), prefill=4, decode=0)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(prefill=0), "--prefill"), (dict(decode=-1), "--decode"),
+                                     (dict(prefill=60, decode=10), "max_seq_len"),
+                                     (dict(capture="some"), "--capture"), (dict(seed=2 ** 64), "seed")])
+def test_plan_validation(kw, msg):
+    args = dict(prefill=4, decode=1) | kw
+    with pytest.raises(GoldenError, match=msg):
+        GoldenPlan(preset("tiny"), tuple(range(6)), **args)
+
+
+# --------------------------------------------------------------------------- storage and writing
+
+
+def _tensors():
+    return {
+        "layers.0.attn.wq_a.weight": np.ones((3, 4), np.float32).astype(ml_dtypes.bfloat16),
+        "layers.0.attn.attn_sink": np.array([0.1, 0.2], np.float32),
+        "step0.layers.0.idx": np.array([[0, -1], [1, 2]], np.int32),
+        "step0.layers.0.shared.candidates": np.array([[1, 0]], np.uint8),
+        "step0.layers.0.shared.topk_idxs": np.zeros((2, 0), np.int32),
+    }
+
+
+def test_storage_kinds_and_checks():
+    assert golden.storage_kind("step3.layers.2.idx") == "I32"
+    assert golden.storage_kind("step3.layers.2.shared.candidates") == "U8"
+    assert golden.storage_kind("step3.layers.2.state.score_state") == "F32"
+    assert golden.storage_kind("step3.layers.2.out") == "BF16"
+    assert golden.storage_kind("layers.2.attn.attn_sink", {"layers.2.attn.attn_sink": "f32"}) == "F32"
+    with pytest.raises(ValueError, match="not bf16"):
+        golden.to_storage("step0.layers.0.out", np.array([1.0001], np.float32), "BF16")
+    a = golden.to_storage("step0.layers.0.out", np.array([1.5, -np.inf], np.float32), "BF16")
+    assert a.dtype == ml_dtypes.bfloat16
+
+
+def test_write_is_atomic_and_refuses_to_overwrite(tmp_path):
+    path = tmp_path / "g.safetensors"
+    golden.write_tensors_atomic(path, _tensors(), {"k": "v"})
+    back = load_file(path)
+    assert back["layers.0.attn.wq_a.weight"].dtype == ml_dtypes.bfloat16
+    assert back["step0.layers.0.idx"].dtype == np.int32
+    assert back["step0.layers.0.shared.topk_idxs"].shape == (2, 0)
+    with safe_open(path, framework="np") as f:
+        assert f.metadata() == {"k": "v"}
+    with pytest.raises(GoldenError, match="exists"):
+        golden.write_tensors_atomic(path, _tensors(), {"k": "w"})
+    golden.write_tensors_atomic(path, _tensors(), {"k": "w"}, force=True)
+    with safe_open(path, framework="np") as f:
+        assert f.metadata() == {"k": "w"}
+    assert sorted(os.listdir(tmp_path)) == ["g.safetensors"]
+
+
+def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    def half_then_interrupt(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", half_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        golden.write_tensors_atomic(tmp_path / "g.safetensors", _tensors(), {})
+    assert os.listdir(tmp_path) == []
+
+
+def test_written_file_is_readable_as_a_golden_file(tmp_path):
+    path = tmp_path / "g.safetensors"
+    golden.write_tensors_atomic(path, _tensors(), {"k": "v"})
+    with golden.GoldenFile(path) as f:
+        assert f.kind == "safetensors"
+        assert "step0.layers.0.idx" in f
+        assert f.get("step0.layers.0.idx").tolist() == [[0, -1], [1, 2]]
+        with pytest.raises(GoldenError, match="not a ds41numba-golden file"):
+            f.run_info()
+
+
+def test_unreadable_files_are_usage_errors(tmp_path):
+    with pytest.raises(GoldenError, match="cannot read"):
+        golden.GoldenFile(tmp_path / "nope.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00hello")
+    with pytest.raises(GoldenError, match="not a safetensors or .npz"):
+        golden.GoldenFile(junk)
+
+
+def test_npz_golden_is_read_without_its_notes():
+    with golden.GoldenFile(DATA / "tiny.npz") as f:
+        assert f.kind == "npz"
+        assert "config" not in f.names and not any(n.startswith("dtype.") for n in f.names)
+        info = f.run_info()
+        assert (info.prefill, info.decode, info.layers) == (12, 40, tuple(range(6)))
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def test_compare_index_tensors_reports_differing_rows():
+    want = np.arange(20, dtype=np.int32).reshape(5, 4)
+    got = want.copy()
+    got[1, 2] = -1
+    got[4, 0] = 99
+    r = compare_tensor("step0.layers.0.idx", want, got)
+    assert (r.kind, r.ok, r.rows, r.rows_differ, r.first_rows) == ("index", False, 5, 2, [1, 4])
+    assert "2 of 5 rows differ" in r.line()
+    assert compare_tensor("i", want, want.astype(np.int64)).ok
+    assert compare_tensor("m", np.array([[1, 0]], np.uint8), np.array([[True, False]])).ok
+
+
+def test_compare_float_tolerance_and_steps():
+    want = np.array([4.0, 1.0, -2.0, 0.0, -np.inf], np.float32)
+    one_step = np.array([4.0, 1.0078125, -2.0, 0.0, -np.inf], np.float32)   # 1 + 2^-7: next bf16
+    r = compare_tensor("t", want, one_step)
+    assert r.ok and r.max_bf16_steps == 1.0 and r.bit_identical == 4 and r.within_one_step == 5
+    assert r.tolerance == pytest.approx(2 * 2 ** -8 * 4.0 + 1e-6)
+    over = want.copy()
+    over[1] = 1.05                                         # 0.05 > 2 * 2^-8 * 4
+    r = compare_tensor("t", want, over)
+    assert not r.ok and r.over_tolerance == 1 and "1 elements over tolerance" in r.line()
+    wrong_inf = want.copy()
+    wrong_inf[4] = 0.0
+    assert not compare_tensor("t", want, wrong_inf).ok
+    nan = np.array([np.nan, 1.0], np.float32)
+    assert compare_tensor("t", nan, nan.copy()).ok
+    assert not compare_tensor("t", nan, np.array([0.0, 1.0], np.float32)).ok
+
+
+def test_compare_bf16_against_f32_storage():
+    want = np.array([1.5, 3.0], np.float32)
+    assert compare_tensor("t", want, want.astype(ml_dtypes.bfloat16)).bit_identical == 2
+
+
+def test_compare_shape_mismatch():
+    r = compare_tensor("t", np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32))
+    assert r.kind == "shape" and not r.ok and "[3, 2]" in r.line()
+
+
+def test_compare_files_reports_tensors_in_one_file(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    t = _tensors()
+    golden.write_tensors_atomic(a, t, {})
+    del t["step0.layers.0.idx"]
+    t["extra"] = np.zeros(2, np.float32)
+    golden.write_tensors_atomic(b, t, {})
+    report = golden.compare_files(a, b)
+    assert not report.ok
+    kinds = {r.name: r.kind for r in report.results}
+    assert kinds["step0.layers.0.idx"] == "only-golden" and kinds["extra"] == "only-candidate"
+    assert golden.compare_files(a, b, subset=True).ok

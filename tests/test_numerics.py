@@ -1,0 +1,531 @@
+"""Bit-level tests of ds41numba.numerics against ml_dtypes and the numpy versions in naive.py.
+
+Every rounding is compared bit for bit (NaN payloads included where ml_dtypes defines them) on ten
+million random f32 per conversion (random bit patterns and normals over many scales), on exhaustive
+code tables and on every tie. The quantisers are compared with naive.py's ml_dtypes versions and
+checked on the reference's own outputs (tests/data), which must be their fixed points.
+"""
+
+import glob
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import naive
+from ds41numba import numerics as nm
+
+F32 = np.float32
+U32 = np.uint32
+DATA = os.path.join(os.path.dirname(__file__), "data")
+N_RANDOM = 10_000_000
+
+
+def bits(a):
+    return np.ascontiguousarray(a, dtype=F32).view(U32)
+
+
+def assert_same_bits(got, want, *, nan_any=False):
+    """Bitwise equality; with ``nan_any`` a NaN only has to meet a NaN (payload and sign free)."""
+    got = np.asarray(got, F32)
+    want = np.asarray(want, F32)
+    assert got.shape == want.shape
+    same = bits(got) == bits(want)
+    if nan_any:
+        same |= np.isnan(got) & np.isnan(want)
+    if not same.all():
+        i = np.flatnonzero(~same.reshape(-1))
+        g, w = got.reshape(-1)[i[:5]], want.reshape(-1)[i[:5]]
+        pytest.fail(f"{i.size} mismatches, first: got {g} ({[hex(v) for v in bits(g)]}), "
+                    f"want {w} ({[hex(v) for v in bits(w)]})")
+
+
+@pytest.fixture(scope="module")
+def random_bits():
+    rng = np.random.default_rng(20240601)
+    return rng.integers(0, 1 << 32, N_RANDOM, dtype=np.uint64).astype(U32).view(F32)
+
+
+@pytest.fixture(scope="module")
+def random_normals():
+    """Ten million normals, a million at each of ten scales from the f32 subnormals to 1e30."""
+    rng = np.random.default_rng(7)
+    scales = [1e-44, 1e-40, 1e-30, 1e-8, 1e-3, 1.0, 37.0, 1e3, 1e8, 1e30]
+    n = N_RANDOM // len(scales)
+    return np.concatenate([(rng.standard_normal(n) * s).astype(F32) for s in scales])
+
+
+def neighbours(x):
+    """x and its f32 neighbours below and above."""
+    x = np.asarray(x, F32)
+    return np.concatenate([x, np.nextafter(x, F32(-np.inf)), np.nextafter(x, F32(np.inf))])
+
+
+def test_constants():
+    assert (nm.FP4_BLOCK, nm.LATENT_BLOCK, nm.FP8_BLOCK) == (32, 16, 32)
+    assert (nm.E4M3_MAX, nm.E2M1_MAX) == (448.0, 6.0)
+
+
+# --------------------------------------------------------------------------------------- bf16
+
+
+def test_bf16_every_bf16_pattern_and_every_tie():
+    hi = np.arange(1 << 16, dtype=U32) << 16
+    lows = [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF]  # 0x8000 is the exact tie
+    x = np.concatenate([(hi | low).view(F32) for low in lows])
+    assert_same_bits(nm.to_bf16_rne(x), naive.naive_bf16(x))
+
+
+def test_bf16_ties_go_to_even():
+    x = np.array([1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 2.0**-126 * (1 + 2.0**-8)], F32)
+    want = np.array([1.0, 1 + 2.0**-6, -1.0, 2.0**-126], F32)
+    assert_same_bits(nm.to_bf16_rne(x), want)
+
+
+def test_bf16_random_bits(random_bits):
+    assert_same_bits(nm.to_bf16_rne(random_bits), naive.naive_bf16(random_bits))
+
+
+def test_bf16_random_normals(random_normals):
+    assert_same_bits(nm.to_bf16_rne(random_normals), naive.naive_bf16(random_normals))
+
+
+def test_bf16_specials():
+    x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 3.4028235e38, -3.4028235e38,
+                  1e-45, -1e-45, 2.0**-133, 2.0**-134, 3 * 2.0**-134, 1.1754942e-38], F32)
+    got = nm.to_bf16_rne(x)
+    assert_same_bits(got, naive.naive_bf16(x))
+    assert np.signbit(got[1]) and got[1] == 0
+    assert np.isposinf(got[6]) and np.isneginf(got[7])  # overflow rounds to infinity
+    assert got[10] == 2.0**-133 and got[11] == 0 and got[12] == 2.0**-132  # bf16 subnormals
+
+
+def test_bf16_scalar_matches_array():
+    vals = neighbours(np.array([1.00390625, 0.0, -3.0, 65504.0, 1e-40], F32))
+    assert_same_bits(np.array([nm.bf16_scalar(v) for v in vals], F32), naive.naive_bf16(vals))
+
+
+def test_round_bf16_inplace_and_is_bf16_valued():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 7)).astype(F32)
+    assert not nm.is_bf16_valued(x)
+    want = naive.naive_bf16(x)
+    assert nm.round_bf16_inplace(x) is x
+    assert_same_bits(x, want)
+    assert nm.is_bf16_valued(x)
+    assert nm.is_bf16_valued(np.array([np.nan, np.inf, -0.0], F32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        nm.round_bf16_inplace(np.zeros((4, 4), F32)[:, ::2])
+    with pytest.raises(TypeError, match="float32"):
+        nm.is_bf16_valued(np.zeros(3))
+
+
+def test_conversions_accept_any_shape_and_layout():
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal((6, 8, 10)).astype(F32)
+    view = base[::2, :, 1::3]  # non-contiguous
+    for fn, ref in [(nm.to_bf16_rne, naive.naive_bf16), (nm.to_e4m3_rne, naive.naive_e4m3),
+                    (nm.to_e2m1_rne, naive.naive_e2m1)]:
+        got = fn(view)
+        assert got.shape == view.shape and got.dtype == F32 and got.flags.c_contiguous
+        assert_same_bits(got, ref(view))
+        assert fn(np.zeros((0, 3), F32)).shape == (0, 3)
+        assert fn(np.float32(1.5)).shape == ()
+        with pytest.raises(TypeError, match="float32"):
+            fn(view.astype(np.float64))
+    original = base.copy()
+    nm.to_bf16_rne(base)
+    assert_same_bits(base, original)  # inputs are never modified
+
+
+# --------------------------------------------------------------------------------------- e4m3
+
+
+def e4m3_codes():
+    return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F32)
+
+
+def test_e4m3_all_codes_and_midpoints():
+    codes = e4m3_codes()
+    finite = np.unique(codes[np.isfinite(codes)])
+    mids = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(F32)
+    assert np.all(mids.astype(np.float64) == (finite[:-1].astype(np.float64) + finite[1:]) / 2)
+    x = np.concatenate([codes, neighbours(finite), neighbours(mids)])
+    got = nm.to_e4m3_rne(x)
+    assert_same_bits(got, naive.naive_e4m3(x))
+    fin = np.isfinite(codes)
+    assert_same_bits(got[:256][fin], codes[fin])  # every code maps to itself
+    assert np.isnan(got[:256][~fin]).all()
+
+
+def test_e4m3_ties_subnormals_and_overflow():
+    x = np.array([2.0**-10, 3 * 2.0**-10, -(2.0**-10), 1.5 * 2.0**-9, 5 * 2.0**-10, 2.0**-20, 1e-40,
+                  448.0, 449.0, 463.99, 464.0, 464.01, 480.0, 1e6, np.inf, -np.inf, -464.0, np.nan],
+                 F32)
+    got = nm.to_e4m3_rne(x)
+    assert_same_bits(got, naive.naive_e4m3(x))
+    assert np.signbit(got[2]) and got[2] == 0  # tie at half the smallest subnormal -> -0
+    assert got[1] == 2.0**-8 and got[3] == 2.0**-8 and got[4] == 2.0**-8  # ties to even codes
+    assert got[5] == 0 and got[6] == 0
+    assert list(got[7:11]) == [448.0] * 4 and got[16] == -448.0  # 464 ties down to 448
+    assert np.isnan(got[11:16]).all() and np.isnan(got[17])  # no inf, no saturation
+
+
+def test_e4m3_random_bits(random_bits):
+    assert_same_bits(nm.to_e4m3_rne(random_bits), naive.naive_e4m3(random_bits))
+
+
+def test_e4m3_random_normals(random_normals):
+    x = np.concatenate([random_normals[::4], random_normals[1::4] * F32(2.0**-30)])
+    x = np.concatenate([x, random_normals[2::4] * F32(2.0**-12), random_normals[3::4] * F32(2.0**9)])
+    assert_same_bits(nm.to_e4m3_rne(x), naive.naive_e4m3(x))
+
+
+# --------------------------------------------------------------------------------------- e2m1
+
+E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], F32)
+
+
+def test_e2m1_grid_midpoints_and_tie_rule():
+    codes = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(F32)
+    assert_same_bits(nm.to_e2m1_rne(codes), codes)
+    mids = (E2M1_GRID[:-1] + E2M1_GRID[1:]) / 2
+    # SPEC: on a tie the neighbour with the even 3-bit code (codes 0..7 = the grid in order).
+    lower_code = np.arange(7)
+    want = np.where(lower_code % 2 == 0, E2M1_GRID[:-1], E2M1_GRID[1:])
+    assert_same_bits(nm.to_e2m1_rne(mids), want)
+    assert_same_bits(nm.to_e2m1_rne(-mids), -want)
+    x = np.concatenate([neighbours(E2M1_GRID), neighbours(mids), -neighbours(mids)])
+    assert_same_bits(nm.to_e2m1_rne(x), naive.naive_e2m1(x))
+
+
+def test_e2m1_sign_saturation_and_nan():
+    x = np.array([-0.2, -0.0, 0.2, 6.5, 7.0, 1e30, np.inf, -7.0, -np.inf, 1e-40, -1e-40], F32)
+    got = nm.to_e2m1_rne(x)
+    assert_same_bits(got, naive.naive_e2m1(x))
+    assert np.signbit(got[0]) and got[0] == 0 and np.signbit(got[1]) and not np.signbit(got[2])
+    assert list(got[3:7]) == [6.0] * 4 and list(got[7:9]) == [-6.0] * 2
+    # e2m1 has no NaN: ml_dtypes turns NaN into a zero, an f32 result keeps it NaN.
+    assert np.isnan(nm.to_e2m1_rne(np.array([np.nan, -np.nan], F32))).all()
+
+
+def test_e2m1_random_bits(random_bits):
+    got = nm.to_e2m1_rne(random_bits)
+    nan = np.isnan(random_bits)
+    assert np.isnan(got[nan]).all()
+    assert_same_bits(got[~nan], naive.naive_e2m1(random_bits[~nan]))
+
+
+def test_e2m1_random_normals(random_normals):
+    x = np.concatenate([random_normals[::2], random_normals[1::2] * F32(1e-30) * F32(1e30)])
+    x = np.clip(x, F32(-1e30), F32(1e30)) / F32(1e2)
+    assert_same_bits(nm.to_e2m1_rne(x), naive.naive_e2m1(x))
+
+
+# --------------------------------------------------------------------------------------- pow2ceil
+
+
+def test_pow2ceil_random_bits(random_bits):
+    assert_same_bits(nm.pow2ceil(random_bits), naive.naive_pow2ceil(random_bits))
+
+
+def test_pow2ceil_powers_and_e8m0_scales():
+    p = np.ldexp(F32(1), np.arange(-149, 128)).astype(F32)
+    assert_same_bits(nm.pow2ceil(p), p)  # an exact power of two maps to itself
+    above = np.nextafter(p, F32(np.inf))
+    got = nm.pow2ceil(above)
+    assert_same_bits(got[:-1], p[1:]) and np.isposinf(got[-1])
+    # On positive normals the result is a power of two an e8m0 scale holds, and v <= p < 2v.
+    rng = np.random.default_rng(3)
+    v = rng.integers(0x00800000, 0x7F000000, 2_000_000, dtype=np.uint64).astype(U32).view(F32)
+    got = nm.pow2ceil(v)
+    as_e8m0 = got.astype(ml_dtypes.float8_e8m0fnu).astype(F32)
+    assert_same_bits(as_e8m0, got)
+    assert np.all(got >= v) and np.all(got / 2 < v)
+
+
+def test_pow2ceil_specials():
+    x = np.array([0.0, -0.0, -1.0, -np.inf, np.nan, np.inf, 3e38, 2.0**127, 2.0**-149, 3 * 2.0**-149, 1e-39,
+                  1.0, 1.0000001, 448.0 / 448.0, 1e-4 / 448.0], F32)
+    got = nm.pow2ceil(x)
+    assert np.isnan(got[:5]).all()
+    assert np.isposinf(got[5]) and np.isposinf(got[6]) and got[7] == 2.0**127
+    assert got[8] == 2.0**-149 and got[9] == 2.0**-147 and got[10] == 2.0**-129
+    assert got[11] == 1 and got[12] == 2 and got[13] == 1 and got[14] == 2.0**-22
+    assert [nm.pow2ceil_scalar(v) for v in x[5:]] == list(got[5:])
+
+
+# --------------------------------------------------------------------------------------- quantisers
+
+QUANTISERS = [
+    (nm.act_quant_fp8_inplace, naive.naive_act_quant_fp8, 32),
+    (nm.fp4_quant_e8m0_inplace, naive.naive_fp4_quant_e8m0, 32),
+    (nm.fp4_quant_e4m3_inplace, naive.naive_fp4_quant_e4m3, 16),
+]
+QUANT_IDS = ["fp8", "fp4_e8m0", "fp4_e4m3"]
+
+
+def random_blocks(rng, rows, cols, block):
+    """bf16-valued rows whose blocks span 1e-30 .. 1e30 in scale, with special blocks mixed in."""
+    x = rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-69, 69, (rows, 1)))
+    x = x.astype(F32)
+    if rows < 6:
+        return naive.naive_bf16(x)
+    x[0] = 0.0
+    x[1, :block] = -0.0
+    x[2, :block] = rng.standard_normal(block) * 1e-7  # under every amax floor
+    x[3, :block] = 1e-3
+    x[3, 1] = 3e4  # a single huge value
+    x[4, :block] = np.array([0.25, -0.75, 1.25, -1.75, 2.5, 3.5, -5.0, 6.0], F32).repeat(block // 8)
+    x[5, :block] = 2.0**-130  # f32 subnormals
+    return naive.naive_bf16(x)
+
+
+@pytest.mark.parametrize("fn,ref,block", QUANTISERS, ids=QUANT_IDS)
+def test_quantiser_matches_naive(fn, ref, block):
+    rng = np.random.default_rng(block)
+    for shape in [(block,), (7, 2 * block), (40, 3, 4 * block), (3000, 8 * block)]:
+        x = random_blocks(rng, int(np.prod(shape[:-1])), shape[-1], block).reshape(shape)
+        want = ref(x, block)
+        got = x.copy()
+        assert fn(got, block) is got
+        assert_same_bits(got, want)
+        assert nm.is_bf16_valued(got)
+
+
+@pytest.mark.parametrize("fn,ref,block", QUANTISERS, ids=QUANT_IDS)
+def test_quantiser_floors_and_specials(fn, ref, block):
+    x = np.zeros((6, block), F32)
+    x[1] = -0.0
+    x[2, 3] = np.nan
+    x[3, 5] = np.inf
+    x[4, :] = 1e-30
+    x[5, :] = 1.5  # a fixed point of all three
+    got = fn(x.copy(), block)
+    assert_same_bits(got, ref(x, block), nan_any=True)
+    assert_same_bits(got[:2], x[:2])  # zero blocks stay zeros, -0.0 included
+    assert np.isnan(got[2]).all()  # a NaN poisons its block (NaN amax) ...
+    assert_same_bits(got[5], x[5])  # ... and no other block
+    assert np.signbit(got[4]).sum() == 0
+
+
+def test_fp8_amax_floor_grid():
+    # amax < 1e-4 is floored: s = pow2ceil(1e-4 / 448) = 2^-22, so 1e-6 -> e4m3(4.19...) * s = 4 * s
+    x = np.full((1, 32), 1e-6, F32)
+    assert np.all(nm.act_quant_fp8_inplace(x) == F32(4 * 2.0**-22))
+
+
+def test_fp4_e4m3_scale_is_e4m3():
+    # amax 10 -> s = e4m3(10 / 6) = 1.625; 10 / s = 6.15 clamps to 6 -> 9.75; 1 / s -> 0.5 * s
+    x = np.zeros((1, 16), F32)
+    x[0, 0], x[0, 1] = 10.0, 1.0
+    got = nm.fp4_quant_e4m3_inplace(x)
+    assert got[0, 0] == F32(9.75) and got[0, 1] == F32(0.8125)
+
+
+@pytest.mark.parametrize("fn", [q[0] for q in QUANTISERS], ids=QUANT_IDS)
+def test_quantiser_validation(fn):
+    with pytest.raises(ValueError, match=r"\(3, 20\).*block 16"):
+        fn(np.zeros((3, 20), F32), 16)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fn(np.zeros((64, 64), F32)[:, ::2])
+    with pytest.raises(TypeError, match="float32"):
+        fn(np.zeros((2, 64)))
+    ro = np.zeros((2, 64), F32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        fn(ro)
+    with pytest.raises(ValueError, match="block"):
+        fn(np.zeros((2, 64), F32), 0)
+    with pytest.raises(ValueError, match="multiple"):
+        fn(np.zeros((), F32))
+
+
+def test_row_helpers_work_on_views():
+    rng = np.random.default_rng(5)
+    x = random_blocks(rng, 8, 64, 32)
+    for helper, ref, block in [(nm._fp8_quant_row, naive.naive_act_quant_fp8, 32),
+                               (nm._fp4_e8m0_row, naive.naive_fp4_quant_e8m0, 32),
+                               (nm._fp4_e4m3_row, naive.naive_fp4_quant_e4m3, 16)]:
+        y = x.copy()
+        for r in range(y.shape[0]):
+            helper(y[r], block)
+        assert_same_bits(y, ref(x, block))
+
+
+bf16_blocks = hnp.arrays(
+    F32, st.tuples(st.integers(1, 4), st.sampled_from([32, 64])),
+    elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=True),
+).map(naive.naive_bf16)
+scales = st.sampled_from([1e-30, 1e-12, 1e-5, 1.0, 1e5, 1e20])
+
+
+@settings(max_examples=150, deadline=None)
+@given(bf16_blocks, scales)
+def test_fp8_properties(x, scale):
+    x = naive.naive_bf16(x * F32(scale))
+    q = nm.act_quant_fp8_inplace(x.copy())
+    assert nm.is_bf16_valued(q)
+    assert np.array_equal(np.signbit(q), np.signbit(x))
+    assert_same_bits(nm.act_quant_fp8_inplace(q.copy()), q)  # idempotent
+    b = x.reshape(-1, 32)
+    s = naive.naive_pow2ceil(np.maximum(np.abs(b).max(axis=1), F32(1e-4)) / F32(448))[:, None]
+    err = np.abs(q.reshape(-1, 32).astype(np.float64) - b)
+    assert np.all(err <= np.maximum(2.0**-4 * np.abs(b), 2.0**-10 * s) * (1 + 2.0**-20))
+
+
+@settings(max_examples=150, deadline=None)
+@given(bf16_blocks, scales)
+def test_fp4_e8m0_properties(x, scale):
+    x = naive.naive_bf16(x * F32(scale))
+    q = nm.fp4_quant_e8m0_inplace(x.copy())
+    assert nm.is_bf16_valued(q)
+    assert np.array_equal(np.signbit(q), np.signbit(x))
+    assert_same_bits(nm.fp4_quant_e8m0_inplace(q.copy()), q)  # idempotent
+    b = x.reshape(-1, 32)
+    s = naive.naive_pow2ceil(np.maximum(np.abs(b).max(axis=1), F32(6 * 2.0**-126)) / F32(6))[:, None]
+    err = np.abs(q.reshape(-1, 32).astype(np.float64) - b)
+    assert np.all(err <= np.maximum(0.25 * s, np.abs(b) / 4) * (1 + 2.0**-20))
+
+
+@settings(max_examples=150, deadline=None)
+@given(bf16_blocks, scales)
+def test_fp4_e4m3_properties(x, scale):
+    x = naive.naive_bf16(x * F32(scale))
+    q = nm.fp4_quant_e4m3_inplace(x.copy())
+    b = x.reshape(-1, 16)
+    amax = np.maximum(np.abs(b).max(axis=1), F32(6 * 2.0**-9))
+    s = naive.naive_e4m3(amax / F32(6))[:, None]
+    finite = np.isfinite(s[:, 0])  # amax / 6 beyond 464: the e4m3 scale itself is NaN
+    qb = q.reshape(-1, 16)
+    assert np.isnan(qb[~finite]).all()
+    assert nm.is_bf16_valued(q)
+    assert np.array_equal(np.signbit(qb[finite]), np.signbit(b[finite]))
+    err = np.abs(qb[finite].astype(np.float64) - b[finite])
+    assert np.all(err <= np.maximum(0.25 * s[finite], np.abs(b[finite]) / 4) * (1 + 2.0**-20))
+    # Idempotent only where the scale is an e4m3 normal (>= 2^-6): a subnormal scale is so coarse
+    # that the re-quantised amax can pick a smaller one.
+    again = nm.fp4_quant_e4m3_inplace(q.copy()).reshape(-1, 16)
+    normal = finite & (s[:, 0] >= 2.0**-6)
+    assert_same_bits(again[normal], qb[normal])
+
+
+def test_fp4_e4m3_not_idempotent_with_subnormal_scale():
+    # amax/6 = 1.6 * 2^-9 -> s = 2^-8 (subnormal); 4.8 -> 4, amax' = 2^-6 -> s' = 2^-9 -> 4 * 2 -> 6
+    x = np.zeros(16, F32)
+    x[0] = F32(6 * 1.6 * 2.0**-9)
+    q = nm.fp4_quant_e4m3_inplace(naive.naive_bf16(x))
+    assert q[0] == 4 * 2.0**-8
+    assert nm.fp4_quant_e4m3_inplace(q.copy())[0] == 6 * 2.0**-9
+
+
+# --------------------------------------------------------------------------------------- linear
+
+
+def test_linear_bf16_and_f32():
+    rng = np.random.default_rng(11)
+    x = naive.naive_bf16(rng.standard_normal((2, 5, 96)).astype(F32))
+    w = naive.naive_bf16(rng.standard_normal((40, 96)).astype(F32) / 10)
+    y32 = nm.linear_f32(x, w)
+    assert y32.shape == (2, 5, 40) and y32.dtype == F32
+    assert_same_bits(y32, np.matmul(x.reshape(-1, 96), w.T).reshape(2, 5, 40))
+    y = nm.linear_bf16(x, w)
+    assert_same_bits(y, naive.naive_bf16(y32))
+    # Against exact dot products: at most one bf16 step apart (summation order).
+    want = naive.naive_linear_bf16(x, w)
+    assert np.all(np.abs(y - want) <= 2.0**-7 * np.abs(want) + 1e-30)
+    assert np.mean(y == want) > 0.95
+    with pytest.raises(ValueError, match="does not match"):
+        nm.linear_bf16(x, w.T)
+    with pytest.raises(TypeError, match="float32"):
+        nm.linear_f32(x.astype(np.float64), w)
+    with pytest.raises(ValueError, match="2-D"):
+        nm.linear_f32(x, w[None])
+
+
+# --------------------------------------------------------------------------------------- rms_norm
+
+
+def test_torch_sum_matches_naive_transcription():
+    rng = np.random.default_rng(12)
+    sizes = list(range(1, 70)) + [127, 128, 129, 512, 1000, 1023, 1024, 1025, 1280, 5120, 8192,
+                                  16384 + 77, 70_000]
+    for n in sizes:
+        x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2)).astype(F32)
+        want = naive.naive_torch_sum_f32(x * x)
+        assert nm.torch_sum_f32(x, True) == want, n
+        assert nm.torch_sum_f32(x * x, False) == want, n
+
+
+def test_torch_sum_is_not_left_to_right():
+    x = np.array([1.0] + [2.0**-24] * 31, F32)  # in order every tiny term is lost
+    assert np.add.accumulate(x)[-1] == 1.0
+    # Two 16-lane vectors: lane 0 is 1 + 2^-24 -> 1, lanes 1..15 hold 2^-23 each, added to 1 in turn.
+    assert nm.torch_sum_f32(x, False) == F32(1 + 15 * 2.0**-23)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 64, 96, 128, 512, 1280])
+def test_rms_norm_matches_naive(n):
+    rng = np.random.default_rng(n)
+    w = naive.naive_bf16(rng.standard_normal(n).astype(F32))
+    for lead in [(3,), (2, 4), (1200,)]:
+        x = naive.naive_bf16((rng.standard_normal(lead + (n,)) * 10.0 ** rng.uniform(-8, 8, lead + (1,)))
+                             .astype(F32))
+        x[(0,) * len(lead)] = 0.0
+        got = nm.rms_norm(x, w, 1e-20)
+        assert got.shape == x.shape
+        assert_same_bits(got, naive.naive_rms_norm(x, w, 1e-20))
+    assert nm.is_bf16_valued(got)
+
+
+def test_rms_norm_validation():
+    with pytest.raises(ValueError, match="does not match"):
+        nm.rms_norm(np.zeros((2, 8), F32), np.ones(4, F32), 1e-6)
+    with pytest.raises(ValueError, match="1-D"):
+        nm.rms_norm(np.zeros((2, 8), F32), np.ones((1, 8), F32), 1e-6)
+    with pytest.raises(TypeError, match="float32"):
+        nm.rms_norm(np.zeros((2, 8)), np.ones(8, F32), 1e-6)
+
+
+# --------------------------------------------------------------------------------------- goldens
+
+
+def golden_files():
+    return sorted(p for p in glob.glob(os.path.join(DATA, "*.npz")) if "topk" not in p)
+
+
+@pytest.mark.parametrize("path", golden_files(), ids=os.path.basename)
+def test_goldens_are_quantiser_fixed_points(path):
+    """The reference's quantised tensors must be fixed points of our quantisers: the window ring
+    (fp8), the shared index keys (fp4 e8m0) and compressed KV (fp4 e4m3), and in the KV rows sparse
+    attention received, the window rows (fp8) followed by the compressed rows (fp4 e4m3)."""
+    d = np.load(path)
+    cfg = json.loads(str(d["config"]))
+    checked = 0
+    for key in d.files:
+        if not key.startswith("step"):
+            continue
+        step = int(key.split(".")[0][4:])
+        what = key.split(".", 3)[-1]
+        a = d[key]
+        if what == "state.window_kv":
+            parts = [(nm.act_quant_fp8_inplace, a)]
+        elif what == "shared.index_k":
+            parts = [(nm.fp4_quant_e8m0_inplace, a)]
+        elif what == "shared.compress_kv":
+            parts = [(nm.fp4_quant_e4m3_inplace, a)]
+        elif what == "kv":
+            offset = cfg["prefill"] if step == 0 else cfg["window_size"]
+            parts = [(nm.act_quant_fp8_inplace, a[:offset]), (nm.fp4_quant_e4m3_inplace, a[offset:])]
+        else:
+            continue
+        for fn, rows in parts:
+            rows = np.ascontiguousarray(rows)
+            assert_same_bits(fn(rows.copy()), rows)
+            checked += rows.size
+    assert checked > 0
