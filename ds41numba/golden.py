@@ -542,8 +542,8 @@ def write_tensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dict[st
                          force: bool = False):
     """Write a safetensors file to a temporary name beside ``path``, then rename it into place.
 
-    safetensors (>= 0.8) writes each array straight from its buffer, so this needs no second
-    copy of the tensors. Without ``force`` an existing ``path`` is never replaced, not even one
+    safetensors >= 0.8 writes each array straight from its buffer, so this needs no second
+    copy of the tensors (older versions copy each tensor to bytes first). Without ``force`` an existing ``path`` is never replaced, not even one
     that appeared while the file was being written.
     """
     from safetensors.numpy import save_file
@@ -724,9 +724,11 @@ class TensorResult:
             return f"{self.name} {shape} index: {state}"
         if self.kind == "float":
             n = max(self.size, 1)
-            verdict = "within" if self.ok else f"{self.over_tolerance} elements over"
-            return (f"{self.name} {shape}: max |diff| {self.max_abs_diff:.3g} {verdict} tolerance "
-                    f"{self.tolerance:.3g}; max {_fmt_steps(self.max_bf16_steps)} bf16 steps, "
+            verdict = (f"within tolerance {self.tolerance:.3g}" if self.ok else
+                       f"> tolerance {self.tolerance:.3g} ({self.over_tolerance} of {self.size} "
+                       f"elements over)")
+            return (f"{self.name} {shape}: max |diff| {self.max_abs_diff:.3g} {verdict}; "
+                    f"max {_fmt_steps(self.max_bf16_steps)} bf16 steps, "
                     f"{100 * self.within_one_step / n:.2f}% within 1 step, "
                     f"{100 * self.bit_identical / n:.2f}% bit-identical")
         return f"{self.name}: {self.detail}"

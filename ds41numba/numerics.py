@@ -449,9 +449,10 @@ def linear_bf16(x, w):
 
 
 # torch's CPU sum of a contiguous f32 row (ATen SumKernel: ``vectorized_inner_sum`` / ``row_sum`` /
-# ``multi_row_sum``), the reduction inside the reference RMSNorm's ``x.square().mean(-1)``. The
-# reference ran torch's AVX512 kernels: Vectorized<float> has 16 lanes.
-SUM_LANES = 16
+# ``multi_row_sum``), the reduction inside the reference RMSNorm's ``x.square().mean(-1)``. The sum
+# kernel is registered with REGISTER_DISPATCH, which leaves the AVX512 slot empty, so even on the
+# reference's AVX512 machine torch runs its AVX2 build: Vectorized<float> has 8 lanes.
+SUM_LANES = 8
 _SUM_ILP = 4
 _SUM_LEVELS = 4
 
@@ -508,8 +509,8 @@ def _multi_row_sum(x, square, lanes, size, acc):
 @njit(cache=True)
 def torch_sum_f32(x, square):
     """The f32 sum of the 1-D float32 row ``x`` (of its squares, each rounded to f32, when ``square``)
-    in exactly the order torch's CPU ``sum`` over a contiguous last dimension adds them with 16-lane
-    vectors (below 16 values: its scalar path, 4 interleaved partial sums). Thread-count independent."""
+    in exactly the order torch's CPU ``sum`` over a contiguous last dimension adds them with 8-lane
+    vectors (below 8 values: its scalar path, 4 interleaved partial sums). Thread-count independent."""
     n = x.shape[0]
     lanes = SUM_LANES if n >= SUM_LANES else 1
     groups = n // lanes  # vectors (or scalars)
@@ -525,7 +526,7 @@ def torch_sum_f32(x, square):
             acc[0, 0, l] += acc[0, k, l]
     if lanes == 1:
         return acc[0, 0, 0]
-    # vectorized_inner_sum: the scalar tail first, then the 16 lanes in order.
+    # vectorized_inner_sum: the scalar tail first, then the lanes in order.
     total = np.float32(0.0)
     for e in range(groups * lanes, n):
         v = x[e]

@@ -25,10 +25,10 @@ __all__ = ["yarn_freqs_cis", "apply_rotary"]
 _PARALLEL_MIN = 1 << 14
 
 # torch's CPU complex64 multiply (the reference's rotation) runs each inner loop of the broadcast
-# product in blocks of 2 x Vectorized<complex<float>>::size() = 16 pairs (AVX512) with separately
-# rounded products, and the remaining pairs through the scalar c10::complex operator*, which GCC
-# contracts into FMAs. Which pairs fall in the tail depends on the loop length, hence this constant.
-TORCH_VEC_PAIRS = 16
+# product in blocks of 2 x Vectorized<complex<float>>::size() pairs with separately rounded products,
+# and the remaining pairs through the scalar c10::complex operator*, which GCC contracts into FMAs.
+# mul is registered with REGISTER_DISPATCH, so an AVX512 machine runs the AVX2 build: 2 x 4 pairs.
+TORCH_VEC_PAIRS = 8
 
 
 @intrinsic
@@ -187,7 +187,7 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
     rounded to bf16; the first ``d - rd`` elements are copied unchanged. Returns a new array.
 
     The f32 product is the one torch's CPU complex multiply gives the reference (see
-    ``TORCH_VEC_PAIRS``): pairs inside whole 16-pair blocks of its inner loop have both products
+    ``TORCH_VEC_PAIRS``): pairs inside whole 8-pair blocks of its inner loop have both products
     rounded before the add; the remaining pairs of the loop are computed as
     ``fma(a, c, -f32(b s))`` / ``fma(a, s, f32(b c))``. The inner loop is one vector's ``rd/2`` pairs
     when x has heads (the table row broadcasts over them); with a single vector per row (``[n, d]``)

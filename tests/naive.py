@@ -265,7 +265,7 @@ def naive_fp4_quant_e4m3(x, block=16):
     return _naive_quant(x, block, 6.0 * 2.0**-9, naive_e4m3, 6.0, naive_e2m1)
 
 
-def naive_torch_sum_f32(row, lanes=16):
+def naive_torch_sum_f32(row, lanes=8):
     """torch's CPU sum of one contiguous f32 row, transcribed from ATen's SumKernel.cpp
     (vectorized_inner_sum -> row_sum -> multi_row_sum) with numpy f32 vectors standing in for
     Vectorized<float>; below ``lanes`` values, its scalar_inner_sum (the same row_sum on scalars)."""
@@ -375,9 +375,10 @@ def naive_fma_f32(a, b, c):
 
 
 def naive_apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
-    """Pair by pair, as torch's complex64 multiply runs the reference's broadcast product: inner
-    loops of rd/2 pairs per vector (one loop over all n * rd/2 pairs when x has one vector per row),
-    whole blocks of 16 pairs with rounded products, the rest with the compiler's FMA contraction."""
+    """Pair by pair, as torch's complex64 multiply (AVX2 build) runs the reference's broadcast
+    product: inner loops of rd/2 pairs per vector (one loop over all n * rd/2 pairs when x has one
+    vector per row), whole blocks of 8 pairs with rounded products, the rest with the compiler's FMA
+    contraction of ``a*c - b*d`` and ``a*d + b*c`` (the first product of each kept exact)."""
     x = _nr_np.array(x, dtype=_nr_f32)
     cos, sin = table
     w = cos.shape[1]
@@ -387,7 +388,7 @@ def naive_apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
     coalesce = heads == 1 if coalesce_rows is None else coalesce_rows
     off = x.shape[-1] - 2 * w
     loop_len = n * w if coalesce else w
-    vec_end = loop_len // 16 * 16
+    vec_end = loop_len // 8 * 8
     for i in range(n):
         c = cos[positions[i]]
         s = -sin[positions[i]] if inverse else sin[positions[i]]

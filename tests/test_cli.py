@@ -302,7 +302,7 @@ def test_compare_self_passes_and_perturbed_copy_fails(tmp_path, capsys):
     _rewrite(path, bad, perturb)
     assert main(["compare", str(path), str(bad)]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert any(l.startswith("step2.layers.3.out [1, 64]:") and "over tolerance" in l for l in lines)
+    assert any(l.startswith("step2.layers.3.out [1, 64]:") and "> tolerance" in l for l in lines)
     assert any(l.startswith("step0.layers.2.shared.topk_idxs") and "rows differ (first: 3)" in l
                for l in lines)
     assert any(l.startswith("step1.layers.0.q:") and "missing" in l for l in lines)

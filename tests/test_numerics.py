@@ -465,8 +465,9 @@ def test_torch_sum_matches_naive_transcription():
 def test_torch_sum_is_not_left_to_right():
     x = np.array([1.0] + [2.0**-24] * 31, F32)  # in order every tiny term is lost
     assert np.add.accumulate(x)[-1] == 1.0
-    # Two 16-lane vectors: lane 0 is 1 + 2^-24 -> 1, lanes 1..15 hold 2^-23 each, added to 1 in turn.
-    assert nm.torch_sum_f32(x, False) == F32(1 + 15 * 2.0**-23)
+    # Four 8-lane vectors summed lane-wise: lane 0 stays 1 (each 1 + 2^-24 ties to 1), lanes 1..7
+    # hold 4 * 2^-24 = 2^-22 each, then added to 1 in turn.
+    assert nm.torch_sum_f32(x, False) == F32(1 + 7 * 2.0**-22)
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 17, 64, 96, 128, 512, 1280])

@@ -61,50 +61,54 @@ def captures(stack, run, layer_id, r, end_pos, keys_present):
     return {k: v for k, v in got.items() if k in keys_present}
 
 
-def replay(name):
+def iter_captures(name):
+    """Run golden ``name`` step by step, layer by layer; yield ``(prefix, key, got, want)``."""
     d, cfg_dict, weights = load_golden(name)
+    files = set(d.files)
     cfg = AttnConfig.from_dict(cfg_dict)
     stack = AttentionStack(cfg, weights)
-    n_steps = 1 + cfg_dict["decode"]
-    bits_same = bits_total = 0
-    failures = []
-    for s in range(n_steps):
+    for s in range(1 + cfg_dict["decode"]):
         start_pos = 0 if s == 0 else cfg_dict["prefill"] + s - 1
         for i in range(cfg.n_layers):
             pre = f"step{s}.layers.{i}."
-            keys = {k[len(pre):] for k in d.files if k.startswith(pre)}
+            keys = {k[len(pre):] for k in files if k.startswith(pre)}
             x = d[pre + "x"]
             run = stack.forward(i, x, start_pos, capture=True)
             got = captures(stack, run, i, cfg.ratio(i), start_pos + x.shape[0], keys)
             missing = keys - set(got) - {"x"}
             assert not missing, f"{pre}: no capture for {sorted(missing)}"
             for k, g in got.items():
-                want = d[pre + k]
-                g = np.asarray(g)
-                if g.shape != want.shape:
-                    failures.append(f"{pre}{k}: shape {g.shape} != {want.shape}")
-                    continue
-                if k in INDEX_KEYS:
-                    if not np.array_equal(g.astype(np.int64), want.astype(np.int64)):
-                        rows = np.nonzero(np.any(g.astype(np.int64) != want.astype(np.int64),
-                                                 axis=tuple(range(1, g.ndim))))[0]
-                        failures.append(f"{pre}{k}: rows {rows[:10].tolist()} differ")
-                    continue
-                same = (g == want) | (np.isnan(g) & np.isnan(want))
-                if k not in F32_STATE:
-                    bits_same += int(same.sum())
-                    bits_total += same.size
-                fin = np.isfinite(want)
-                if not (np.array_equal(np.isfinite(g), fin) and np.all(same[~fin])):
-                    failures.append(f"{pre}{k}: non-finite entries differ")
-                    continue
-                diff = float(np.max(np.abs(g[fin] - want[fin]), initial=0.0))
-                if k in F32_STATE:
-                    limit = F32_REL * float(np.max(np.abs(want[fin]), initial=0.0))
-                    if diff > limit:
-                        failures.append(f"{pre}{k}: max diff {diff:.3g} > f32 bound {limit:.3g}")
-                elif diff > bar(want[fin]):
-                    failures.append(f"{pre}{k}: max diff {diff:.3g} > bar {bar(want[fin]):.3g}")
+                yield pre, k, np.asarray(g), d[pre + k]
+
+
+def replay(name):
+    bits_same = bits_total = 0
+    failures = []
+    for pre, k, g, want in iter_captures(name):
+        if g.shape != want.shape:
+            failures.append(f"{pre}{k}: shape {g.shape} != {want.shape}")
+            continue
+        if k in INDEX_KEYS:
+            if not np.array_equal(g.astype(np.int64), want.astype(np.int64)):
+                rows = np.nonzero(np.any(g.astype(np.int64) != want.astype(np.int64),
+                                         axis=tuple(range(1, g.ndim))))[0]
+                failures.append(f"{pre}{k}: rows {rows[:10].tolist()} differ")
+            continue
+        same = (g == want) | (np.isnan(g) & np.isnan(want))
+        if k not in F32_STATE:
+            bits_same += int(same.sum())
+            bits_total += same.size
+        fin = np.isfinite(want)
+        if not (np.array_equal(np.isfinite(g), fin) and np.all(same[~fin])):
+            failures.append(f"{pre}{k}: non-finite entries differ")
+            continue
+        diff = float(np.max(np.abs(g[fin] - want[fin]), initial=0.0))
+        if k in F32_STATE:
+            limit = F32_REL * float(np.max(np.abs(want[fin]), initial=0.0))
+            if diff > limit:
+                failures.append(f"{pre}{k}: max diff {diff:.3g} > f32 bound {limit:.3g}")
+        elif diff > bar(want[fin]):
+            failures.append(f"{pre}{k}: max diff {diff:.3g} > bar {bar(want[fin]):.3g}")
     return failures, bits_same, bits_total
 
 
@@ -113,3 +117,26 @@ def test_replay_golden(name):
     failures, same, total = replay(name)
     assert not failures, f"{len(failures)} mismatches, first: " + "\n".join(failures[:15])
     assert same / total >= 0.99, f"only {same / total:.4%} of float elements bit-identical"
+
+
+def test_replay_prod_dev_statistically():
+    """Production head shapes: agreement as close as the reference's agreement with itself.
+
+    The golden README measures the reference against itself on torch's other CPU matmul
+    backend: 99.27% of index rows and 93.9% of float elements identical. Those are the bars.
+    """
+    rows_same = rows_total = el_same = el_total = 0
+    for _pre, k, g, want in iter_captures("prod_dev"):
+        assert g.shape == want.shape, f"{_pre}{k}: shape {g.shape} != {want.shape}"
+        if k in INDEX_KEYS:
+            eq = np.all(g.astype(np.int64).reshape(len(g), -1)
+                        == want.astype(np.int64).reshape(len(want), -1), axis=1)
+            rows_same += int(eq.sum())
+            rows_total += eq.size
+        else:
+            eq = (g == want) | (np.isnan(g) & np.isnan(want))
+            el_same += int(eq.sum())
+            el_total += eq.size
+    assert rows_total > 8000 and el_total > 10**6
+    assert rows_same / rows_total >= 0.9927, f"index rows identical: {rows_same / rows_total:.4%}"
+    assert el_same / el_total >= 0.939, f"float elements identical: {el_same / el_total:.4%}"

@@ -94,7 +94,7 @@ def bf16_random(rng, shape, scale=1.0):
     return naive.naive_bf16((rng.standard_normal(shape) * scale).astype(F32))
 
 
-@pytest.mark.parametrize("rd", [8, 16, 32, 48, 64])
+@pytest.mark.parametrize("rd", [8, 12, 16, 20, 64])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_apply_rotary_matches_naive(rd, inverse):
     rng = np.random.default_rng(rd + inverse)
@@ -112,11 +112,13 @@ def test_apply_rotary_matches_naive(rd, inverse):
 
 
 def test_product_form_follows_torch_loop_blocks():
-    """Pairs in whole 16-pair blocks of torch's inner loop: both products rounded; the rest: FMA."""
+    """Pairs in whole 8-pair blocks of torch's inner loop: both products rounded; the rest: FMA."""
     rng = np.random.default_rng(9)
-    rd, n, heads = 48, 4000, 2  # 24 pairs per vector: pairs 0..15 vectorized, 16..23 scalar
+    rd, n, heads = 44, 4000, 64  # 22 pairs per vector: pairs 0..15 vectorized, 16..21 scalar
     table = rope.yarn_freqs_cis(rd, n, 0, 10000.0, 1.0, 0, 0)
-    x = rng.standard_normal((n, heads, rd)).astype(F32)  # not bf16: many more visible differences
+    # The two forms differ in the last f32 bit in a third of the pairs; that shows after the bf16
+    # rounding about once in 10^5, hence the size.
+    x = rng.standard_normal((n, heads, rd)).astype(F32)
     pos = np.arange(n)
     got = rope.apply_rotary(x, pos, table)
     a, b = x[..., 0::2], x[..., 1::2]
