@@ -22,7 +22,7 @@ import numpy as np
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
 from .numerics import (act_quant_fp8_inplace, fp4_quant_e4m3_inplace, linear_bf16, rms_norm,
-                       to_bf16_rne)
+                       round_bf16_inplace)
 from .rope import apply_rotary, yarn_freqs_cis
 
 __all__ = ["CompAttnRun", "attention_any", "sparse_attn", "window_index_rows",
@@ -92,30 +92,33 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads), ``idx [S, W]`` (-1 = skip),
     ``attn_sink [H]``. Softmax in f32 over the listed scores plus the sink, which joins only
     the denominator. A query with no listed row outputs zeros. Result rounded to bf16.
+
+    All heads of a query read the same rows, so each query is two small matrix products
+    (``[H, hd] x [hd, n]`` and ``[H, n] x [n, hd]``) over its gathered valid rows.
     """
     S, H, hd = q.shape
-    valid = idx >= 0
-    rows = kv[np.where(valid, idx, 0)]                       # [S, W, hd]
-    scores = np.matmul(q, rows.transpose(0, 2, 1)) * np.float32(softmax_scale)   # [S, H, W]
-    scores = np.where(valid[:, None, :], scores, np.float32(-np.inf))
-    m = scores.max(axis=2, initial=-np.inf, keepdims=True)
-    any_valid = valid.any(axis=1)
-    m = np.where(any_valid[:, None, None], m, np.float32(0.0))
-    p = np.exp(scores - m)
-    denom = p.sum(axis=2, keepdims=True) + np.exp(attn_sink[None, :, None] - m)
-    o = np.matmul(p, rows) / denom
-    o[~any_valid] = 0.0
-    return to_bf16_rne(o.astype(np.float32))
+    scale = np.float32(softmax_scale)
+    sink = attn_sink.astype(np.float32)[:, None]
+    o = np.zeros((S, H, hd), np.float32)
+    for s in range(S):
+        rows = kv[idx[s][idx[s] >= 0]]
+        if rows.shape[0] == 0:
+            continue
+        scores = (q[s] @ rows.T) * scale
+        m = scores.max(axis=1, keepdims=True)
+        p = np.exp(scores - m)
+        denom = p.sum(axis=1, keepdims=True) + np.exp(sink - m)
+        o[s] = (p @ rows) / denom
+    return round_bf16_inplace(o)
 
 
-def output_projection(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: int) -> np.ndarray:
-    """Grouped low-rank output projection: heads in ``groups`` groups through ``wo_a``, then ``wo_b``."""
+def output_projection(o: np.ndarray, wo_a, wo_b) -> np.ndarray:
+    """Grouped low-rank output projection: ``o [S, H*hd]`` split into ``len(wo_a)`` head groups,
+    group g through its block ``wo_a[g] [o_rank, H*hd/G]``, the results side by side through ``wo_b``."""
     S = o.shape[0]
+    groups = len(wo_a)
     per_group = o.reshape(S, groups, -1)
-    rank = wo_a.shape[0] // groups
-    mid = np.empty((S, groups * rank), np.float32)
-    for g in range(groups):
-        mid[:, g * rank:(g + 1) * rank] = linear_bf16(per_group[:, g], wo_a[g * rank:(g + 1) * rank])
+    mid = np.concatenate([linear_bf16(per_group[:, g], wo_a[g]) for g in range(groups)], axis=1)
     return linear_bf16(mid, wo_b)
 
 
@@ -210,8 +213,7 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
             q_cap[s0:s1] = q
             o_cap[s0:s1] = o
         o = apply_rotary(o, positions[s0:s1], table, inverse=True)
-        out[s0:s1] = output_projection(o.reshape(s1 - s0, H * hd), weights.wo_a, weights.wo_b,
-                                       c.o_groups)
+        out[s0:s1] = output_projection(o.reshape(s1 - s0, H * hd), weights.wo_a, weights.wo_b)
     if not capture:
         return CompAttnRun(out=out)
     return CompAttnRun(out=out, q=q_cap, kv_rows=kv_rows, idx=idx, topk=idx.shape[1], o=o_cap,

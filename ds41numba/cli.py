@@ -121,12 +121,23 @@ def _sigterm_as_exit():
         signal.signal(signal.SIGTERM, old)
 
 
+@contextlib.contextmanager
 def _progress(total: int, quiet: bool, desc: str):
-    """A tqdm bar on stderr that shows itself only when a run lasts more than two seconds."""
+    """A progress callback ``(n, where)`` drawing a tqdm bar with an ETA on stderr.
+
+    The bar shows itself only once a run has lasted two seconds, counts token-layers, and names
+    the step and layer in progress (a long prefill is a single forward call).
+    """
     from tqdm import tqdm
 
-    return tqdm(total=total, disable=quiet, delay=2.0, unit="tok", unit_scale=True,
-                desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+    with tqdm(total=total, disable=quiet, delay=2.0, unit="tok", unit_scale=True, desc=desc,
+              file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
+        def report(n: int, where: str):
+            if n:
+                bar.update(n)
+            else:
+                bar.set_postfix_str(where, refresh=False)
+        yield report
 
 
 def _golden(args) -> int:
@@ -143,8 +154,8 @@ def _golden(args) -> int:
     else:
         stem = preset_name or os.path.splitext(os.path.basename(args.config))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
-    with _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as bar:
-        info = golden.write_golden(plan, out, force=args.force, progress=bar.update)
+    with _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as progress:
+        info = golden.write_golden(plan, out, force=args.force, progress=progress)
     what = preset_name or args.config
     print(f"wrote {info['path']}  ({what}, layers {_ranges(plan.layers)}, prefill {plan.prefill} "
           f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "
@@ -156,8 +167,8 @@ def _replay(args) -> int:
     with golden.GoldenFile(args.file) as f:
         info = f.run_info()
     total = (info.prefill + info.decode) * len(info.layers)
-    with _progress(total, args.quiet, "replay") as bar:
-        report = golden.replay(args.file, progress=bar.update)
+    with _progress(total, args.quiet, "replay") as progress:
+        report = golden.replay(args.file, progress=progress)
     if args.json:
         print(report.to_json())
     else:

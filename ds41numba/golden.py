@@ -126,32 +126,43 @@ def stream_key(seed: int, name: str) -> int:
     return _mix64(seed) ^ _name_hash(name)
 
 
-@njit(parallel=True, cache=True)
-def _fill_bits(out_bits, key, start, center, scale, to_bf16):
-    """Element ``start + j`` of the stream ``key`` into ``out_bits[j]`` (float32 bit patterns).
+@njit(cache=True)
+def _fill_block(out_bits, key, start, center, scale, to_bf16, lo, hi):
+    """Elements ``start + lo .. start + hi - 1`` of the stream ``key`` into ``out_bits[lo:hi]``."""
+    buf = np.empty(hi - lo, np.float32)
+    for j in range(lo, hi):
+        z = key + np.uint64(start + j + 1) * _GAMMA
+        z = (z ^ (z >> np.uint64(30))) * _MUL1
+        z = (z ^ (z >> np.uint64(27))) * _MUL2
+        z = z ^ (z >> np.uint64(31))
+        m = np.int64(z >> np.uint64(40))
+        t = np.float64(2 * m + 1 - 16777216) * (1.0 / 16777216.0)
+        buf[j - lo] = np.float32(center + scale * t)
+    bits = buf.view(np.uint32)
+    for j in range(lo, hi):
+        v = bits[j - lo]
+        if to_bf16:   # RNE to bf16 on the bit pattern; values are finite by construction
+            v = (v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        out_bits[j] = v
 
-    Blocks of elements run in parallel, but each element depends only on its own index, so
-    the result is the same for any thread count and any split of a tensor into calls.
-    """
+
+@njit(parallel=True, cache=True)
+def _fill_bits_parallel(out_bits, key, start, center, scale, to_bf16):
+    """Blocks in parallel. Each element depends only on its own index, so the result is the
+    same for any thread count and any split of a tensor into calls."""
     n = out_bits.size
     for b in prange((n + _FILL_BLOCK - 1) // _FILL_BLOCK):
         lo = b * _FILL_BLOCK
-        hi = min(lo + _FILL_BLOCK, n)
-        buf = np.empty(hi - lo, np.float32)
-        for j in range(lo, hi):
-            z = key + np.uint64(start + j + 1) * _GAMMA
-            z = (z ^ (z >> np.uint64(30))) * _MUL1
-            z = (z ^ (z >> np.uint64(27))) * _MUL2
-            z = z ^ (z >> np.uint64(31))
-            m = np.int64(z >> np.uint64(40))
-            t = np.float64(2 * m + 1 - 16777216) * (1.0 / 16777216.0)
-            buf[j - lo] = np.float32(center + scale * t)
-        bits = buf.view(np.uint32)
-        for j in range(lo, hi):
-            v = bits[j - lo]
-            if to_bf16:   # RNE to bf16 on the bit pattern; values are finite by construction
-                v = (v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-            out_bits[j] = v
+        _fill_block(out_bits, key, start, center, scale, to_bf16, lo, min(lo + _FILL_BLOCK, n))
+
+
+@njit(cache=True)
+def _fill_bits_serial(out_bits, key, start, center, scale, to_bf16):
+    """Small tensors: waking a thread pool would cost more than the work."""
+    _fill_block(out_bits, key, start, center, scale, to_bf16, 0, out_bits.size)
+
+
+_PARALLEL_FROM = 1 << 16  # elements
 
 
 def make_tensor(name: str, shape, seed: int, center: float, scale: float, bf16: bool = True,
@@ -168,8 +179,9 @@ def make_tensor(name: str, shape, seed: int, center: float, scale: float, bf16: 
     if not (math.isfinite(center) and math.isfinite(scale)):
         raise ValueError(f"make_tensor: center and scale must be finite, got {center}, {scale}")
     out = np.empty(shape, np.float32)
-    _fill_bits(out.reshape(-1).view(np.uint32), np.uint64(stream_key(seed, name)), int(start),
-               float(center), float(scale), bool(bf16))
+    fill = _fill_bits_parallel if out.size >= _PARALLEL_FROM else _fill_bits_serial
+    fill(out.reshape(-1).view(np.uint32), np.uint64(stream_key(seed, name)), int(start),
+         float(center), float(scale), bool(bf16))
     return out
 
 
@@ -463,7 +475,9 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
 
     Captures are converted (copied) to their storage dtype as soon as a layer's step returns,
     so memory holds the file's tensors plus the stack's working set, never per-step f32 copies.
-    ``progress(n)`` is called with the number of token-layers each forward processed.
+    ``progress(n, where)``, if given, is called before each forward with ``n = 0`` and after it
+    with the tokens it processed; ``where`` says which step and layer (a long prefill is one
+    forward, so this is all a progress bar can show meanwhile).
     """
     from .stack import AttentionStack, weight_specs
 
@@ -475,6 +489,9 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     for s, start_pos, seqlen in plan.steps():
         for i in plan.layers:
             prefix = f"step{s}.layers.{i}."
+            where = f"step {s} layer {i}"
+            if progress is not None:
+                progress(0, where)
             x = make_input(prefix + "x", (seqlen, cfg.dim), plan.seed)
             tensors[prefix + "x"] = to_storage(prefix + "x", x, "BF16")
             run = stack.forward(i, x, start_pos, capture=_forward_capture(plan.capture))
@@ -483,7 +500,7 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
                 tensors[prefix + what] = to_storage(prefix + what, value, storage_kind(prefix + what))
             del run
             if progress is not None:
-                progress(seqlen)
+                progress(seqlen, where)
     del stack
     # Weights last: the stack shared the float32 arrays, now they can go one by one.
     stored = {}
@@ -497,11 +514,42 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None) -> 
     """Run ``plan`` and write its golden to ``path`` atomically; returns a summary for printing."""
     path = os.fspath(path)
     _check_target(path, force)
+    _check_memory(plan)
     t0 = time.perf_counter()
     tensors = run_golden(plan, progress)
     write_tensors_atomic(path, tensors, plan.metadata(), force)
     return {"path": os.path.abspath(path), "tensors": len(tensors),
             "bytes": os.path.getsize(path), "seconds": time.perf_counter() - t0}
+
+
+def minimum_bytes(plan: GoldenPlan) -> int:
+    """A lower bound on the memory a run needs: float32 weights plus the stored x and out."""
+    from .stack import weight_specs
+
+    weights = sum(math.prod(shape) for i in plan.layers
+                  for shape, _ in weight_specs(plan.config, i).values())
+    tokens = (plan.prefill + plan.decode) * len(plan.layers)
+    return 4 * weights + 2 * 2 * tokens * plan.config.dim
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory(plan: GoldenPlan):
+    """Refuse up front a run that cannot fit (e.g. all 43 v41-flash layers), not hours later."""
+    need, have = minimum_bytes(plan), _available_bytes()
+    if have is not None and need > have:
+        raise GoldenError(f"this run needs at least {need / 2**30:.1f} GiB (weights of "
+                          f"{len(plan.layers)} layers, inputs, outputs) but {have / 2**30:.1f} GiB "
+                          f"is available; select fewer layers (e.g. --layers 20 for v41-flash)")
 
 
 # =========================================================================== atomic writing
@@ -543,8 +591,8 @@ def write_tensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dict[st
     """Write a safetensors file to a temporary name beside ``path``, then rename it into place.
 
     safetensors >= 0.8 writes each array straight from its buffer, so this needs no second
-    copy of the tensors (older versions copy each tensor to bytes first). Without ``force`` an existing ``path`` is never replaced, not even one
-    that appeared while the file was being written.
+    copy of the tensors (older versions copy each tensor to bytes first). Without ``force`` an
+    existing ``path`` is never replaced, not even one that appeared while the file was written.
     """
     from safetensors.numpy import save_file
 
@@ -637,12 +685,16 @@ class GoldenFile:
         return name in self._name_set
 
     def get(self, name: str) -> np.ndarray:
-        if self.kind == "npz":
-            return self._npz[name]
-        return self._st.get_tensor(name)
+        """One tensor, loaded now (a foreign dtype or a broken entry is a usage error)."""
+        try:
+            return self._npz[name] if self.kind == "npz" else self._st.get_tensor(name)
+        except KeyError:
+            raise
+        except Exception as e:
+            raise GoldenError(f"cannot read tensor {name} from {self.path!r}: {e}") from None
 
     def close(self):
-        if self.kind == "npz":
+        if getattr(self, "_npz", None) is not None:
             self._npz.close()
         self._st = self._npz = None
 
@@ -690,6 +742,7 @@ def _natural_key(name: str):
 # =========================================================================== comparison
 
 TOLERANCE = "|got - want| <= 2 * 2^-8 * max|want| + 1e-6 per tensor"
+ROWS_LISTED = 1000   # differing index rows a result lists (the text line shows the first 10)
 
 
 @dataclass
@@ -704,7 +757,7 @@ class TensorResult:
     # index tensors: rows (along the first axis) with any differing element
     rows: int = 0
     rows_differ: int = 0
-    first_rows: list = field(default_factory=list)
+    first_rows: list = field(default_factory=list)   # the first ROWS_LISTED differing rows
     # float tensors
     max_abs_diff: float = 0.0
     tolerance: float = 0.0
@@ -720,7 +773,8 @@ class TensorResult:
         if self.kind == "index":
             state = "identical" if self.ok else (
                 f"{self.rows_differ} of {self.rows} rows differ (first: "
-                + ", ".join(str(r) for r in self.first_rows) + ")")
+                + ", ".join(str(r) for r in self.first_rows[:10])
+                + (", ..." if self.rows_differ > 10 else "") + ")")
             return f"{self.name} {shape} index: {state}"
         if self.kind == "float":
             n = max(self.size, 1)
@@ -772,8 +826,8 @@ def _compare_index(res: TensorResult, want: np.ndarray, got: np.ndarray) -> Tens
     step = max(1, _CHUNK // max(1, w.shape[1]))
     for lo in range(0, rows, step):
         bad = np.any(w[lo:lo + step].astype(common) != g[lo:lo + step].astype(common), axis=1)
-        if len(res.first_rows) < 10:
-            res.first_rows += (np.flatnonzero(bad)[: 10 - len(res.first_rows)] + lo).tolist()
+        if len(res.first_rows) < ROWS_LISTED:
+            res.first_rows += (np.flatnonzero(bad)[: ROWS_LISTED - len(res.first_rows)] + lo).tolist()
         res.rows_differ += int(np.count_nonzero(bad))
     res.rows = rows
     res.ok = res.rows_differ == 0
@@ -963,7 +1017,7 @@ def replay(path, progress=None) -> CompareReport:
     """Recompute every capture of a golden from its own weights and inputs and compare.
 
     Works on this tool's safetensors goldens and on the reference's ``.npz`` goldens (whose
-    captures are then checked against ds41numba). ``progress(n)`` as in :func:`run_golden`.
+    captures are then checked against ds41numba). ``progress(n, where)`` as in :func:`run_golden`.
     """
     from .stack import AttentionStack, weight_specs
 
@@ -990,6 +1044,8 @@ def replay(path, progress=None) -> CompareReport:
                 prefix = f"step{s}.layers.{i}."
                 if prefix + "x" not in names:
                     raise GoldenError(f"{golden.path!r}: input {prefix}x is missing")
+                if progress is not None:
+                    progress(0, f"step {s} layer {i}")
                 x = np.asarray(golden.get(prefix + "x"), dtype=np.float32)
                 run = stack.forward(i, x, start_pos, capture=_forward_capture(info.capture))
                 for what, value in layer_captures(stack, i, run, start_pos, info.capture).items():
@@ -999,7 +1055,7 @@ def replay(path, progress=None) -> CompareReport:
                         report.add(compare_tensor(name, golden.get(name), value))
                 recomputed.add(prefix + "x")
                 if progress is not None:
-                    progress(seqlen)
+                    progress(seqlen, f"step {s} layer {i}")
         for name in golden.names:
             if name not in recomputed and not _WEIGHT_NAME.fullmatch(name):
                 report.add(TensorResult(name, "only-golden", ok=False,

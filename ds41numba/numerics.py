@@ -35,6 +35,8 @@ __all__ = [
     "fp4_quant_e4m3_inplace",
     "linear_bf16",
     "linear_f32",
+    "Bf16Matrix",
+    "MATVEC_MAX_ROWS",
     "rms_norm",
     "torch_sum_f32",
     "SUM_LANES",
@@ -271,7 +273,7 @@ def _check_inplace(x, name):
     if x.dtype != np.float32:
         raise TypeError(f"{name}: expected a float32 array, got dtype {x.dtype}")
     if not x.flags.c_contiguous:
-        raise ValueError(f"{name}: the array must be C-contiguous to be quantised in place")
+        raise ValueError(f"{name}: the array must be C-contiguous to be modified in place")
     if not x.flags.writeable:
         raise ValueError(f"{name}: the array is read-only")
 
@@ -313,11 +315,12 @@ def _clamp(y, bound):
 @njit(cache=True)
 def _fp8_quant_row(row, block):
     """act_quant on a 1-D float32 view in place: per block of ``block`` values, amax floored at
-    1e-4, ``s = pow2ceil(amax / 448)``, ``bf16(e4m3(clamp(x / s, +-448)) * s)``."""
+    1e-4, ``s = pow2ceil(amax / 448)``, ``bf16(e4m3(clamp(x / s, +-448)) * s)``. The row's length
+    should be a multiple of ``block`` (a shorter last block is quantised on its own)."""
     bound = np.float32(448.0)
     floor = np.float32(1e-4)
     for lo in range(0, row.shape[0], block):
-        hi = lo + block
+        hi = min(lo + block, row.shape[0])
         amax = _block_amax(row, lo, hi)
         if amax < floor:
             amax = floor
@@ -335,7 +338,7 @@ def _fp4_e8m0_row(row, block):
     bound = np.float32(6.0)
     floor = np.float32(6.0 * 2.0**-126)
     for lo in range(0, row.shape[0], block):
-        hi = lo + block
+        hi = min(lo + block, row.shape[0])
         amax = _block_amax(row, lo, hi)
         if amax < floor:
             amax = floor
@@ -353,7 +356,7 @@ def _fp4_e4m3_row(row, block):
     bound = np.float32(6.0)
     floor = np.float32(6.0 * 2.0**-9)
     for lo in range(0, row.shape[0], block):
-        hi = lo + block
+        hi = min(lo + block, row.shape[0])
         amax = _block_amax(row, lo, hi)
         if amax < floor:
             amax = floor
@@ -442,10 +445,104 @@ def linear_f32(x, w):
 
 
 def linear_bf16(x, w):
-    """bf16 linear: ``x @ w.T`` (w holds bf16 values) summed in f32 by numpy's BLAS, rounded to bf16
-    once. x is ``[..., in]``, w ``[out, in]``; returns ``[..., out]``."""
+    """bf16 linear: ``x @ w.T`` (w holds bf16 values) summed in f32, rounded to bf16 once.
+
+    x is ``[..., in]``; w is ``[out, in]``, a float32 array or a :class:`Bf16Matrix`. Many rows go
+    through numpy's BLAS; a :class:`Bf16Matrix` times at most ``MATVEC_MAX_ROWS`` rows (a decode
+    step) goes through the fused kernel that reads the weight as bf16 bits, half the bytes.
+    Returns ``[..., out]``.
+    """
+    if isinstance(w, Bf16Matrix):
+        x = _as_f32_array(x, "linear_bf16: x")
+        rows = x.size // max(x.shape[-1], 1) if x.ndim else 0
+        if x.ndim >= 1 and x.shape[-1] == w.in_features and 0 < rows <= MATVEC_MAX_ROWS:
+            return w.matvec(x)
+        w = w.f32
     y = linear_f32(x, w)
     return round_bf16_inplace(y)
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 weights as bits, for matrix-vector products
+# ----------------------------------------------------------------------------------------------
+
+# A decode step multiplies one row by every weight: it is bound by reading the weights, so it
+# reads them as bf16 bits. Output rows are packed in blocks of _MV_BLOCK laid out [in, block], so
+# each block streams contiguously and the inner loop runs across the block's outputs (SIMD lanes
+# without reassociating any sum: every output still adds its products in input order).
+_MV_BLOCK = 64
+#: At most this many input rows take the fused bf16-bits kernel; more go through BLAS.
+MATVEC_MAX_ROWS = 8
+
+
+@njit(parallel=True, cache=True)
+def _matvec_bf16_kernel(x, bits, out):
+    m, k_in = x.shape
+    n_out = out.shape[1]
+    k4 = k_in - k_in % 4
+    for b in prange(bits.shape[0]):
+        acc = np.zeros((m, _MV_BLOCK), np.float32)
+        for i in range(m):
+            for k in range(0, k4, 4):
+                x0 = x[i, k]
+                x1 = x[i, k + 1]
+                x2 = x[i, k + 2]
+                x3 = x[i, k + 3]
+                for j in range(_MV_BLOCK):
+                    a = acc[i, j]
+                    a += x0 * np.uint32(np.uint32(bits[b, k, j]) << np.uint32(16)).view(np.float32)
+                    a += x1 * np.uint32(np.uint32(bits[b, k + 1, j]) << np.uint32(16)).view(np.float32)
+                    a += x2 * np.uint32(np.uint32(bits[b, k + 2, j]) << np.uint32(16)).view(np.float32)
+                    a += x3 * np.uint32(np.uint32(bits[b, k + 3, j]) << np.uint32(16)).view(np.float32)
+                    acc[i, j] = a
+            for k in range(k4, k_in):
+                for j in range(_MV_BLOCK):
+                    acc[i, j] += x[i, k] * np.uint32(np.uint32(bits[b, k, j]) << np.uint32(16)).view(np.float32)
+        n0 = b * _MV_BLOCK
+        for i in range(m):
+            for j in range(min(_MV_BLOCK, n_out - n0)):
+                out[i, n0 + j] = bf16_scalar(acc[i, j])
+
+
+class Bf16Matrix:
+    """A bf16-valued weight ``[out, in]``: f32 for BLAS, and bf16 bits for matrix-vector products.
+
+    The f32 array is kept as given (no copy when already C-contiguous float32); the packed bits
+    are built on the first matrix-vector product. Treat the weight as read-only once wrapped.
+    """
+
+    __slots__ = ("f32", "_bits")
+
+    def __init__(self, w):
+        w = np.ascontiguousarray(_as_f32_array(w, "Bf16Matrix"))
+        if w.ndim != 2:
+            raise ValueError(f"Bf16Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
+        self.f32 = w
+        self._bits = None
+
+    @property
+    def shape(self):
+        return self.f32.shape
+
+    @property
+    def in_features(self):
+        return self.f32.shape[1]
+
+    def _packed(self):
+        if self._bits is None:
+            n_out, k_in = self.f32.shape
+            nb = -(-n_out // _MV_BLOCK)
+            hi = np.zeros((nb * _MV_BLOCK, k_in), np.uint16)
+            hi[:n_out] = self.f32.view(np.uint32) >> 16
+            self._bits = np.ascontiguousarray(hi.reshape(nb, _MV_BLOCK, k_in).transpose(0, 2, 1))
+        return self._bits
+
+    def matvec(self, x):
+        """``bf16(x @ w.T)`` for a few rows ``x [..., in]``, reading the weight as bf16 bits."""
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
+        out = np.empty((x2.shape[0], self.f32.shape[0]), np.float32)
+        _matvec_bf16_kernel(x2, self._packed(), out)
+        return out.reshape(x.shape[:-1] + (self.f32.shape[0],))
 
 
 # torch's CPU sum of a contiguous f32 row (ATen SumKernel: ``vectorized_inner_sum`` / ``row_sum`` /

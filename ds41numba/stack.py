@@ -20,7 +20,7 @@ from .attention import CompAttnRun, attention_any
 from .compressor import CompressorState, CompressorWeights
 from .config import AttnConfig
 from .indexer import IndexerWeights
-from .numerics import is_bf16_valued
+from .numerics import Bf16Matrix, is_bf16_valued
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "weight_specs"]
 
@@ -73,7 +73,8 @@ def _checked_weight(name: str, array, shape: tuple[int, ...], kind: str) -> np.n
 
 @dataclass
 class AttnWeights:
-    """One layer's attention parameters, float32 arrays (bf16 values where the reference has bf16)."""
+    """One layer's attention parameters: float32 arrays (norms, the sink, f32 compressor weights)
+    and :class:`Bf16Matrix` projections; ``wo_a`` is the list of its ``o_groups`` group blocks."""
 
     attn_sink: np.ndarray
     wq_a: np.ndarray
@@ -81,8 +82,8 @@ class AttnWeights:
     wq_b: np.ndarray
     wkv: np.ndarray
     kv_norm: np.ndarray
-    wo_a: np.ndarray
-    wo_b: np.ndarray
+    wo_a: list
+    wo_b: Bf16Matrix
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
 
@@ -90,22 +91,31 @@ class AttnWeights:
     def from_mapping(cls, config: AttnConfig, layer_id: int, weights) -> "AttnWeights":
         """Pick and check layer ``layer_id``'s parameters out of ``{"layers.{i}.attn.NAME": array}``."""
         prefix = f"layers.{layer_id}.attn."
-        got = {}
+        got, kinds = {}, {}
         for full, (shape, kind) in weight_specs(config, layer_id).items():
-            got[full[len(prefix):]] = _checked_weight(full, weights.get(full), shape, kind)
+            name = full[len(prefix):]
+            got[name] = _checked_weight(full, weights.get(full), shape, kind)
+            kinds[name] = kind
+        # Projections with bf16 weights become Bf16Matrix (BLAS for many rows, bf16 bits for
+        # a decode step); wo_a is split into its o_groups independent projections.
+        proj = {name: Bf16Matrix(a) if a.ndim == 2 and kinds[name] == "bf16" else a
+                for name, a in got.items()}
         comp = idx = None
-        if "compressor.norm.weight" in got:
-            comp = CompressorWeights(wkv=got["compressor.wkv.weight"],
-                                     wgate=got.get("compressor.wgate.weight"),
-                                     norm=got["compressor.norm.weight"])
-        if "indexer.wq_b.weight" in got:
-            idx = IndexerWeights(wq_b=got["indexer.wq_b.weight"],
-                                 weights_proj=got["indexer.weights_proj.weight"],
-                                 wk=got.get("indexer.wk.weight"),
-                                 k_norm=got.get("indexer.k_norm.weight"))
-        return cls(attn_sink=got["attn_sink"], wq_a=got["wq_a.weight"], q_norm=got["q_norm.weight"],
-                   wq_b=got["wq_b.weight"], wkv=got["wkv.weight"], kv_norm=got["kv_norm.weight"],
-                   wo_a=got["wo_a.weight"], wo_b=got["wo_b.weight"], compressor=comp, indexer=idx)
+        if "compressor.norm.weight" in proj:
+            comp = CompressorWeights(wkv=proj["compressor.wkv.weight"],
+                                     wgate=proj.get("compressor.wgate.weight"),
+                                     norm=proj["compressor.norm.weight"])
+        if "indexer.wq_b.weight" in proj:
+            idx = IndexerWeights(wq_b=proj["indexer.wq_b.weight"],
+                                 weights_proj=proj["indexer.weights_proj.weight"],
+                                 wk=proj.get("indexer.wk.weight"),
+                                 k_norm=proj.get("indexer.k_norm.weight"))
+        wo_a = got["wo_a.weight"]
+        rank = wo_a.shape[0] // config.o_groups
+        wo_a_groups = [Bf16Matrix(wo_a[g * rank:(g + 1) * rank]) for g in range(config.o_groups)]
+        return cls(attn_sink=proj["attn_sink"], wq_a=proj["wq_a.weight"], q_norm=proj["q_norm.weight"],
+                   wq_b=proj["wq_b.weight"], wkv=proj["wkv.weight"], kv_norm=proj["kv_norm.weight"],
+                   wo_a=wo_a_groups, wo_b=proj["wo_b.weight"], compressor=comp, indexer=idx)
 
 
 @dataclass

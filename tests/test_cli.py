@@ -134,7 +134,8 @@ def test_hf_config_json(tmp_path):
         "sliding_window": t["window_size"], "compress_ratios": t["compress_ratios"],
         "kv_source_layer_ids": t["kv_source_layers"], "index_source_layer_ids": t["index_source_layers"],
         "candidate_source_layer_id": t["candidate_source_layer"],
-        "candidate_topk_blocks": t["candidate_topk_blocks"], "candidate_block_size": t["candidate_block_size"],
+        "candidate_topk_blocks": t["candidate_topk_blocks"],
+        "candidate_block_size": t["candidate_block_size"],
         "index_n_heads": t["index_n_heads"], "index_head_dim": t["index_head_dim"],
         "index_topk": t["index_topk"], "compress_rope_theta": t["compress_rope_theta"],
         "rope_theta": t["rope_theta"], "rms_norm_eps": t["norm_eps"],
@@ -209,6 +210,14 @@ def test_existing_output_needs_force(tmp_path, capsys):
     assert "--force" in capsys.readouterr().err and out.read_bytes() == b"precious"
     assert main(["golden", "--quiet", "--prefill", "3", "--decode", "1", "--out", str(out), "--force"]) == 0
     assert _metadata(out)["format"] == golden.FORMAT
+
+
+def test_run_that_cannot_fit_in_memory_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(golden, "_available_bytes", lambda: 1000)
+    assert main(["golden", "--quiet", "--out", str(tmp_path / "g.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "needs at least" in err and len(err.strip().splitlines()) == 1
+    assert os.listdir(tmp_path) == []
 
 
 # --------------------------------------------------------------------------- interruption

@@ -54,16 +54,18 @@ def test_generator_matches_its_documented_algorithm(seed, bf16):
 
 
 def test_generator_is_independent_of_chunking_and_threads():
-    name = "step3.layers.1.x"
-    whole = golden.make_input(name, (300, 64), seed=11)
+    name, shape = "step3.layers.1.x", (1100, 64)      # large enough for the parallel kernel
+    assert shape[0] * shape[1] >= golden._PARALLEL_FROM
+    whole = golden.make_input(name, shape, seed=11)
     flat = whole.reshape(-1)
-    pieces = [golden.make_tensor(name, (k,), 11, 0.0, math.sqrt(3.0), start=lo)
-              for lo, k in [(0, 1), (1, 4095), (4096, 10000), (14096, 5104)]]
+    cuts = [0, 1, 4096, 14096, 50000, flat.size]        # small pieces take the serial kernel
+    pieces = [golden.make_tensor(name, (hi - lo,), 11, 0.0, math.sqrt(3.0), start=lo)
+              for lo, hi in zip(cuts, cuts[1:])]
     assert np.array_equal(np.concatenate(pieces).view(np.uint32), flat.view(np.uint32))
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
-        single = golden.make_input(name, (300, 64), seed=11)
+        single = golden.make_input(name, shape, seed=11)
     finally:
         numba.set_num_threads(before)
     assert np.array_equal(single.view(np.uint32), whole.view(np.uint32))
