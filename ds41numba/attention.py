@@ -15,9 +15,12 @@ index selection) and then runs the queries in tiles end to end, so memory grows 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numba
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
@@ -85,6 +88,25 @@ def window_index_rows(start_pos: int, seqlen: int, window: int) -> np.ndarray:
     return np.where(slots > start_pos, -1, slots).astype(np.int32)[None, :]
 
 
+def _attend_queries(q, kv, idx, sink, scale, o, lo, hi):
+    """Queries ``lo .. hi-1`` of :func:`sparse_attn`, written into ``o``."""
+    for s in range(lo, hi):
+        rows = np.take(kv, idx[s][idx[s] >= 0], axis=0)
+        if rows.shape[0] == 0:
+            continue
+        # Scores as [rows, heads]: both products then run untransposed through BLAS.
+        scores = (rows @ q[s].T) * scale
+        m = scores.max(axis=0)
+        p = np.exp(scores - m)
+        denom = p.sum(axis=0) + np.exp(sink - m)
+        o[s] = (p.T @ rows) / denom[:, None]
+
+
+@functools.lru_cache(maxsize=1)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41numba-attn")
+
+
 def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.ndarray,
                 softmax_scale: float) -> np.ndarray:
     """Attention of each query over its listed KV rows, with a sink logit per head.
@@ -94,21 +116,26 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     the denominator. A query with no listed row outputs zeros. Result rounded to bf16.
 
     All heads of a query read the same rows, so each query is two small matrix products
-    (``[H, hd] x [hd, n]`` and ``[H, n] x [n, hd]``) over its gathered valid rows.
+    (``[H, hd] x [hd, n]`` and ``[H, n] x [n, hd]``) over its gathered valid rows. Such products
+    are too small to split well across BLAS threads, so the queries are split across
+    ``numba.get_num_threads()`` workers instead, each with single-threaded BLAS; a query's
+    arithmetic is the same whichever worker runs it.
     """
     S, H, hd = q.shape
     scale = np.float32(softmax_scale)
-    sink = attn_sink.astype(np.float32)[:, None]
+    sink = attn_sink.astype(np.float32)
     o = np.zeros((S, H, hd), np.float32)
-    for s in range(S):
-        rows = kv[idx[s][idx[s] >= 0]]
-        if rows.shape[0] == 0:
-            continue
-        scores = (q[s] @ rows.T) * scale
-        m = scores.max(axis=1, keepdims=True)
-        p = np.exp(scores - m)
-        denom = p.sum(axis=1, keepdims=True) + np.exp(sink - m)
-        o[s] = (p @ rows) / denom
+    workers = min(numba.get_num_threads(), S)
+    if workers <= 1:
+        _attend_queries(q, kv, idx, sink, scale, o, 0, S)
+    else:
+        bounds = np.linspace(0, S, workers + 1).astype(int)
+        with threadpool_limits(limits=1, user_api="blas"):
+            jobs = [_pool(numba.config.NUMBA_NUM_THREADS).submit(
+                        _attend_queries, q, kv, idx, sink, scale, o, lo, hi)
+                    for lo, hi in zip(bounds[:-1], bounds[1:])]
+            for job in jobs:
+                job.result()
     return round_bf16_inplace(o)
 
 
@@ -122,9 +149,9 @@ def output_projection(o: np.ndarray, wo_a, wo_b) -> np.ndarray:
     return linear_bf16(mid, wo_b)
 
 
-def _default_tile(seqlen: int, width: int) -> int:
-    """Queries per tile: enough to keep BLAS busy, few enough to bound ``tile * width``."""
-    return int(max(1, min(64, seqlen, (1 << 22) // max(width, 1))))
+def _default_tile(seqlen: int) -> int:
+    """Queries per tile: enough rows for the projections to run at BLAS speed."""
+    return max(1, min(1024, seqlen))
 
 
 def attention_any(config, layer_id: int, weights, state, shared, states, x: np.ndarray,
@@ -147,7 +174,7 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
 
     # Sliding window: this step's KV rows, fp8-quantised, kept in the ring.
     kv_new = rms_norm(linear_bf16(x, weights.wkv), weights.kv_norm, eps)
-    kv_new = act_quant_fp8_inplace(apply_rotary(kv_new, positions, table))
+    kv_new = act_quant_fp8_inplace(apply_rotary(kv_new, positions, table, inplace=True))
     if start_pos == 0:
         keep = min(seqlen, win)
         state.window_kv[positions[-keep:] % win] = kv_new[-keep:]
@@ -190,7 +217,7 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
                     shared.candidate_block_size = c.candidate_block_size
             shared.topk_idxs = topk_idxs
         if latents is not None:
-            lat = fp4_quant_e4m3_inplace(apply_rotary(latents, lpos, table))
+            lat = fp4_quant_e4m3_inplace(apply_rotary(latents, lpos, table, inplace=True))
             state.compress_cache[first_row:first_row + len(lat)] = lat
         if c.is_kv_source(layer_id):
             shared.compress_kv = state.compress_cache
@@ -203,16 +230,16 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
     out = np.empty((seqlen, c.dim), np.float32)
     q_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
     o_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
-    step = tile or _default_tile(seqlen, idx.shape[1])
+    step = tile or _default_tile(seqlen)
     for s0 in range(0, seqlen, step):
         s1 = min(seqlen, s0 + step)
         q = linear_bf16(qr[s0:s1], weights.wq_b).reshape(s1 - s0, H, hd)
-        q = apply_rotary(q, positions[s0:s1], table)
+        q = apply_rotary(q, positions[s0:s1], table, inplace=True)
         o = sparse_attn(q, kv_rows, idx[s0:s1], weights.attn_sink, scale)
         if capture:
             q_cap[s0:s1] = q
             o_cap[s0:s1] = o
-        o = apply_rotary(o, positions[s0:s1], table, inverse=True)
+        o = apply_rotary(o, positions[s0:s1], table, inverse=True, inplace=True)
         out[s0:s1] = output_projection(o.reshape(s1 - s0, H * hd), weights.wo_a, weights.wo_b)
     if not capture:
         return CompAttnRun(out=out)

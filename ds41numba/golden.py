@@ -576,9 +576,6 @@ def _temporary_beside(path: str):
     directory, base = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)   # mkstemp makes it private; a golden is an ordinary file
     try:
         yield tmp
     finally:
@@ -603,6 +600,10 @@ def write_tensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dict[st
         save_file(arrays, tmp, metadata=metadata)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        # mkstemp and safetensors both make private (0600) files; a golden is an ordinary file.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         if force:
             os.replace(tmp, path)
         else:

@@ -26,8 +26,9 @@ from .topk import torch_cpu_topk_rows
 __all__ = ["IndexerWeights", "IndexerCfg", "indexer", "index_keys", "select_candidate_blocks",
            "visible_lengths"]
 
-# Positions scored per BLAS call; bounds the [tile * heads, chunk] product's memory.
-_POS_CHUNK = 4096
+# Elements of one tile's working arrays (the [tile, positions] scores and the
+# [tile * heads, chunk] products): 64 MB of f32, whatever the sequence length.
+_TILE_ELEMS = 1 << 24
 
 
 @dataclass
@@ -76,26 +77,26 @@ def index_keys(latents: np.ndarray, positions: np.ndarray, weights: IndexerWeigh
                norm_eps: float) -> np.ndarray:
     """Index keys of new latents (pre-RoPE): projected, normed, rotated, fp4 (e8m0) quantised."""
     k = rms_norm(linear_bf16(latents, weights.wk), weights.k_norm, norm_eps)
-    k = apply_rotary(k, positions, table)
+    k = apply_rotary(k, positions, table, inplace=True)
     return fp4_quant_e8m0_inplace(k)
 
 
 @njit(parallel=True, cache=True)
 def _mix_heads(d, w, clen, t0, out):
-    """``out[s, t0 + t] = bf16(sum_h bf16(relu(bf16(d[s, h, t])) * w[s, h]))`` for visible t.
+    """``out[s, t0 + t] = bf16(sum_h bf16(relu(bf16(d[t, s * ih + h])) * w[s, h]))`` for visible t.
 
-    The head sum accumulates in f32 in head order, as torch sums a bf16 tensor over a
-    non-innermost dimension; positions at or past ``clen[s]`` get -inf.
+    ``d`` holds the chunk's dot products position-major (``[chunk, T * ih]``). The head sum
+    accumulates in f32 in head order, as torch sums a bf16 tensor over a non-innermost
+    dimension; positions at or past ``clen[s]`` are left as they are (-inf).
     """
-    T, ih, C = d.shape
-    for s in prange(T):
-        for t in range(C):
+    T, ih = w.shape
+    for t in prange(d.shape[0]):
+        for s in range(T):
             if t0 + t >= clen[s]:
-                out[s, t0 + t] = -np.inf
                 continue
             acc = np.float32(0.0)
             for h in range(ih):
-                v = bf16_scalar(d[s, h, t])
+                v = bf16_scalar(d[t, s * ih + h])
                 if v < 0:       # relu; a NaN passes through as torch's relu does
                     v = np.float32(0.0)
                 acc += bf16_scalar(v * w[s, h])
@@ -109,10 +110,12 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
     out = np.full((T, width), -np.inf, np.float32)
     n_vis = int(clen.max(initial=0))
     flat = iq.reshape(T * ih, idim)
-    for t0 in range(0, n_vis, _POS_CHUNK):
-        t1 = min(n_vis, t0 + _POS_CHUNK)
-        d = (flat @ keys[t0:t1].T).reshape(T, ih, t1 - t0)
-        _mix_heads(d, w, clen, t0, out)
+    chunk = max(256, _TILE_ELEMS // (T * ih))
+    for t0 in range(0, n_vis, chunk):
+        t1 = min(n_vis, t0 + chunk)
+        # keys @ iq^T keeps both BLAS operands untransposed (a transposed right operand
+        # runs at half speed here).
+        _mix_heads(keys[t0:t1] @ flat.T, w, clen, t0, out)
     return out
 
 
@@ -174,7 +177,7 @@ def select_candidate_blocks(scores: np.ndarray, clen, topk_blocks: int,
 
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             weights: IndexerWeights, table, index_k: np.ndarray, offset: int,
-            candidate_blocks: np.ndarray | None = None, tile: int = 64,
+            candidate_blocks: np.ndarray | None = None, tile: int | None = None,
             capture: bool = False):
     """Select each query's compressed positions.
 
@@ -201,10 +204,11 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         nb = (width + cfg.candidate_block_size - 1) // cfg.candidate_block_size
         published = np.zeros((seqlen, nb), dtype=bool)
     score_capture = np.empty((seqlen, width), np.float32) if capture else None
+    tile = tile or max(1, min(256, _TILE_ELEMS // max(width, 1)))
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
         iq = linear_bf16(qr[s0:s1], weights.wq_b).reshape(s1 - s0, cfg.n_heads, cfg.head_dim)
-        iq = fp4_quant_e8m0_inplace(apply_rotary(iq, positions[s0:s1], table))
+        iq = fp4_quant_e8m0_inplace(apply_rotary(iq, positions[s0:s1], table, inplace=True))
         scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width)
         if capture:
             score_capture[s0:s1] = scores

@@ -178,7 +178,7 @@ def _check_table(table):
     return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
 
 
-def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
+def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None, inplace=False):
     """Rotate the last ``rd = 2 * table_width`` elements of every vector of ``x`` at its row's position.
 
     ``x`` is float32 ``[n, ..., d]`` (n rows, any number of head dims), ``positions`` n integers, one per
@@ -194,6 +194,9 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
     torch coalesces all ``n * rd/2`` pairs of the call into one loop, which ``coalesce_rows=None``
     (auto) assumes. Pass ``coalesce_rows=False`` when the reference's table slice for these rows is not
     contiguous (every r-th position), so each row is its own loop.
+
+    With ``inplace=True`` a writeable C-contiguous ``x`` is rotated in place and returned (no copy
+    of the untouched head elements).
     """
     arr = np.asarray(x)
     if arr.dtype != np.float32:
@@ -220,7 +223,12 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
     pos = pos.astype(np.int64)
     n = arr.shape[0]
     heads = int(np.prod(arr.shape[1:-1], dtype=np.int64))
-    y = np.array(arr, dtype=np.float32, order="C", copy=True).reshape(n, heads, arr.shape[-1])
+    if inplace:
+        if not (arr.flags.c_contiguous and arr.flags.writeable):
+            raise ValueError("apply_rotary: inplace=True needs a writeable C-contiguous x")
+        y = arr.reshape(n, heads, arr.shape[-1])
+    else:
+        y = np.array(arr, dtype=np.float32, order="C", copy=True).reshape(n, heads, arr.shape[-1])
     if coalesce_rows is None:
         coalesce = heads == 1
     elif coalesce_rows and heads != 1:

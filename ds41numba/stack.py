@@ -195,8 +195,17 @@ class AttentionStack:
             raise TypeError(f"config must be an AttnConfig, got {type(config).__name__}")
         if not hasattr(weights, "get"):
             raise TypeError("weights must be a mapping of 'layers.{i}.attn.NAME' to arrays")
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, (int, np.integer))
+                                 or tile < 1):
+            raise ValueError(f"tile must be None or a positive integer, got {tile!r}")
         self.config = config
         n = config.n_layers
+        if layers is not None:
+            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+                raise TypeError(f"layers must be a list of layer ids, got {layers!r}")
+            for i in layers:
+                if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+                    raise TypeError(f"layers: {i!r} is not a layer id (an integer)")
         self.layers = tuple(range(n)) if layers is None else tuple(sorted({int(i) for i in layers}))
         for i in self.layers:
             if not 0 <= i < n:
@@ -210,7 +219,14 @@ class AttentionStack:
         self.weights = {i: AttnWeights.from_mapping(config, i, weights) for i in self.layers}
         self.states = {i: LayerAttnState.fresh(config, i) for i in self.layers}
         self.shared = SharedRuntime()
-        self.tile = tile
+        self.tile = None if tile is None else int(tile)
+        # Within a step the compressed layers must run in layer order, as in the reference: a
+        # later layer overwrites the shared slots an earlier one reads. ``_step`` is the step
+        # being run, the last compressed layer that ran in it and the tick it began at.
+        self._tick = 0
+        self._ticks: dict[int, int] = {}
+        self._step: tuple | None = None
+        self._index_k_writer: int | None = None
 
     def forward(self, layer_id: int, x, start_pos: int, capture: bool = False) -> CompAttnRun:
         """Run layer ``layer_id`` on ``x [seqlen, dim]`` (bf16 values) at ``start_pos``.
@@ -236,7 +252,7 @@ class AttentionStack:
                              f"max_seq_len {c.max_seq_len}")
         state = self.states[layer_id]
         if start_pos == 0:
-            self.states[layer_id] = state = LayerAttnState.fresh(c, layer_id)
+            state = LayerAttnState.fresh(c, layer_id)   # kept only once every check has passed
         else:
             if seqlen != 1:
                 raise ValueError(f"a step at start_pos {start_pos} > 0 must be one token (decode), "
@@ -246,15 +262,61 @@ class AttentionStack:
                 raise ValueError(f"layer {layer_id}: decode at start_pos {start_pos} does not follow "
                                  f"its last step (expected {expect})")
         step = (start_pos, seqlen)
+        r = c.ratio(layer_id)
+        begin = cur_step = None
+        if r:
+            cur = self._step
+            if cur is not None and cur[0] == step and layer_id > cur[1]:
+                begin = cur[2]                       # the step goes on, in layer order
+            elif cur is not None and cur[0] == step and start_pos > 0:
+                raise ValueError(f"layer {layer_id}: layer {cur[1]} already ran this step (start_pos "
+                                 f"{start_pos}); within a step run the layers in increasing order, "
+                                 f"as the reference does")
+            else:
+                begin = self._tick                   # a new step (at start_pos 0: a new sequence)
+            cur_step = (step, layer_id, begin)
         for src in _sources(c, layer_id):
             if src != layer_id and self.states[src].last_step != step:
                 raise ValueError(f"layer {layer_id} reads what layer {src} publishes, but layer {src} "
                                  f"has not run this step (start_pos {start_pos}) yet: run sources first")
+            if src != layer_id and self._ticks.get(src, -1) < begin:
+                later = f"layer {self._step[1]}" if self._step else "a later layer"
+                raise ValueError(f"layer {layer_id} reads what layer {src} publishes, but {later} "
+                                 f"ran this step after layer {src} and may have replaced it: run "
+                                 f"layer {src} again first, then the layers after it in order")
+        if r and c.is_index_source(layer_id):
+            self._check_index_keys(layer_id, start_pos, seqlen)
+        self.states[layer_id] = state
+        if cur_step is not None:
+            self._step = cur_step
         run = attention_any(c, layer_id, self.weights[layer_id], state, self.shared,
                             self.states, x, start_pos, capture=capture, tile=self.tile)
         state.end_pos = start_pos + seqlen
         state.last_step = step
+        self._ticks[layer_id] = self._tick
+        self._tick += 1
+        if state.index_cache is not None and self.shared.index_k is state.index_cache:
+            self._index_k_writer = layer_id
         return run
+
+    def _check_index_keys(self, layer_id: int, start_pos: int, seqlen: int):
+        """An index source that does not write keys this step scores against the shared index keys
+        as the latest key owner left them, even another ratio's (as the reference does); refuse a
+        step those keys are too short for, instead of scoring missing rows."""
+        c = self.config
+        r = c.ratio(layer_id)
+        width = (start_pos + seqlen) // r
+        writes = c.is_key_owner(layer_id) and (seqlen >= r if start_pos == 0 else (start_pos + 1) % r == 0)
+        keys = self.shared.index_k
+        if width == 0 or writes or (keys is not None and keys.shape[0] >= width):
+            return
+        who = self._index_k_writer
+        owner = "no key owner" if keys is None else (
+            f"layer {who} (ratio {c.ratio(who)})" if who is not None else "an earlier sequence")
+        rows = 0 if keys is None else keys.shape[0]
+        raise ValueError(f"layer {layer_id} (ratio {r}) would score {width} compressed positions "
+                         f"against the shared index keys, which {owner} published last with only "
+                         f"{rows} rows: the keys of another ratio's cache cannot cover this step")
 
 
 def _sources(config: AttnConfig, layer_id: int) -> list[int]:

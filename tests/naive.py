@@ -402,3 +402,109 @@ def naive_apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
             y[i, h, off::2] = naive_bf16(re)
             y[i, h, off + 1::2] = naive_bf16(im)
     return y.reshape(x.shape)
+
+
+# --- hardening ---
+# The structural invariants every AttentionStack step must satisfy, written from SPEC.md's prose
+# (not from the package): the window index rows, the ring of window KV rows, the compressed index
+# entries (in range or -1, sorted, as many as min(index_topk, positions)), the shapes. Used by
+# tests/test_fuzz.py and tests/test_hardening.py.
+
+import numpy as _hz_np
+
+
+def hz_window_rows(start_pos, seqlen, win):
+    """SPEC "Window KV": prefill row t lists min(seqlen, win) entries max(0, t - win + 1) + j (-1 past
+    t); the decode row lists the ring slots oldest first, -1 for a slot past start_pos."""
+    if start_pos == 0:
+        n = min(seqlen, win)
+        rows = []
+        for t in range(seqlen):
+            first = max(0, t - win + 1)
+            rows.append([first + j if first + j <= t else -1 for j in range(n)])
+        return _hz_np.array(rows, dtype=_hz_np.int64).reshape(seqlen, n)
+    o = start_pos % win + 1
+    slots = list(range(o, win)) + list(range(0, o))
+    return _hz_np.array([[s if s <= start_pos else -1 for s in slots]], dtype=_hz_np.int64)
+
+
+def hz_random_x(rng, seqlen, dim, scale=1.0):
+    """Random bf16-valued float32 rows ``[seqlen, dim]`` (rounded half away from zero: any bf16 will do)."""
+    x = (rng.standard_normal((seqlen, dim)) * scale).astype(_hz_np.float32)
+    bits = (x.view(_hz_np.uint32) + _hz_np.uint32(0x8000)) & _hz_np.uint32(0xFFFF0000)
+    return bits.view(_hz_np.float32)
+
+
+class HzRing:
+    """The window ring a layer should hold: slot ``p % win`` has the KV row of the newest position p."""
+
+    def __init__(self, win):
+        self.win = win
+        self.rows = {}          # slot -> (position, row)
+
+    def prefill(self, kv_rows, seqlen):
+        self.rows = {}
+        for p in range(max(0, seqlen - self.win), seqlen):
+            self.rows[p % self.win] = (p, kv_rows[p].copy())
+
+    def decode(self, pos, row):
+        self.rows[pos % self.win] = (pos, row.copy())
+
+
+def hz_visible(start_pos, seqlen, r):
+    """Compressed positions query s may see: ``(s + 1) // r`` at prefill, ``end_pos // r`` at decode."""
+    if start_pos == 0:
+        return [(s + 1) // r for s in range(seqlen)]
+    return [(start_pos + seqlen) // r] * seqlen
+
+
+def hz_check_step(cfg, stack, layer, run, start_pos, seqlen, ring, exact_count):
+    """Assert the structural invariants of one forward run with ``capture=True``.
+
+    ``ring`` is the layer's :class:`HzRing` (updated here). ``exact_count``: each row's number of
+    valid compressed entries must be ``min(k, visible)`` (so for finite inputs and a selection made
+    without candidate masking); otherwise it must only not exceed that. At decode every position is
+    visible, so the count is always exactly k.
+    """
+    np = _hz_np
+    win, hd, r = cfg.window_size, cfg.head_dim, cfg.compress_ratios[layer]
+    end_pos = start_pos + seqlen
+    assert run.out.shape == (seqlen, cfg.dim) and run.out.dtype == np.float32, run.out.shape
+    want_win = hz_window_rows(start_pos, seqlen, win)
+    nwin = want_win.shape[1]
+    width = end_pos // r if r else 0
+    k = min(cfg.index_topk, width) if r else 0
+    idx = np.asarray(run.idx)
+    assert idx.dtype == np.int32, idx.dtype
+    assert idx.shape == (seqlen, nwin + k), (idx.shape, (seqlen, nwin + k))
+    assert np.array_equal(idx[:, :nwin], np.broadcast_to(want_win, (seqlen, nwin))), "window rows"
+    offset = seqlen if start_pos == 0 else win
+    assert run.kv_rows.shape == (offset + width, hd), (run.kv_rows.shape, offset + width)
+    state = stack.states[layer]
+    assert state.window_kv.shape == (win, hd)
+    if start_pos == 0:
+        ring.prefill(run.kv_rows, seqlen)
+    else:
+        for slot, (pos, row) in ring.rows.items():
+            if slot != start_pos % win:
+                assert np.array_equal(run.kv_rows[slot], row, equal_nan=True), f"ring slot {slot}"
+        ring.decode(start_pos, run.kv_rows[start_pos % win])
+        assert np.array_equal(run.kv_rows[:win], state.window_kv, equal_nan=True), "decode rows != ring"
+    for slot, (pos, row) in ring.rows.items():
+        assert np.array_equal(state.window_kv[slot], row, equal_nan=True), f"state ring slot {slot}"
+    if not r:
+        return
+    comp = idx[:, nwin:].astype(np.int64)
+    assert np.array_equal(run.kv_rows[offset:], stack.shared.compress_kv[:width], equal_nan=True)
+    vis = hz_visible(start_pos, seqlen, r)
+    for s in range(seqlen):
+        row = comp[s]
+        n_valid = int(np.count_nonzero(row != -1))
+        valid = row[:n_valid]
+        assert np.all(row[n_valid:] == -1), f"row {s}: a -1 entry before a valid one: {row}"
+        assert np.all((valid >= offset) & (valid < offset + vis[s])), f"row {s} out of range: {row}"
+        assert np.all(np.diff(valid) > 0), f"row {s} not sorted: {row}"
+        if exact_count or start_pos > 0:
+            assert n_valid == min(k, vis[s]), (s, n_valid, k, vis[s], row)
+        else:
+            assert n_valid <= min(k, vis[s]), (s, n_valid, k, vis[s], row)

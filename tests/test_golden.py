@@ -186,6 +186,9 @@ def test_write_is_atomic_and_refuses_to_overwrite(tmp_path):
     with safe_open(path, framework="np") as f:
         assert f.metadata() == {"k": "w"}
     assert sorted(os.listdir(tmp_path)) == ["g.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):

@@ -1,0 +1,400 @@
+"""Hypothesis fuzzing of the public API, as a hostile user would call it.
+
+Every case must either raise ValueError/TypeError with a message that names the problem, or return
+a result that satisfies the structural invariants of SPEC.md (``naive.hz_check_step``): window rows
+as the formula says, the ring holding the newest row of each slot, compressed index entries in
+range or -1, sorted, ``min(index_topk, positions)`` of them, documented shapes. A call that is
+refused must leave the stack as it was. The whole file also runs with ``NUMBA_BOUNDSCHECK=1``
+(.ci/run), where an out-of-range index inside a kernel raises instead of reading garbage.
+
+The examples are derandomized so CI is reproducible; for a deeper local search set
+``DS41NUMBA_FUZZ_EXAMPLES`` (examples per test, e.g. 500) and ``DS41NUMBA_FUZZ_RANDOM=1``.
+"""
+
+import math
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+import naive
+from ds41numba import (AttentionStack, AttnConfig, act_quant_fp8_inplace, apply_rotary,
+                       fp4_quant_e4m3_inplace, fp4_quant_e8m0_inplace, is_bf16_valued,
+                       linear_bf16, linear_f32, pow2ceil, rms_norm, select_candidate_blocks,
+                       sparse_attn, to_bf16_rne, to_e2m1_rne, to_e4m3_rne, torch_cpu_topk_rows,
+                       torch_cpu_topk_set, weight_specs, window_index_rows, yarn_freqs_cis)
+from ds41numba.compressor import CompressorState, CompressorWeights, compressor
+from ds41numba.golden import make_weights
+from ds41numba.indexer import IndexerCfg, IndexerWeights, indexer
+
+RATIOS = [0, 1, 2, 3, 4, 7, 128]
+ERRORS = (ValueError, TypeError)
+
+
+def fuzz(examples):
+    """Settings for one fuzz test: ``examples`` by default, reproducible unless asked otherwise."""
+    n = int(os.environ.get("DS41NUMBA_FUZZ_EXAMPLES", examples))
+    return settings(max_examples=n, deadline=None, print_blob=True,
+                    derandomize=os.environ.get("DS41NUMBA_FUZZ_RANDOM") != "1",
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+def refused(call, *words):
+    """``call()`` must raise ValueError/TypeError whose message names the problem (all ``words``)."""
+    with pytest.raises(ERRORS) as info:
+        call()
+    msg = str(info.value).lower()
+    for w in words:
+        assert w.lower() in msg, f"message {str(info.value)!r} does not mention {w!r}"
+    return info.value
+
+
+def bf16(rng, shape, scale=1.0):
+    return to_bf16_rne((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+# =============================================================================== configs
+
+
+@st.composite
+def small_dims(draw):
+    """The non-topology fields of a small config (cheap to run)."""
+    n_heads = draw(st.integers(1, 4))
+    return dict(
+        dim=draw(st.integers(32, 64)), n_heads=n_heads, head_dim=draw(st.sampled_from([32, 64])),
+        rope_head_dim=draw(st.sampled_from([2, 8, 16])), q_lora_rank=draw(st.integers(8, 32)),
+        o_lora_rank=draw(st.integers(4, 24)),
+        o_groups=draw(st.sampled_from([g for g in range(1, n_heads + 1) if n_heads % g == 0])),
+        window_size=draw(st.integers(1, 33)), index_n_heads=draw(st.integers(1, 3)),
+        index_head_dim=32, index_topk=draw(st.integers(1, 12)),
+        candidate_topk_blocks=draw(st.integers(1, 4)), candidate_block_size=draw(st.integers(1, 5)),
+        compress_rope_theta=draw(st.sampled_from([40000.0, 160000.0])),
+        rope_factor=draw(st.sampled_from([1.0, 2.0, 16.0])),
+        original_seq_len=draw(st.sampled_from([0, 16, 64])), beta_fast=32, beta_slow=1,
+        rope_theta=10000.0, norm_eps=draw(st.sampled_from([1e-20, 1e-6])))
+
+
+@st.composite
+def valid_topology(draw, min_layers=1, max_layers=5, min_compressed=0):
+    """Ratios and roles that satisfy SPEC's sharing rules, built layer by layer: a compressed layer
+    becomes a kv / index source whenever the latest one has another ratio (else at random), and an
+    index source that is not a kv source needs a key owner of its ratio."""
+    n = draw(st.integers(min_layers, max_layers))
+    ratios = draw(st.lists(st.sampled_from(RATIOS), min_size=n, max_size=n))
+    if sum(r > 0 for r in ratios) < min_compressed:
+        for i in range(min_compressed):
+            ratios[-1 - i] = ratios[-1 - i] or draw(st.sampled_from(RATIOS[1:]))
+    kv, idx = [], []
+    last_kv = last_idx = last_owner = None
+    for i, r in enumerate(ratios):
+        if r == 0:
+            continue
+        is_kv = last_kv != r or draw(st.booleans())
+        is_idx = last_idx != r or draw(st.booleans())
+        if is_idx and not is_kv and last_owner != r:
+            is_kv = True
+        if is_kv:
+            kv.append(i)
+            last_kv = r
+        if is_idx:
+            idx.append(i)
+            last_idx = r
+        if is_kv and is_idx:
+            last_owner = r
+    cands = [c for c in idx if all(ratios[j] == ratios[c] for j in idx if j > c)]
+    cand = draw(st.sampled_from([-1] + cands)) if cands else -1
+    return dict(compress_ratios=ratios, kv_source_layers=kv, index_source_layers=idx,
+                candidate_source_layer=cand)
+
+
+def topology_ok(d):
+    """SPEC's sharing rules, checked independently of config.py: None if they hold, else a reason."""
+    ratios, kv, idx, c = (d["compress_ratios"], d["kv_source_layers"], d["index_source_layers"],
+                          d["candidate_source_layer"])
+    n = len(ratios)
+    if n == 0 or any(r < 0 for r in ratios):
+        return "ratios"
+    for ids in (kv, idx):
+        if len(set(ids)) != len(ids) or any(not 0 <= i < n or ratios[i] == 0 for i in ids):
+            return "ids"
+    for i, r in enumerate(ratios):
+        if r == 0:
+            continue
+        ks = [s for s in kv if s <= i]
+        xs = [s for s in idx if s <= i]
+        if not ks or ratios[max(ks)] != r or not xs or ratios[max(xs)] != r:
+            return f"layer {i} sources"
+        if i in idx:
+            owners = [s for s in kv if s <= i and s in idx]
+            if not owners or ratios[max(owners)] != r:
+                return f"layer {i} key owner"
+    if not -1 <= c < n:
+        return "candidate range"
+    if c >= 0 and (c not in idx or any(ratios[j] != ratios[c] for j in idx if j > c)):
+        return "candidate"
+    return None
+
+
+# =============================================================================== config fuzz
+
+_BAD_VALUES = [0, -1, -7, 1.5, float("nan"), float("inf"), -0.0, True, False, None, "8", [], 2**70]
+_FIELDS = ["dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
+           "window_size", "index_n_heads", "index_head_dim", "index_topk", "candidate_topk_blocks",
+           "candidate_block_size", "compress_rope_theta", "rope_factor", "original_seq_len",
+           "beta_fast", "beta_slow", "rope_theta", "norm_eps", "max_seq_len",
+           "candidate_source_layer"]
+
+
+@fuzz(250)
+@given(dims=small_dims(), data=st.data())
+def test_fuzz_config(dims, data):
+    """Random topologies (valid and not) and hostile field values: ValueError/TypeError naming the
+    field, or a config whose topology really satisfies the rules and whose stack runs a prefill."""
+    n = data.draw(st.integers(0, 5), "n_layers")
+    topo = dict(
+        compress_ratios=data.draw(st.lists(st.sampled_from(RATIOS + [-1]), min_size=n, max_size=n)),
+        kv_source_layers=data.draw(st.lists(st.integers(-1, n), max_size=3)),
+        index_source_layers=data.draw(st.lists(st.integers(-1, n), max_size=4)),
+        candidate_source_layer=data.draw(st.integers(-2, n)))
+    if data.draw(st.booleans(), "valid topology"):
+        topo = data.draw(valid_topology())
+    fields = {**dims, **topo, "max_seq_len": data.draw(st.integers(1, 300), "max_seq_len")}
+    bad = data.draw(st.lists(st.tuples(st.sampled_from(_FIELDS + ["compress_ratios"]),
+                                       st.sampled_from(_BAD_VALUES)), max_size=2), "bad fields")
+    for name, value in bad:
+        if name == "compress_ratios" and fields[name]:
+            fields[name] = [value] + list(fields[name][1:])
+        else:
+            fields[name] = value
+    try:
+        cfg = AttnConfig.from_dict(fields)
+    except ERRORS as e:
+        msg = str(e)
+        assert msg.startswith("config:"), msg
+        named = [name for name, _ in bad] + ["compress_ratios", "kv_source", "index_source",
+                                              "candidate", "layer", "ratio", "head_dim", "rope",
+                                              "o_groups", "index"]
+        assert any(w in msg for w in named), msg
+        return
+    # Accepted: every field holds what a reference ModelArgs would (ints as ints, reals finite).
+    for name in _FIELDS:
+        v = getattr(cfg, name)
+        assert not isinstance(v, bool), (name, v)
+        assert isinstance(v, (int, float)) and math.isfinite(v), (name, v)
+    assert all(type(r) is int for r in cfg.compress_ratios)
+    reason = topology_ok(cfg.to_dict())
+    assert reason is None, f"accepted a config that breaks the rules: {reason}: {cfg.to_dict()}"
+    if cfg.max_seq_len > 4096 or cfg.window_size * cfg.head_dim > 1 << 20:
+        return
+    stack = AttentionStack(cfg, make_weights(cfg, None, 0))
+    x = naive.hz_random_x(np.random.default_rng(0), min(3, cfg.max_seq_len), cfg.dim)
+    for i in range(cfg.n_layers):
+        run = stack.forward(i, x, 0)
+        assert run.out.shape == x.shape and np.isfinite(run.out).all()
+
+
+# =============================================================================== stack runs
+
+
+@st.composite
+def stack_plan(draw, min_compressed=0):
+    dims = draw(small_dims())
+    topo = draw(valid_topology(min_compressed=min_compressed))
+    prefill = draw(st.one_of(st.integers(1, 24), st.integers(1, 300),
+                             st.sampled_from([120, 126, 127, 128, 129])))
+    decode = draw(st.integers(0, 20))
+    cfg = AttnConfig(**dims, **topo, max_seq_len=prefill + decode + draw(st.integers(0, 3)))
+    return cfg, prefill, decode
+
+
+def non_finite(rng, x, kind):
+    """Put NaN / +-inf into a random row (whole row or one element) of x."""
+    v = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[kind]
+    x = x.copy()
+    row = rng.integers(0, x.shape[0])
+    if rng.integers(0, 2):
+        x[row] = v
+    else:
+        x[row, rng.integers(0, x.shape[1])] = v
+    return x
+
+
+@fuzz(30)
+@given(plan=stack_plan(), seed=st.integers(0, 2**32 - 1),
+       poison=st.sampled_from([None, None, None, "nan", "inf", "-inf"]),
+       twin=st.booleans())
+def test_fuzz_stack(plan, seed, poison, twin):
+    """A prefill and decode steps that cross group and window boundaries, on random configs and
+    weights, inputs sometimes carrying NaN / inf: every step satisfies the invariants; with finite
+    inputs the output is finite; a second stack run without capture gives the same bits."""
+    cfg, prefill, decode = plan
+    note(f"config {cfg.to_dict()} prefill {prefill} decode {decode}")
+    rng = np.random.default_rng(seed)
+    weights = make_weights(cfg, None, seed)
+    stack = AttentionStack(cfg, weights)
+    other = AttentionStack(cfg, weights) if twin else None
+    rings = {i: naive.HzRing(cfg.window_size) for i in range(cfg.n_layers)}
+    poison_step = rng.integers(0, decode + 1) if poison else None
+    finite = True
+    steps = [(0, prefill)] + [(prefill + s, 1) for s in range(decode)]
+    for step, (start_pos, seqlen) in enumerate(steps):
+        for i in range(cfg.n_layers):
+            x = naive.hz_random_x(rng, seqlen, cfg.dim)
+            if step == poison_step and rng.integers(0, 2):
+                x = non_finite(rng, x, poison)
+                finite = False
+            run = stack.forward(i, x, start_pos, capture=True)
+            src = cfg.index_source_of(i) if cfg.ratio(i) else None
+            exact = finite and not (src is not None and cfg.uses_candidates(src))
+            naive.hz_check_step(cfg, stack, i, run, start_pos, seqlen, rings[i], exact)
+            if finite:
+                assert np.isfinite(run.out).all(), f"layer {i} step {step}: non-finite output"
+            if other is not None:
+                got = other.forward(i, x, start_pos).out
+                assert np.array_equal(got, run.out, equal_nan=True), f"layer {i} step {step}: capture"
+
+
+# =============================================================================== call order
+
+
+@fuzz(30)
+@given(plan=stack_plan(min_compressed=2), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_fuzz_call_order(plan, seed, data):
+    """Layers called in random orders, repeated and skipped, within each step: a call is either
+    refused with a ValueError that says what to run first, or returns exactly what the in-order run
+    (the reference's order) returned for that layer and step."""
+    cfg, prefill, decode = plan
+    decode = min(decode, 6)
+    note(f"config {cfg.to_dict()} prefill {prefill} decode {decode}")
+    weights = make_weights(cfg, None, seed)
+    rng = np.random.default_rng(seed)
+    steps = [(0, prefill)] + [(prefill + s, 1) for s in range(decode)]
+    xs = {(s, i): naive.hz_random_x(rng, n, cfg.dim) for s, (_, n) in enumerate(steps)
+          for i in range(cfg.n_layers)}
+    ref = AttentionStack(cfg, weights)
+    want = {(s, i): ref.forward(i, xs[s, i], p).out for s, (p, _) in enumerate(steps)
+            for i in range(cfg.n_layers)}
+    stack = AttentionStack(cfg, weights)
+    layers = list(range(cfg.n_layers))
+    for s, (start_pos, _) in enumerate(steps):
+        order = data.draw(st.lists(st.sampled_from(layers), max_size=2 * cfg.n_layers)
+                          | st.permutations(layers), f"order of step {s}")
+        for i in order:
+            try:
+                run = stack.forward(i, xs[s, i], start_pos)
+            except ValueError as e:
+                msg = str(e)
+                assert f"layer {i}" in msg and ("run" in msg or "follow" in msg), msg
+                continue
+            assert np.array_equal(run.out, want[s, i], equal_nan=True), \
+                f"step {s}: layer {i} accepted in order {order} but its output differs"
+
+
+# =============================================================================== bad inputs
+
+
+def _tiny_stack(seed=0):
+    cfg = AttnConfig(dim=40, n_heads=2, head_dim=32, rope_head_dim=8, q_lora_rank=16,
+                     o_lora_rank=8, o_groups=1, window_size=5, compress_ratios=[0, 2, 2, 1],
+                     kv_source_layers=[1, 3], index_source_layers=[1, 3],
+                     candidate_source_layer=1, candidate_topk_blocks=2, candidate_block_size=2,
+                     index_n_heads=2, index_head_dim=32, index_topk=3, max_seq_len=24)
+    return cfg, make_weights(cfg, None, seed)
+
+
+_X_BENIGN = ["noncontig", "fortran", "readonly", "bfloat16", "plain"]
+_X_BAD = ["float64", "float16", "int32", "bool", "complex64", "object", "str", "1d", "3d", "0d",
+          "dim", "empty", "non_bf16", "list"]
+_POS_BAD = ["negative", "float", "bool", "none", "str", "past_max", "not_following", "chunked",
+            "layer_neg", "layer_big", "layer_float", "layer_str"]
+
+
+def _mutate_x(kind, x, rng):
+    if kind == "noncontig":
+        wide = np.repeat(x, 2, axis=1)
+        return wide[:, ::2]
+    if kind == "fortran":
+        return np.asfortranarray(x)
+    if kind == "readonly":
+        y = x.copy()
+        y.setflags(write=False)
+        return y
+    if kind == "bfloat16":
+        return x.astype(ml_dtypes.bfloat16)
+    if kind == "plain":
+        return x
+    if kind in ("float64", "float16", "int32", "bool", "complex64", "object", "str"):
+        return x.astype(kind if kind != "str" else "U8")
+    if kind == "1d":
+        return x.reshape(-1)
+    if kind == "3d":
+        return x[None]
+    if kind == "0d":
+        return np.float32(1.0)
+    if kind == "dim":
+        return np.concatenate([x, x[:, :1]], axis=1) if rng.integers(0, 2) else x[:, :-1].copy()
+    if kind == "empty":
+        return x[:0]
+    if kind == "non_bf16":
+        y = x.copy()
+        y[rng.integers(0, y.shape[0]), rng.integers(0, y.shape[1])] += np.float32(2.0 ** -12)
+        y.view(np.uint32).reshape(-1)[0] |= 1
+        return y
+    if kind == "list":
+        return x.tolist()
+    raise AssertionError(kind)
+
+
+_X_WORDS = {"float64": "float32", "float16": "float32", "int32": "float32", "bool": "float32",
+            "complex64": "float32", "object": "float32", "str": "float32", "list": "float32",
+            "1d": "shape", "3d": "shape", "0d": "shape", "dim": "shape", "empty": "empty",
+            "non_bf16": "bf16"}
+
+
+@fuzz(60)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 6),
+       kind=st.sampled_from(_X_BENIGN + _X_BAD + _POS_BAD), layer=st.integers(0, 3))
+def test_fuzz_bad_step(seed, steps, kind, layer):
+    """A bad x, start_pos or layer id at some point of a run: refused naming the problem, and the
+    refused call changes nothing (the run continues exactly as a twin that never saw it). Non-
+    contiguous, Fortran-ordered, read-only and bfloat16 inputs are fine and give the same bits."""
+    cfg, weights = _tiny_stack()
+    rng = np.random.default_rng(seed)
+    stack, twin = AttentionStack(cfg, weights), AttentionStack(cfg, weights)
+    prefill = 4
+    positions = [0] + list(range(prefill, prefill + steps))
+    for p in positions:
+        seqlen = prefill if p == 0 else 1
+        for i in range(cfg.n_layers):
+            x = naive.hz_random_x(rng, seqlen, cfg.dim)
+            want = twin.forward(i, x, p).out
+            if i == layer and p == positions[-1] and kind in _X_BENIGN:
+                arg = _mutate_x(kind, x, rng)
+                keep = np.array(arg, dtype=np.float32, copy=True)
+                got = stack.forward(i, arg, p).out
+                assert np.array_equal(np.asarray(arg, dtype=np.float32), keep), "x was modified"
+            else:
+                if i == layer and p == positions[-1]:
+                    _refused_step(stack, kind, i, x, p, rng, cfg)
+                got = stack.forward(i, x, p).out
+            assert np.array_equal(got, want, equal_nan=True), f"layer {i} at {p} after {kind}"
+
+
+def _refused_step(stack, kind, i, x, p, rng, cfg):
+    if kind in _X_BAD:
+        refused(lambda: stack.forward(i, _mutate_x(kind, x, rng), p), "x", _X_WORDS[kind])
+        return
+    word = "layer" if kind.startswith("layer") else "max_seq_len" if kind == "past_max" else "start_pos"
+    args = {"negative": (i, x, -1 - p), "float": (i, x, float(p)), "bool": (i, x, bool(p)),
+            "none": (i, x, None), "str": (i, x, str(p)),
+            "past_max": (i, naive.hz_random_x(rng, cfg.max_seq_len + 1 - p, cfg.dim), p)
+            if p == 0 else (i, x, cfg.max_seq_len),
+            "not_following": (i, x, p + 1 + int(rng.integers(0, 3))),
+            "chunked": (i, naive.hz_random_x(rng, 2, cfg.dim), max(p, 1)),
+            "layer_neg": (-1, x, p), "layer_big": (cfg.n_layers, x, p),
+            "layer_float": (float(i), x, p), "layer_str": (str(i), x, p)}[kind]
+    refused(lambda: stack.forward(*args), word)
