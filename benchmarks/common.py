@@ -222,21 +222,6 @@ def matvec_set(config, layer: int, weights: dict) -> list[tuple[np.ndarray, np.n
     return pairs
 
 
-def matvec_time(pairs, reps: int = 9) -> dict:
-    """numpy's time for all of ``pairs`` (``x @ W.T``, one row each): median of ``reps`` passes."""
-    for x, w in pairs:
-        x @ w.T
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for x, w in pairs:
-            x @ w.T
-        samples.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(samples), "samples": samples,
-            "bytes": int(sum(w.nbytes for _, w in pairs)),
-            "flops": int(sum(2 * w.shape[0] * w.shape[1] for _, w in pairs))}
-
-
 def matvec_once(pairs) -> float:
     t0 = time.perf_counter()
     for x, w in pairs:

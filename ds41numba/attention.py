@@ -88,10 +88,27 @@ def window_index_rows(start_pos: int, seqlen: int, window: int) -> np.ndarray:
     return np.where(slots > start_pos, -1, slots).astype(np.int32)[None, :]
 
 
-def _attend_queries(q, kv, idx, sink, scale, o, lo, hi):
+def _gather_rows(parts, starts, ids):
+    """Rows ``ids`` of the row blocks ``parts`` stacked end to end (``starts``: first row ids).
+
+    Index rows list the window entries before the compressed ones, so the ids fall into the
+    blocks in order and each block is gathered on its own, without stacking the blocks.
+    """
+    if len(parts) == 1:
+        return np.take(parts[0], ids, axis=0)
+    block = np.searchsorted(starts, ids, side="right") - 1
+    if np.any(block[1:] < block[:-1]):
+        return np.take(np.concatenate(parts), ids, axis=0)
+    cut = np.searchsorted(block, np.arange(1, len(parts)), side="left")
+    bounds = [0, *cut, len(ids)]
+    return np.concatenate([np.take(part, ids[a:b] - start, axis=0)
+                           for part, start, a, b in zip(parts, starts, bounds[:-1], bounds[1:])])
+
+
+def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi):
     """Queries ``lo .. hi-1`` of :func:`sparse_attn`, written into ``o``."""
     for s in range(lo, hi):
-        rows = np.take(kv, idx[s][idx[s] >= 0], axis=0)
+        rows = _gather_rows(parts, starts, idx[s][idx[s] >= 0])
         if rows.shape[0] == 0:
             continue
         # Scores as [rows, heads]: both products then run untransposed through BLAS.
@@ -111,8 +128,9 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
                 softmax_scale: float) -> np.ndarray:
     """Attention of each query over its listed KV rows, with a sink logit per head.
 
-    ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads), ``idx [S, W]`` (-1 = skip),
-    ``attn_sink [H]``. Softmax in f32 over the listed scores plus the sink, which joins only
+    ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads; or a tuple of row blocks that
+    stack to it, e.g. the window rows and the compressed cache, so that they need not be copied
+    together), ``idx [S, W]`` (-1 = skip), ``attn_sink [H]``. Softmax in f32 over the listed scores plus the sink, which joins only
     the denominator. A query with no listed row outputs zeros. Result rounded to bf16.
 
     All heads of a query read the same rows, so each query is two small matrix products
@@ -124,15 +142,17 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     S, H, hd = q.shape
     scale = np.float32(softmax_scale)
     sink = attn_sink.astype(np.float32)
+    parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
+    starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
     o = np.zeros((S, H, hd), np.float32)
     workers = min(numba.get_num_threads(), S)
     if workers <= 1:
-        _attend_queries(q, kv, idx, sink, scale, o, 0, S)
+        _attend_queries(q, parts, starts, idx, sink, scale, o, 0, S)
     else:
         bounds = np.linspace(0, S, workers + 1).astype(int)
         with threadpool_limits(limits=1, user_api="blas"):
             jobs = [_pool(numba.config.NUMBA_NUM_THREADS).submit(
-                        _attend_queries, q, kv, idx, sink, scale, o, lo, hi)
+                        _attend_queries, q, parts, starts, idx, sink, scale, o, lo, hi)
                     for lo, hi in zip(bounds[:-1], bounds[1:])]
             for job in jobs:
                 job.result()
@@ -188,7 +208,7 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
 
     index_score = None
     if r == 0:
-        kv_rows, idx_comp = window_rows, np.zeros((seqlen, 0), np.int32)
+        kv_rows, idx_comp = (window_rows,), np.zeros((seqlen, 0), np.int32)
     else:
         width = end_pos // r
         latents = lpos = None
@@ -221,7 +241,7 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
             state.compress_cache[first_row:first_row + len(lat)] = lat
         if c.is_kv_source(layer_id):
             shared.compress_kv = state.compress_cache
-        kv_rows = np.concatenate([window_rows, shared.compress_kv[:width]])
+        kv_rows = (window_rows, shared.compress_kv[:width])
         idx_comp = shared.topk_idxs
     idx = np.concatenate([idx_window, idx_comp], axis=1).astype(np.int32)
 
@@ -243,5 +263,6 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
         out[s0:s1] = output_projection(o.reshape(s1 - s0, H * hd), weights.wo_a, weights.wo_b)
     if not capture:
         return CompAttnRun(out=out)
-    return CompAttnRun(out=out, q=q_cap, kv_rows=kv_rows, idx=idx, topk=idx.shape[1], o=o_cap,
+    return CompAttnRun(out=out, q=q_cap, kv_rows=np.concatenate(kv_rows), idx=idx,
+                       topk=idx.shape[1], o=o_cap,
                        index_score=index_score)

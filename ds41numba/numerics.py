@@ -455,7 +455,8 @@ def linear_bf16(x, w):
     if isinstance(w, Bf16Matrix):
         x = _as_f32_array(x, "linear_bf16: x")
         rows = x.size // max(x.shape[-1], 1) if x.ndim else 0
-        if x.ndim >= 1 and x.shape[-1] == w.in_features and 0 < rows <= MATVEC_MAX_ROWS:
+        if (x.ndim >= 1 and x.shape[-1] == w.in_features and 0 < rows <= MATVEC_MAX_ROWS
+                and w.f32.size >= _MATVEC_MIN_SIZE):
             return w.matvec(x)
         w = w.f32
     y = linear_f32(x, w)
@@ -473,6 +474,8 @@ def linear_bf16(x, w):
 _MV_BLOCK = 64
 #: At most this many input rows take the fused bf16-bits kernel; more go through BLAS.
 MATVEC_MAX_ROWS = 8
+# Smaller weights are cheap to read whatever their format: BLAS, without a parallel launch.
+_MATVEC_MIN_SIZE = 1 << 20
 
 
 @njit(parallel=True, cache=True)

@@ -1,0 +1,481 @@
+"""Where ds41numba stands against numpy: ``python -m benchmarks.report`` (from the repo root).
+
+One command prints, for the kernels and the production layers (v41-flash layers 0, 2, 20):
+useful GFLOP/s (see ``benchmarks/common.py`` for what counts) next to numpy's f32 matrix-product
+rate measured in the same process, the decode step's time next to numpy's time for that layer's
+projection matrix-vector products alone (f32 weights, one row), and peak RSS. It ends with the
+ratios the project quotes:
+
+* prefill of layer 20 at 4,096 tokens: useful FLOP/s / numpy matmul FLOP/s   (target >= 0.70)
+* prefill of layer 20 at 65,536 tokens (``--long 65536``): completes, peak RSS <= 6 GB
+* decode step of layer 20 at 4,096 context / numpy projection matvecs         (target <= 0.8)
+* the same at 65,536 context                                                  (target <= 1.0)
+
+Kernels run in this process (each peak RSS reset through ``/proc/self/clear_refs``). Every layer
+measurement runs in a subprocess of its own, so its peak RSS is its own; that subprocess also
+measures numpy's matmul rate (before and after the layer) and, for decode, interleaves numpy's
+matvec pass with the decode steps, so each ratio compares numbers taken side by side.
+A decode at context C first prefills C tokens; when C is also a prefill size, one subprocess
+serves both.
+
+Options: ``--sizes 1024,4096,16384`` (prefill), ``--decode-context 4096,65536``, ``--quick``
+(sizes 1024,4096, decode 4096, fewer repeats), ``--long 65536`` (opt-in, many minutes),
+``--layers 0,2,20``, ``--no-kernels``, ``--no-layers``, ``--repeat N``, ``--profile N`` (top N
+functions by own time, per layer run, from cProfile), ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+
+from . import common
+
+TARGET_PREFILL_RATIO = 0.70
+TARGET_DECODE_RATIO = {4096: 0.8, 65536: 1.0}
+TARGET_LONG_PEAK = 6 * 1024 ** 3
+TARGET_PREFILL_TOKENS = 4096
+TARGET_LONG_TOKENS = 65536
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _ints(text: str, minimum: int = 1) -> list[int]:
+    try:
+        vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < minimum for v in vals):
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+    return vals
+
+
+def _layer_ids(text: str) -> list[int]:
+    return _ints(text, minimum=0)
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+# ====================================================================== the layer worker
+
+
+def _profile_rows(prof: cProfile.Profile, top: int) -> list[dict]:
+    st = pstats.Stats(prof, stream=io.StringIO())
+    total = st.total_tt or 1e-12
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _) in st.stats.items():
+        rows.append({"function": f"{os.path.basename(file)}:{line}({func})", "calls": nc,
+                     "tottime": tt, "cumtime": ct, "share": tt / total})
+    rows.sort(key=lambda r: -r["tottime"])
+    return rows[:top]
+
+
+def run_worker(args) -> dict:
+    """One layer measurement in this (fresh) process; the result is printed as JSON."""
+    import numpy as np
+
+    layer, tokens = args.layer, args.prefill
+    steps = args.decode_steps
+    tag = f"[layer {layer}, {tokens} tokens]"
+    out = {"layer": layer, "tokens": tokens, "pid": os.getpid()}
+    mm = [common.matmul_rate(reps=5)]
+    _log(f"{tag} numpy matmul {mm[0]['gflops']:.1f} GFLOP/s; building weights and stack")
+    t0 = time.perf_counter()
+    stack = common.build_stack(layer, tokens + (steps + 1 if steps else 0))
+    cfg = stack.config
+    out["setup_seconds"] = time.perf_counter() - t0
+    common.warm_up(stack, layer, min(tokens, common.WARMUP_TOKENS))
+    x = common.layer_input(layer, tokens)
+    out["flops"] = common.layer_flops(cfg, layer, 0, tokens)
+
+    prof = cProfile.Profile() if args.profile else None
+    times = []
+    for i in range(args.prefill_repeat):
+        last = i == args.prefill_repeat - 1
+        if prof is not None and last:
+            prof.enable()
+        t0 = time.perf_counter()
+        stack.forward(layer, x, 0)
+        times.append(time.perf_counter() - t0)
+        if prof is not None and last:
+            prof.disable()
+        _log(f"{tag} prefill {i + 1}/{args.prefill_repeat}: {times[-1]:.2f} s")
+    out["prefill_seconds"] = times
+    out["peak_rss"] = common.peak_rss_bytes()          # the whole process so far
+    if prof is not None:
+        out["prefill_profile"] = _profile_rows(prof, args.profile)
+    del x
+
+    if steps:
+        pairs = common.matvec_set(cfg, layer, common.layer_weights(layer))
+        inputs = common.decode_inputs(layer, tokens, steps + 1)
+        stack.forward(layer, inputs[0], tokens)         # warm: bf16 weight bits packed, etc.
+        common.matvec_once(pairs)
+        reset = common.reset_peak_rss()
+        prof = cProfile.Profile() if args.profile else None
+        dec, mv = [], []
+        for i in range(1, steps + 1):
+            if prof is not None:
+                prof.enable()
+            t0 = time.perf_counter()
+            stack.forward(layer, inputs[i], tokens + i)
+            dec.append(time.perf_counter() - t0)
+            if prof is not None:
+                prof.disable()
+            mv.append(common.matvec_once(pairs))
+        out["decode"] = {
+            "context": tokens, "step_seconds": dec, "matvec_seconds": mv,
+            "matvec_bytes": int(sum(w.nbytes for _, w in pairs)),
+            "matvec_flops": int(sum(2 * w.shape[0] * w.shape[1] for _, w in pairs)),
+            "flops": common.layer_flops(cfg, layer, tokens + 1, 1),
+            "peak_rss": common.peak_rss_bytes() if reset else None,
+        }
+        if prof is not None:
+            out["decode_profile"] = _profile_rows(prof, args.profile)
+        _log(f"{tag} decode: median step {1e3 * _median(dec):.1f} ms, numpy matvecs "
+             f"{1e3 * _median(mv):.1f} ms")
+    mm.append(common.matmul_rate(reps=5))
+    out["matmul_gflops"] = [r for m in mm for r in m["samples"]]
+    return out
+
+
+# ====================================================================== kernels (in process)
+
+
+def run_kernels(quick: bool) -> list[dict]:
+    results = []
+    reps, budget = (5, 3.0) if quick else (15, 8.0)
+    for name, case in common.kernel_cases().items():
+        if not common.private_available(case):
+            results.append({"name": name, "label": case.label, "shape": case.shape,
+                            "skipped": f"{case.private} no longer exists"})
+            continue
+        st = case.build()
+        if case.prepare:
+            case.prepare(st)
+        case.run(st)                       # warm
+        times = []
+        start = time.perf_counter()
+        peak = None
+        while len(times) < reps and (len(times) < 3 or time.perf_counter() - start < budget):
+            if case.prepare:
+                case.prepare(st)
+            if peak is None:
+                reset = common.reset_peak_rss()
+            t0 = time.perf_counter()
+            case.run(st)
+            times.append(time.perf_counter() - t0)
+            if peak is None:
+                peak = common.peak_rss_bytes() if reset else None
+        t = _median(times)
+        results.append({"name": name, "label": case.label, "shape": case.shape,
+                        "seconds": t, "samples": times, "flops": case.flops,
+                        "elements": case.elements, "peak_rss": peak})
+        _log(f"kernel {name}: {1e3 * t:.2f} ms")
+        del st
+    return results
+
+
+# ====================================================================== planning
+
+
+def plan_jobs(args) -> list[dict]:
+    """Layer subprocess jobs: ``{"layer", "tokens", "prefill_row", "decode", "long", "repeat"}``."""
+    jobs: dict[tuple[int, int], dict] = {}
+
+    def job(layer, tokens):
+        key = (layer, tokens)
+        if key not in jobs:
+            jobs[key] = {"layer": layer, "tokens": tokens, "prefill_row": False,
+                         "decode": False, "long": False}
+        return jobs[key]
+
+    for layer in args.layers:
+        for s in args.sizes:
+            job(layer, s)["prefill_row"] = True
+    for c in args.decode_context:
+        job(common.DECODE_LAYER, c)["decode"] = True
+    for n in args.long:
+        j = job(common.DECODE_LAYER, n)
+        j["long"] = j["prefill_row"] = True
+    for j in jobs.values():
+        if args.repeat:
+            j["repeat"] = args.repeat
+        elif args.quick or j["tokens"] > 4096 or not j["prefill_row"]:
+            j["repeat"] = 1
+        else:
+            j["repeat"] = 3
+    return sorted(jobs.values(), key=lambda j: (j["long"], j["tokens"], j["layer"]))
+
+
+def run_job(j: dict, args) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "benchmarks.report", "--_worker", "--layer", str(j["layer"]),
+           "--prefill", str(j["tokens"]), "--prefill-repeat", str(j["repeat"]),
+           "--decode-steps", str(args.decode_steps if j["decode"] else 0),
+           "--profile", str(args.profile)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    res = {"job": j, "wall_seconds": time.perf_counter() - t0, "returncode": proc.returncode}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode == 0 and lines:
+        res["result"] = json.loads(lines[-1])
+    else:
+        res["error"] = f"worker exited with status {proc.returncode}"
+    return res
+
+
+# ====================================================================== summary and printing
+
+
+def summarise(kernels, layer_runs, parent_mm) -> dict:
+    mm_parent = _median(parent_mm)
+    for k in kernels:
+        if "seconds" in k:
+            k["gflops"] = k["flops"] / k["seconds"] / 1e9 if k["flops"] else None
+            k["vs_matmul"] = k["gflops"] / mm_parent if k["gflops"] else None
+            k["gelem_per_s"] = k["elements"] / k["seconds"] / 1e9
+    prefill, decode, targets = [], [], {}
+    for run in layer_runs:
+        j = run["job"]
+        r = run.get("result")
+        if r is None:
+            row = {"layer": j["layer"], "tokens": j["tokens"], "error": run.get("error")}
+            if j["prefill_row"]:
+                prefill.append(row)
+            if j["decode"]:
+                decode.append({"context": j["tokens"], "error": run.get("error")})
+            if j["long"]:
+                targets[f"prefill_{j['tokens']}_long"] = {"completed": False, "error": run.get("error")}
+            continue
+        mm = _median(r["matmul_gflops"])
+        t = _median(r["prefill_seconds"])
+        gf = r["flops"]["total"] / t / 1e9
+        row = {"layer": r["layer"], "roles": common.layer_roles(r["layer"]), "tokens": r["tokens"],
+               "seconds": t, "samples": r["prefill_seconds"], "flops": r["flops"],
+               "gflops": gf, "matmul_gflops": mm, "ratio": gf / mm, "peak_rss": r["peak_rss"],
+               "profile": r.get("prefill_profile")}
+        if j["prefill_row"]:
+            prefill.append(row)
+        if r["layer"] == common.DECODE_LAYER and r["tokens"] == TARGET_PREFILL_TOKENS:
+            targets["prefill_4096"] = {"ratio": row["ratio"], "target": TARGET_PREFILL_RATIO,
+                                       "met": row["ratio"] >= TARGET_PREFILL_RATIO}
+        if j["long"]:
+            targets[f"prefill_{r['tokens']}_long"] = {
+                "completed": True, "seconds": t, "peak_rss": r["peak_rss"],
+                "target_peak_rss": TARGET_LONG_PEAK, "met": r["peak_rss"] <= TARGET_LONG_PEAK,
+                "ratio": row["ratio"]}
+        if "decode" in r:
+            d = r["decode"]
+            step, mv = _median(d["step_seconds"]), _median(d["matvec_seconds"])
+            drow = {"context": d["context"], "step_seconds": step, "samples": d["step_seconds"],
+                    "matvec_seconds": mv, "matvec_samples": d["matvec_seconds"],
+                    "ratio": step / mv, "matvec_gbytes_per_s": d["matvec_bytes"] / mv / 1e9,
+                    "flops": d["flops"], "gflops": d["flops"]["total"] / step / 1e9,
+                    "peak_rss": d["peak_rss"], "prefill_peak_rss": r["peak_rss"],
+                    "profile": r.get("decode_profile")}
+            decode.append(drow)
+            tgt = TARGET_DECODE_RATIO.get(d["context"])
+            if tgt is not None:
+                targets[f"decode_{d['context']}"] = {"ratio": drow["ratio"], "target": tgt,
+                                                     "met": drow["ratio"] <= tgt}
+    return {"matmul_gflops_parent": mm_parent, "matmul_samples_parent": parent_mm,
+            "kernels": kernels, "prefill": prefill, "decode": decode, "targets": targets}
+
+
+def _mb(b):
+    return "-" if b is None else f"{b / 2 ** 20:,.0f} MB"
+
+
+def _gb(b):
+    return "-" if b is None else f"{b / 2 ** 30:.2f} GB"
+
+
+def _f(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+
+def print_text(s: dict, meta: dict):
+    w = print
+    w(f"ds41numba benchmark report  ({meta['when']}, {meta['cpus']} CPUs, numba threads "
+      f"{meta['numba_threads']}, BLAS {meta['blas']}, load average {meta['load_before']} -> "
+      f"{meta['load_after']})")
+    w(f"numpy f32 matmul 2048x2048x2048 in this process: {s['matmul_gflops_parent']:.1f} GFLOP/s "
+      f"(median; samples {', '.join(f'{v:.0f}' for v in s['matmul_samples_parent'])})")
+    if s["kernels"]:
+        w("")
+        w("Kernels (median time; GFLOP/s = useful FLOPs / time; 'vs matmul' = GFLOP/s / numpy matmul)")
+        h = f"{'kernel':<20} {'shape':<34} {'time':>10} {'GFLOP/s':>8} {'vs matmul':>9} {'Gelem/s':>8} {'peak RSS':>9}"
+        w(h)
+        w("-" * len(h))
+        for k in s["kernels"]:
+            if "skipped" in k:
+                w(f"{k['name']:<20} {k['shape']:<34} skipped: {k['skipped']}")
+                continue
+            w(f"{k['name']:<20} {k['shape']:<34} {1e3 * k['seconds']:>8.2f}ms "
+              f"{_f(k['gflops'], '8.1f'):>8} {_f(k['vs_matmul'], '9.3f'):>9} "
+              f"{k['gelem_per_s']:>8.3f} {_mb(k['peak_rss']):>9}")
+    if s["prefill"]:
+        w("")
+        w("Prefill, one production layer (subprocess each; matmul = numpy's rate in that process; "
+          "peak = process peak RSS)")
+        h = (f"{'layer':>5} {'what':<40} {'tokens':>7} {'time s':>9} {'TFLOP':>7} {'GFLOP/s':>8} "
+             f"{'matmul':>7} {'ratio':>6} {'peak RSS':>9}")
+        w(h)
+        w("-" * len(h))
+        for p in s["prefill"]:
+            if "error" in p:
+                w(f"{p['layer']:>5} {'':<40} {p['tokens']:>7} FAILED: {p['error']}")
+                continue
+            w(f"{p['layer']:>5} {p['roles']:<40} {p['tokens']:>7} {p['seconds']:>9.2f} "
+              f"{p['flops']['total'] / 1e12:>7.2f} {p['gflops']:>8.1f} {p['matmul_gflops']:>7.1f} "
+              f"{p['ratio']:>6.3f} {_gb(p['peak_rss']):>9}")
+        w("  useful FLOPs split (projections / attention / indexer): " + "; ".join(
+            f"L{p['layer']}@{p['tokens']}: {p['flops']['projections'] / 1e12:.2f} / "
+            f"{p['flops']['attention'] / 1e12:.2f} / {p['flops']['indexer'] / 1e12:.2f} TFLOP"
+            for p in s["prefill"] if "flops" in p))
+    if s["decode"]:
+        w("")
+        w(f"Decode, one step of layer {common.DECODE_LAYER} (median of steps; numpy = the layer's "
+          "projection matvecs alone, f32 weights, interleaved with the steps)")
+        h = (f"{'context':>8} {'step ms':>9} {'numpy ms':>9} {'ratio':>6} {'numpy GB/s':>10} "
+             f"{'step GFLOP/s':>12} {'decode peak':>11} {'prefill peak':>12}")
+        w(h)
+        w("-" * len(h))
+        for d in s["decode"]:
+            if "error" in d:
+                w(f"{d['context']:>8} FAILED: {d['error']}")
+                continue
+            w(f"{d['context']:>8} {1e3 * d['step_seconds']:>9.2f} {1e3 * d['matvec_seconds']:>9.2f} "
+              f"{d['ratio']:>6.3f} {d['matvec_gbytes_per_s']:>10.1f} {d['gflops']:>12.1f} "
+              f"{_gb(d['peak_rss']):>11} {_gb(d['prefill_peak_rss']):>12}")
+    w("")
+    w("Targets")
+    t = s["targets"]
+
+    def verdict(ok):
+        return "MET" if ok else "NOT MET"
+
+    p = t.get("prefill_4096")
+    w(f"  prefill L{common.DECODE_LAYER} @ 4096: useful FLOP/s / numpy matmul = "
+      + (f"{p['ratio']:.3f}  (target >= {TARGET_PREFILL_RATIO})  {verdict(p['met'])}" if p
+         else "not measured (needs --sizes with 4096)"))
+    lk = t.get(f"prefill_{TARGET_LONG_TOKENS}_long")
+    if lk is None:
+        w(f"  prefill L{common.DECODE_LAYER} @ {TARGET_LONG_TOKENS}: not run (opt-in: --long {TARGET_LONG_TOKENS})")
+    elif not lk["completed"]:
+        w(f"  prefill L{common.DECODE_LAYER} @ {TARGET_LONG_TOKENS}: FAILED ({lk.get('error')})")
+    else:
+        w(f"  prefill L{common.DECODE_LAYER} @ {TARGET_LONG_TOKENS}: completed in {lk['seconds']:.0f} s, "
+          f"peak RSS {_gb(lk['peak_rss'])} (target <= 6 GB)  {verdict(lk['met'])}")
+    for c, tgt in TARGET_DECODE_RATIO.items():
+        d = t.get(f"decode_{c}")
+        w(f"  decode L{common.DECODE_LAYER} @ {c}: step / numpy matvecs = "
+          + (f"{d['ratio']:.3f}  (target <= {tgt})  {verdict(d['met'])}" if d
+             else f"not measured (--decode-context {c})"))
+    profiled = [(f"prefill L{p['layer']} @ {p['tokens']}", p["profile"]) for p in s["prefill"]
+                if p.get("profile")]
+    profiled += [(f"decode L{common.DECODE_LAYER} @ {d['context']}", d["profile"])
+                 for d in s["decode"] if d.get("profile")]
+    for title, rows in profiled:
+        w("")
+        w(f"Hotspots, {title} (cProfile, own time; share of the profiled run)")
+        for r in rows:
+            w(f"  {100 * r['share']:5.1f}%  {r['tottime']:8.3f} s  {r['calls']:>6} calls  {r['function']}")
+
+
+def _meta() -> dict:
+    import numba
+
+    try:
+        from threadpoolctl import threadpool_info
+
+        blas = ", ".join(f"{i['internal_api']} x{i['num_threads']}" for i in threadpool_info()
+                         if i.get("user_api") == "blas") or "?"
+    except ImportError:
+        blas = "?"
+    return {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
+            "numba_threads": numba.get_num_threads(), "blas": blas,
+            "python": platform.python_version(),
+            "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=_ints, default=None,
+                    help="prefill token counts (default 1024,4096,16384; --quick 1024,4096)")
+    ap.add_argument("--decode-context", type=_ints, default=None,
+                    help="decode contexts, each reached by a prefill (default 4096,65536; --quick 4096)")
+    ap.add_argument("--long", type=_ints, default=[],
+                    help="opt-in long prefill(s) of layer 20, e.g. 65536 (checks peak RSS <= 6 GB)")
+    ap.add_argument("--layers", type=_layer_ids, default=sorted(common.LAYERS),
+                    help="prefill layers (default 0,2,20)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
+    ap.add_argument("--repeat", type=int, default=0, help="prefill repeats per size (default 3, 1 above 4096 or --quick)")
+    ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 9; --quick 5)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="add the top N functions by own time (cProfile) of each layer run")
+    ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--no-layers", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    # The per-measurement subprocess.
+    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layer", type=int, default=common.DECODE_LAYER, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-repeat", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args._worker:
+        print(json.dumps(run_worker(args)), flush=True)
+        return 0
+
+    if args.sizes is None:
+        args.sizes = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    if args.decode_context is None:
+        args.decode_context = [4096] if args.quick else [4096, 65536]
+    if args.decode_steps is None:
+        args.decode_steps = 5 if args.quick else 9
+    if args.no_layers:
+        args.sizes, args.decode_context, args.long = [], [], []
+
+    meta = _meta()
+    t_start = time.perf_counter()
+    parent_mm = common.matmul_rate(reps=7)["samples"]
+    kernels = [] if args.no_kernels else run_kernels(args.quick)
+    layer_runs = []
+    for j in plan_jobs(args):
+        what = ", ".join(w for w, on in (("prefill", j["prefill_row"]), ("decode", j["decode"]),
+                                         ("long", j["long"])) if on)
+        _log(f"layer {j['layer']} at {j['tokens']} tokens ({what}), subprocess ...")
+        layer_runs.append(run_job(j, args))
+    parent_mm += common.matmul_rate(reps=7)["samples"]
+    meta["load_after"] = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    meta["wall_seconds"] = time.perf_counter() - t_start
+    summary = summarise(kernels, layer_runs, parent_mm)
+    if args.json:
+        print(json.dumps({"meta": meta, **summary}, indent=1))
+    else:
+        print_text(summary, meta)
+        print(f"\n(report took {meta['wall_seconds']:.0f} s)")
+    failed = any("error" in r for r in layer_runs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
