@@ -307,7 +307,9 @@ def _gb(b):
 
 
 def _f(v, fmt):
-    return "-" if v is None else format(v, fmt)
+    if v is None:
+        return "-"
+    return format(v, fmt) if abs(v) >= 0.1 else format(v, ".2g")
 
 
 def print_text(s: dict, meta: dict):

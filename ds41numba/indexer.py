@@ -24,6 +24,7 @@ from .rope import apply_rotary
 from .topk import torch_cpu_topk_rows
 
 __all__ = ["IndexerWeights", "IndexerCfg", "indexer", "index_keys", "select_candidate_blocks",
+           "candidate_mask",
            "visible_lengths"]
 
 # Elements of one tile's working arrays (the [tile, positions] scores and the
@@ -154,6 +155,13 @@ def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int
     return mask
 
 
+def candidate_mask(packed_blocks: np.ndarray, width: int, block_size: int) -> np.ndarray:
+    """Expand per-block candidates (bits packed along each row, ``np.packbits``) to ``[rows, width]``."""
+    n_blocks = -(-width // block_size)
+    blocks = np.unpackbits(packed_blocks, axis=1, count=n_blocks).astype(bool)
+    return np.repeat(blocks, block_size, axis=1)[:, :width]
+
+
 def select_candidate_blocks(scores: np.ndarray, clen, topk_blocks: int,
                             block_size: int) -> np.ndarray:
     """The candidate mask ``[rows, width]`` bool of the candidate source.
@@ -184,7 +192,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows); ``offset`` is
     added to every kept index (the number of window rows ahead of the compressed rows).
     Returns ``(topk_idxs [seqlen, k] int32, candidate_blocks or None, index_score or None)``:
-    the candidate source's per-block mask, and with ``capture`` the scores after the
+    the candidate source's per-block mask (bits packed along rows, see :func:`candidate_mask`), and with ``capture`` the scores after the
     visibility mask and before candidate masking.
     """
     seqlen = x.shape[0]
@@ -201,8 +209,10 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     topk_idxs = np.empty((seqlen, k), np.int32)
     published = None
     if cfg.candidate_source:
+        # One bit per block and query: the mask must outlive the step's later layers, and at
+        # long lengths a bool per position would be the largest array of the step.
         nb = (width + cfg.candidate_block_size - 1) // cfg.candidate_block_size
-        published = np.zeros((seqlen, nb), dtype=bool)
+        published = np.zeros((seqlen, (nb + 7) // 8), dtype=np.uint8)
     score_capture = np.empty((seqlen, width), np.float32) if capture else None
     tile = tile or max(1, min(256, _TILE_ELEMS // max(width, 1)))
     for s0 in range(0, seqlen, tile):
@@ -213,12 +223,11 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         if capture:
             score_capture[s0:s1] = scores
         if cfg.candidate_source:
-            published[s0:s1] = _candidate_block_mask(scores, clen[s0:s1],
-                                                     cfg.candidate_topk_blocks,
-                                                     cfg.candidate_block_size)
+            published[s0:s1] = np.packbits(_candidate_block_mask(
+                scores, clen[s0:s1], cfg.candidate_topk_blocks, cfg.candidate_block_size), axis=1)
         if cfg.use_candidates:
-            allowed = np.repeat(candidate_blocks[s0:s1], cfg.candidate_block_size, axis=1)
-            scores[~allowed[:, :width]] = -np.inf
+            allowed = candidate_mask(candidate_blocks[s0:s1], width, cfg.candidate_block_size)
+            scores[~allowed] = -np.inf
         picked = torch_cpu_topk_rows(scores, k) if k else np.zeros((s1 - s0, 0), np.int64)
         # Positions past a query's visible range are dropped; a candidate-masked position
         # inside it that top-k still picked (fewer candidates than k) stays valid.

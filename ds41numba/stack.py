@@ -12,14 +12,14 @@ the reference could have run them in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .attention import CompAttnRun, attention_any
 from .compressor import CompressorState, CompressorWeights
 from .config import AttnConfig
-from .indexer import IndexerWeights
+from .indexer import IndexerWeights, candidate_mask
 from .numerics import Bf16Matrix, is_bf16_valued
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "weight_specs"]
@@ -160,8 +160,8 @@ class SharedRuntime:
 
     ``compress_kv`` and ``index_k`` are the latest writer's whole cache; ``topk_idxs`` is the
     latest index source's selection (``[seqlen, k]`` int32, offsets applied); the candidate
-    source's mask is kept per block (``candidate_blocks [seqlen, n_blocks]``) and expanded to
-    positions on demand by :attr:`candidates`.
+    source's mask is kept per block, one bit each (``candidate_blocks``, packed along rows) and
+    expanded to positions on demand by :attr:`candidates`.
     """
 
     compress_kv: np.ndarray | None = None
@@ -170,16 +170,13 @@ class SharedRuntime:
     candidate_blocks: np.ndarray | None = None
     candidate_width: int = 0
     candidate_block_size: int = 1
-    # Which layer last wrote each slot, and at which step: for ordering checks.
-    writers: dict = field(default_factory=dict)
 
     @property
     def candidates(self) -> np.ndarray | None:
         """The candidate mask ``[seqlen, width]`` bool (None until the candidate source ran)."""
         if self.candidate_blocks is None:
             return None
-        full = np.repeat(self.candidate_blocks, self.candidate_block_size, axis=1)
-        return full[:, : self.candidate_width]
+        return candidate_mask(self.candidate_blocks, self.candidate_width, self.candidate_block_size)
 
 
 class AttentionStack:
