@@ -21,7 +21,7 @@ from numba import njit, prange
 from .numerics import (bf16_scalar, fp4_quant_e8m0_inplace, linear_bf16, rms_norm,
                        to_bf16_rne)
 from .rope import apply_rotary
-from .topk import torch_cpu_topk_rows
+from .topk import _partial_sort_set_into, _topk_set_into, torch_cpu_topk_rows
 
 __all__ = ["IndexerWeights", "IndexerCfg", "indexer", "index_keys", "select_candidate_blocks",
            "candidate_mask",
@@ -155,6 +155,27 @@ def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int
     return mask
 
 
+@njit(parallel=True, cache=True)
+def _select_rows(scores, clen, k, out):
+    """Each row's top-k set (torch's CPU tie order) into ``out [rows, k]``, ascending.
+
+    In the ``partial_sort`` branch (``k * 64 <= width``, every long row) the scan stops at the
+    row's visible length: past it every score is -inf, which never displaces the heap's top, so
+    the set is the one the whole row gives, at a cost that grows with what the query sees.
+    """
+    rows, width = scores.shape
+    for s in prange(rows):
+        if k * 64 <= width:
+            n = min(width, max(k, clen[s]))
+            sv = np.empty(k, np.float32)
+            si = np.empty(k, np.int64)
+            _partial_sort_set_into(scores[s, :n], k, out[s], sv, si)
+        else:
+            sv = np.empty(width, np.float32)
+            si = np.empty(width, np.int64)
+            _topk_set_into(scores[s], k, out[s], sv, si)
+
+
 def candidate_mask(packed_blocks: np.ndarray, width: int, block_size: int) -> np.ndarray:
     """Expand per-block candidates (bits packed along each row, ``np.packbits``) to ``[rows, width]``."""
     n_blocks = -(-width // block_size)
@@ -228,7 +249,9 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         if cfg.use_candidates:
             allowed = candidate_mask(candidate_blocks[s0:s1], width, cfg.candidate_block_size)
             scores[~allowed] = -np.inf
-        picked = torch_cpu_topk_rows(scores, k) if k else np.zeros((s1 - s0, 0), np.int64)
+        picked = np.zeros((s1 - s0, k), np.int64)
+        if k:
+            _select_rows(scores, clen[s0:s1], k, picked)
         # Positions past a query's visible range are dropped; a candidate-masked position
         # inside it that top-k still picked (fewer candidates than k) stays valid.
         topk_idxs[s0:s1] = np.where(picked >= clen[s0:s1, None], -1, picked + offset)

@@ -317,10 +317,21 @@ def _topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
                 out_idx[m] = j
                 m += 1
     else:
-        _heap_select_row(row_vals, k, scratch_vals, scratch_idx)
-        for j in range(k):
-            out_idx[j] = scratch_idx[j]
-        _heapsort_ints(out_idx, k)
+        _partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx)
+
+
+@njit(cache=True)
+def _partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
+    """The ``k * 64 <= n`` branch of ``_topk_set_into`` (``std::partial_sort``), whatever n is.
+
+    For callers that know the row continues with values that can never enter the heap (-inf
+    past a visible length): they may pass only the prefix, the branch being decided by the full
+    length. Scratch: k entries each.
+    """
+    _heap_select_row(row_vals, k, scratch_vals, scratch_idx)
+    for j in range(k):
+        out_idx[j] = scratch_idx[j]
+    _heapsort_ints(out_idx, k)
 
 
 # --------------------------------------------------------------------------- batched kernel

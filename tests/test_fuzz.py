@@ -247,7 +247,16 @@ def test_fuzz_stack(plan, seed, poison, twin):
             if step == poison_step and rng.integers(0, 2):
                 x = non_finite(rng, x, poison)
                 finite = False
-            run = stack.forward(i, x, start_pos, capture=True)
+            try:
+                run = stack.forward(i, x, start_pos, capture=True)
+            except ValueError as e:
+                # The one refusal a valid config may meet: an index source falls back on the keys
+                # another ratio's key owner published last, and they are too short for this step.
+                assert "shared index keys" in str(e), e
+                keys = stack.shared.index_k
+                width = (start_pos + seqlen) // cfg.ratio(i)
+                assert keys is None or keys.shape[0] < width, e
+                return
             src = cfg.index_source_of(i) if cfg.ratio(i) else None
             exact = finite and not (src is not None and cfg.uses_candidates(src))
             naive.hz_check_step(cfg, stack, i, run, start_pos, seqlen, rings[i], exact)
