@@ -174,79 +174,94 @@ def _default_tile(seqlen: int) -> int:
     return max(1, min(1024, seqlen))
 
 
-def attention_any(config, layer_id: int, weights, state, shared, states, x: np.ndarray,
-                  start_pos: int, capture: bool = False, tile: int | None = None):
-    """One layer's forward for any ratio; updates ``state`` and the ``shared`` slots.
+def _window_rows(config, weights, state, x, start_pos, positions, table):
+    """This step's window: the KV rows attention reads, their index rows, and the offset.
 
-    Inputs are assumed valid (``AttentionStack.forward`` checks them). ``states`` maps layer
-    ids to their states, for the caches of the layer's sources.
+    The new rows are normed, rotated and fp8-quantised. A prefill attends to all its new rows
+    and the ring keeps the last ``window_size`` of them; a decode step writes its row into the
+    ring and attends to the whole ring. The offset is the number of window rows, which the
+    compressed entries of an index row are shifted by.
+    """
+    seqlen, win = x.shape[0], config.window_size
+    kv = rms_norm(linear_bf16(x, weights.wkv), weights.kv_norm, config.norm_eps)
+    kv = act_quant_fp8_inplace(apply_rotary(kv, positions, table, inplace=True))
+    if start_pos == 0:
+        keep = min(seqlen, win)
+        state.window_kv[positions[-keep:] % win] = kv[-keep:]
+        rows = kv
+    else:
+        state.window_kv[start_pos % win] = kv[0]
+        rows = state.window_kv.copy()
+    return rows, window_index_rows(start_pos, seqlen, win), len(rows)
+
+
+def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos, table, offset,
+                     capture):
+    """Steps 4-7 for a ratio > 0 layer: compress, index, publish; return what attention reads.
+
+    Returns ``(rows, idx, index_score)``: the shared compressed cache up to ``end_pos // r``, the
+    compressed index entries (the shared selection, offsets applied) and, for index sources
+    with ``capture``, the scores.
     """
     c = config
     seqlen = x.shape[0]
-    end_pos = start_pos + seqlen
     r = c.ratio(layer_id)
-    win = c.window_size
-    eps = c.norm_eps
-    positions = np.arange(start_pos, end_pos, dtype=np.int64)
-    table = layer_rope_table(c, r, end_pos)
+    width = (start_pos + seqlen) // r
+    first_row = start_pos // r
+    latents = lpos = index_score = None
+    if c.is_kv_source(layer_id):
+        latents = compressor(x, start_pos, r, weights.compressor, state.compressor, c.norm_eps)
+        lpos = latent_positions(start_pos, seqlen, r)
+    if c.is_index_source(layer_id):
+        if c.is_key_owner(layer_id) and latents is not None:
+            # The key owner publishes its cache only on a step that wrote keys: otherwise the
+            # slot keeps the previous writer's cache (even another ratio's), as in the
+            # reference, and this layer scores against that.
+            keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps)
+            state.index_cache[first_row:first_row + len(keys)] = keys
+            shared.index_k = state.index_cache
+        if width == 0:
+            shared.topk_idxs = np.zeros((seqlen, 0), np.int32)
+        else:
+            cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
+            shared.topk_idxs, published, index_score = indexer(
+                x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
+                shared.index_k, offset, candidate_blocks=cands, capture=capture)
+            if published is not None:
+                shared.candidate_blocks = published
+                shared.candidate_width = width
+                shared.candidate_block_size = c.candidate_block_size
+    if latents is not None:
+        lat = fp4_quant_e4m3_inplace(apply_rotary(latents, lpos, table, inplace=True))
+        state.compress_cache[first_row:first_row + len(lat)] = lat
+    if c.is_kv_source(layer_id):
+        shared.compress_kv = state.compress_cache
+    return shared.compress_kv[:width], shared.topk_idxs, index_score
 
-    qr = rms_norm(linear_bf16(x, weights.wq_a), weights.q_norm, eps)
 
-    # Sliding window: this step's KV rows, fp8-quantised, kept in the ring.
-    kv_new = rms_norm(linear_bf16(x, weights.wkv), weights.kv_norm, eps)
-    kv_new = act_quant_fp8_inplace(apply_rotary(kv_new, positions, table, inplace=True))
-    if start_pos == 0:
-        keep = min(seqlen, win)
-        state.window_kv[positions[-keep:] % win] = kv_new[-keep:]
-        window_rows, offset = kv_new, seqlen
-    else:
-        state.window_kv[start_pos % win] = kv_new[0]
-        window_rows, offset = state.window_kv.copy(), win
-    idx_window = window_index_rows(start_pos, seqlen, win)
-    if idx_window.shape[0] != seqlen:
-        idx_window = np.broadcast_to(idx_window, (seqlen, idx_window.shape[1]))
+def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, start_pos: int,
+                  capture: bool = False, tile: int | None = None) -> CompAttnRun:
+    """One layer's forward for any ratio; updates ``state`` and the ``shared`` slots.
 
-    index_score = None
-    if r == 0:
-        kv_rows, idx_comp = (window_rows,), np.zeros((seqlen, 0), np.int32)
-    else:
-        width = end_pos // r
-        latents = lpos = None
-        if c.is_kv_source(layer_id):
-            latents = compressor(x, start_pos, r, weights.compressor, state.compressor, eps)
-            lpos = latent_positions(start_pos, seqlen, r)
-        first_row = start_pos // r
-        if c.is_index_source(layer_id):
-            if c.is_key_owner(layer_id) and latents is not None:
-                # The key owner publishes its cache only on a step that wrote keys: otherwise
-                # the slot keeps the previous writer's cache (even another ratio's), as in the
-                # reference, and this layer scores against that.
-                keys = index_keys(latents, lpos, weights.indexer, table, eps)
-                state.index_cache[first_row:first_row + len(keys)] = keys
-                shared.index_k = state.index_cache
-            if width == 0:
-                topk_idxs = np.zeros((seqlen, 0), np.int32)
-            else:
-                cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
-                topk_idxs, published, index_score = indexer(
-                    x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
-                    shared.index_k, offset, candidate_blocks=cands, capture=capture)
-                if published is not None:
-                    shared.candidate_blocks = published
-                    shared.candidate_width = width
-                    shared.candidate_block_size = c.candidate_block_size
-            shared.topk_idxs = topk_idxs
-        if latents is not None:
-            lat = fp4_quant_e4m3_inplace(apply_rotary(latents, lpos, table, inplace=True))
-            state.compress_cache[first_row:first_row + len(lat)] = lat
-        if c.is_kv_source(layer_id):
-            shared.compress_kv = state.compress_cache
-        kv_rows = (window_rows, shared.compress_kv[:width])
-        idx_comp = shared.topk_idxs
-    idx = np.concatenate([idx_window, idx_comp], axis=1).astype(np.int32)
-
+    Inputs are assumed valid (``AttentionStack.forward`` checks them). What every query needs
+    is built first (window rows, latents, index keys, the index selection); then the queries
+    run in tiles: projection, RoPE, sparse attention, inverse RoPE, output projection.
+    """
+    c = config
+    seqlen = x.shape[0]
     H, hd = c.n_heads, c.head_dim
-    scale = hd ** -0.5
+    positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
+    table = layer_rope_table(c, c.ratio(layer_id), start_pos + seqlen)
+
+    qr = rms_norm(linear_bf16(x, weights.wq_a), weights.q_norm, c.norm_eps)
+    window, idx_window, offset = _window_rows(c, weights, state, x, start_pos, positions, table)
+    kv_rows, idx_comp, index_score = (window,), np.zeros((seqlen, 0), np.int32), None
+    if c.ratio(layer_id) > 0:
+        comp, idx_comp, index_score = _compressed_rows(c, layer_id, weights, state, shared, x, qr,
+                                                       start_pos, table, offset, capture)
+        kv_rows = (window, comp)
+    idx = np.concatenate([idx_window, idx_comp], axis=1)
+
     out = np.empty((seqlen, c.dim), np.float32)
     q_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
     o_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
@@ -255,7 +270,7 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
         s1 = min(seqlen, s0 + step)
         q = linear_bf16(qr[s0:s1], weights.wq_b).reshape(s1 - s0, H, hd)
         q = apply_rotary(q, positions[s0:s1], table, inplace=True)
-        o = sparse_attn(q, kv_rows, idx[s0:s1], weights.attn_sink, scale)
+        o = sparse_attn(q, kv_rows, idx[s0:s1], weights.attn_sink, hd ** -0.5)
         if capture:
             q_cap[s0:s1] = q
             o_cap[s0:s1] = o
@@ -264,5 +279,4 @@ def attention_any(config, layer_id: int, weights, state, shared, states, x: np.n
     if not capture:
         return CompAttnRun(out=out)
     return CompAttnRun(out=out, q=q_cap, kv_rows=np.concatenate(kv_rows), idx=idx,
-                       topk=idx.shape[1], o=o_cap,
-                       index_score=index_score)
+                       topk=idx.shape[1], o=o_cap, index_score=index_score)

@@ -287,7 +287,7 @@ class AttentionStack:
         if cur_step is not None:
             self._step = cur_step
         run = attention_any(c, layer_id, self.weights[layer_id], state, self.shared,
-                            self.states, x, start_pos, capture=capture, tile=self.tile)
+                            x, start_pos, capture=capture, tile=self.tile)
         state.end_pos = start_pos + seqlen
         state.last_step = step
         self._ticks[layer_id] = self._tick

@@ -508,3 +508,243 @@ def hz_check_step(cfg, stack, layer, run, start_pos, seqlen, ring, exact_count):
             assert n_valid == min(k, vis[s]), (s, n_valid, k, vis[s], row)
         else:
             assert n_valid <= min(k, vis[s]), (s, n_valid, k, vis[s], row)
+
+
+# --- attention components ---
+# The parts of one attention layer, written as plain loops from SPEC.md's prose: the compressor
+# (prefill groups, the partial-group state, decode), the window index rows and ring, the indexer's
+# scores and candidate blocks, the index selection, sparse attention with a sink and the grouped
+# output projection. Dot products are computed in float64 (every product of two f32 values is
+# exact there) and rounded once to f32: a summation-order-free f32 accumulation. bf16 rounding,
+# RMSNorm and top-k come from the package (tested on their own in test_numerics / test_topk).
+
+import math as _ac_math
+
+import numpy as _ac_np
+
+from ds41numba import rms_norm as _ac_rms_norm
+from ds41numba import to_bf16_rne as _ac_bf16
+from ds41numba import torch_cpu_topk_set as _ac_topk_set
+
+_ac_f32 = _ac_np.float32
+_ac_f64 = _ac_np.float64
+
+
+def _ac_dot_f32(a, b):
+    """f32(sum_i a_i * b_i) of two f32 vectors, the sum taken in float64."""
+    return _ac_f32(_ac_np.dot(_ac_np.asarray(a, _ac_f64), _ac_np.asarray(b, _ac_f64)))
+
+
+def _ac_linear_f32(x_row, w):
+    """One row through ``[out, in]`` weights: f32 results (the ratio > 1 compressor's kv / gate)."""
+    return _ac_np.array([_ac_dot_f32(x_row, w[o]) for o in range(w.shape[0])], _ac_f32)
+
+
+def _ac_linear_bf16(x_row, w):
+    """bf16 linear of one row: products summed (here exactly) to f32, rounded to bf16 once."""
+    return _ac_bf16(_ac_linear_f32(x_row, w))
+
+
+def naive_pool_group(kv, score):
+    """One group's latent before rounding: per feature f, softmax over the group's r scores
+    (max-subtracted, exp in float64 rounded to f32, f32 sums in token order) and the f32 sum of
+    kv times those weights in token order. ``kv``, ``score`` ``[r, hd]`` f32."""
+    r, hd = kv.shape
+    out = _ac_np.zeros(hd, _ac_f32)
+    for f in range(hd):
+        m = max(float(score[j, f]) for j in range(r))
+        e = [_ac_f32(_ac_math.exp(float(_ac_f32(score[j, f] - _ac_f32(m))))) for j in range(r)]
+        denom = _ac_f32(0.0)
+        for j in range(r):
+            denom = _ac_f32(denom + e[j])
+        acc = _ac_f32(0.0)
+        for j in range(r):
+            acc = _ac_f32(acc + _ac_f32(kv[j, f]) * _ac_f32(e[j] / denom))
+        out[f] = acc
+    return out
+
+
+def naive_compressor(x_steps, ratio, wkv, wgate, norm, eps):
+    """Replay a prefill (``x_steps[0]``, at start_pos 0) then one-token decode steps through a
+    ratio-``ratio`` compressor (SPEC step 4).
+
+    Returns ``(latents, positions, kv_state, score_state)``: per step the pre-RoPE latents
+    ``[groups, hd]`` (None when the step makes none) and their positions (a list), and the final
+    partial-group state ``[r, hd]`` (None for ratio 1).
+    """
+    wkv = _ac_np.asarray(wkv, _ac_f32)
+    hd = wkv.shape[0]
+    kv_state = score_state = None
+    if ratio > 1:
+        kv_state = _ac_np.zeros((ratio, hd), _ac_f32)
+        score_state = _ac_np.full((ratio, hd), -_ac_np.inf, _ac_f32)
+        wgate = _ac_np.asarray(wgate, _ac_f32)
+    all_latents, all_positions = [], []
+    start_pos = 0
+    for x in x_steps:
+        x = _ac_np.asarray(x, _ac_f32)
+        seqlen = x.shape[0]
+        if ratio == 1:
+            pre = _ac_np.array([_ac_linear_bf16(x[t], wkv) for t in range(seqlen)], _ac_f32)
+            latents = _ac_rms_norm(pre.reshape(seqlen, hd), norm, eps)
+            positions = [start_pos + t for t in range(seqlen)]
+        else:
+            kv = [_ac_linear_f32(x[t], wkv) for t in range(seqlen)]
+            score = [_ac_linear_f32(x[t], wgate) for t in range(seqlen)]
+            groups, positions = [], []
+            if start_pos == 0:
+                full = seqlen - seqlen % ratio
+                for j in range(seqlen - full):           # trailing tokens -> slots 0 .. P%r-1
+                    kv_state[j] = kv[full + j]
+                    score_state[j] = score[full + j]
+                for g in range(full // ratio):
+                    groups.append((_ac_np.array(kv[g * ratio:(g + 1) * ratio]),
+                                   _ac_np.array(score[g * ratio:(g + 1) * ratio])))
+                    positions.append(g * ratio)
+            else:
+                slot = start_pos % ratio
+                kv_state[slot] = kv[0]
+                score_state[slot] = score[0]
+                if (start_pos + 1) % ratio == 0:
+                    groups.append((kv_state.copy(), score_state.copy()))
+                    positions.append(start_pos + 1 - ratio)
+            if groups:
+                pooled = _ac_np.array([naive_pool_group(k, s) for k, s in groups], _ac_f32)
+                latents = _ac_rms_norm(_ac_bf16(pooled), norm, eps)
+            else:
+                latents = None
+        all_latents.append(latents)
+        all_positions.append(positions)
+        start_pos += seqlen
+    return all_latents, all_positions, kv_state, score_state
+
+
+def naive_window_index_rows(start_pos, seqlen, win):
+    """SPEC step 2: prefill row t lists positions max(0, t - win + 1) + j for j < min(seqlen, win),
+    -1 where greater than t; decode lists the ring's slots oldest first, -1 past start_pos."""
+    rows = []
+    if start_pos == 0:
+        for t in range(seqlen):
+            row = []
+            for j in range(min(seqlen, win)):
+                p = max(0, t - win + 1) + j
+                row.append(-1 if p > t else p)
+            rows.append(row)
+        return _ac_np.array(rows, _ac_np.int64).reshape(seqlen, min(seqlen, win))
+    o = start_pos % win + 1
+    slots = list(range(o, win)) + list(range(0, o))
+    return _ac_np.array([[-1 if s > start_pos else s for s in slots]], _ac_np.int64)
+
+
+def naive_window_ring(prefill_rows, decode_rows, win):
+    """The ring after a prefill (``prefill_rows [P, hd]``, positions 0..P-1) and decode rows
+    (positions P, P+1, ...): slot p % win holds the last row written there, unwritten slots 0."""
+    prefill_rows = _ac_np.asarray(prefill_rows, _ac_f32)
+    P, hd = prefill_rows.shape
+    ring = _ac_np.zeros((win, hd), _ac_f32)
+    for p in range(max(0, P - win), P):        # the last min(P, win) rows
+        ring[p % win] = prefill_rows[p]
+    for i, row in enumerate(decode_rows):
+        ring[(P + i) % win] = row
+    return ring
+
+
+def naive_index_scores(iq, w, keys, clen):
+    """SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
+    ``keys [n, id]``: ``bf16(sum_h bf16(relu(bf16(iq[s,h] . keys[t])) * w[s,h]))``, the head sum
+    in f32 in head order; ``-inf`` for ``t >= clen[s]``. Returns ``[T, n]`` f32."""
+    T, ih, _ = iq.shape
+    n = keys.shape[0]
+    out = _ac_np.full((T, n), -_ac_np.inf, _ac_f32)
+    for s in range(T):
+        for t in range(min(int(clen[s]), n)):
+            acc = _ac_f32(0.0)
+            for h in range(ih):
+                d = _ac_bf16(_ac_dot_f32(iq[s, h], keys[t]))
+                r = d if d > 0 else _ac_f32(0.0)
+                acc = _ac_f32(acc + _ac_bf16(_ac_f32(r * _ac_f32(w[s, h]))))
+            out[s, t] = _ac_bf16(acc)
+    return out
+
+
+def naive_select_candidate_blocks(scores, clen, topk_blocks, block):
+    """SPEC "select_candidate_blocks": block maxima (width padded with -inf), the newest visible
+    block pinned to +inf, torch's CPU top-k over the blocks, blocks above -inf kept, expanded."""
+    scores = _ac_np.asarray(scores, _ac_f32)
+    rows, width = scores.shape
+    n_blocks = -(-width // block)
+    k = min(topk_blocks, n_blocks)
+    mask = _ac_np.zeros((rows, width), bool)
+    for s in range(rows):
+        bs = _ac_np.full(n_blocks, -_ac_np.inf, _ac_f32)
+        for b in range(n_blocks):
+            for t in range(b * block, (b + 1) * block):
+                v = scores[s, t] if t < width else _ac_f32(-_ac_np.inf)
+                if v > bs[b]:
+                    bs[b] = v
+        c = int(clen[s])
+        if c > 0:
+            bs[(c - 1) // block] = _ac_np.inf
+        for b in _ac_topk_set(bs, k):
+            if bs[b] > -_ac_np.inf:
+                for t in range(b * block, min((b + 1) * block, width)):
+                    mask[s, t] = True
+    return mask
+
+
+def naive_topk_idxs(scores, clen, k, offset, candidates=None):
+    """SPEC step 5's selection: candidate-masked scores (when ``candidates`` is given), torch's
+    top-k set sorted ascending, -1 for an index >= clen[s], else index + offset."""
+    scores = _ac_np.array(scores, _ac_f32)
+    if candidates is not None:
+        scores[~_ac_np.asarray(candidates, bool)] = -_ac_np.inf
+    out = _ac_np.zeros((scores.shape[0], k), _ac_np.int64)
+    for s in range(scores.shape[0]):
+        picked = sorted(int(i) for i in _ac_topk_set(scores[s], k))
+        out[s] = [-1 if i >= clen[s] else i + offset for i in picked]
+    return out
+
+
+def naive_sparse_attn(q, kv, idx, sink, scale):
+    """SPEC step 8 per query and head in f32: scores ``(q . kv_j) * scale`` over the listed rows
+    (-1 skipped), softmax with the sink's logit in the denominator only, ``sum p_j kv_j`` rounded
+    to bf16; zeros for a row with no valid entry. ``q [S, H, hd]``, ``kv [n, hd]``, ``idx [S, W]``."""
+    S, H, hd = q.shape
+    scale = _ac_f32(scale)
+    out = _ac_np.zeros((S, H, hd), _ac_f32)
+    for s in range(S):
+        rows = [int(j) for j in idx[s] if j >= 0]
+        if not rows:
+            continue
+        for h in range(H):
+            logits = [_ac_f32(_ac_dot_f32(q[s, h], kv[j]) * scale) for j in rows]
+            m = max(max(logits), _ac_f32(sink[h]))
+            e = [_ac_f32(_ac_math.exp(float(_ac_f32(v - m)))) for v in logits]
+            denom = _ac_f32(0.0)
+            for v in e:
+                denom = _ac_f32(denom + v)
+            denom = _ac_f32(denom + _ac_f32(_ac_math.exp(float(_ac_f32(_ac_f32(sink[h]) - m)))))
+            acc = _ac_np.zeros(hd, _ac_f32)
+            for v, j in zip(e, rows):
+                acc = (acc + _ac_f32(v / denom) * kv[j].astype(_ac_f32)).astype(_ac_f32)
+            out[s, h] = acc
+    return _ac_bf16(out)
+
+
+def naive_output_projection(o, wo_a, wo_b, groups):
+    """SPEC step 10: ``o [S, H*hd]`` split into ``groups`` consecutive head groups; group g through
+    rows ``g*rank .. (g+1)*rank`` of ``wo_a [G*rank, H*hd/G]`` (bf16 linear), then ``wo_b``."""
+    o = _ac_np.asarray(o, _ac_f32)
+    wo_a = _ac_np.asarray(wo_a, _ac_f32)
+    wo_b = _ac_np.asarray(wo_b, _ac_f32)
+    S = o.shape[0]
+    part = o.shape[1] // groups
+    rank = wo_a.shape[0] // groups
+    out = []
+    for s in range(S):
+        mid = []
+        for g in range(groups):
+            mid.extend(_ac_linear_bf16(o[s, g * part:(g + 1) * part],
+                                       wo_a[g * rank:(g + 1) * rank]))
+        out.append(_ac_linear_bf16(_ac_np.array(mid, _ac_f32), wo_b))
+    return _ac_np.array(out, _ac_f32).reshape(S, wo_b.shape[0])
