@@ -68,11 +68,26 @@ DECODE_CONTEXTS = _env_sizes("DS41_BENCH_DECODE", [4096, 65536] if FULL else [40
 # ------------------------------------------------------------------------------ configs, weights
 
 
-def layer_config(max_seq_len: int):
-    """The production config with caches sized for ``max_seq_len`` positions."""
+def layer_config(max_seq_len: int, layer: int | None = None):
+    """The production config with caches sized for ``max_seq_len`` positions.
+
+    With ``layer``, the config is truncated after that layer (sources and the candidate source
+    past it dropped), so that a stack of that one layer is valid: its shapes and roles -- ratio,
+    kv / index / key-owner / candidate source -- and hence its prefill are those of the full
+    stack's layer, but it needs no later layer (a ratio-2 index source otherwise needs the later
+    key owners whose keys it falls back on at some decode steps).
+    """
     from ds41numba.config import preset
 
-    return preset(PRESET).replace(max_seq_len=int(max_seq_len))
+    cfg = preset(PRESET).replace(max_seq_len=int(max_seq_len))
+    if layer is None:
+        return cfg
+    keep = lambda ids: [i for i in ids if i <= layer]   # noqa: E731
+    return cfg.replace(compress_ratios=cfg.compress_ratios[:layer + 1],
+                       kv_source_layers=keep(cfg.kv_source_layers),
+                       index_source_layers=keep(cfg.index_source_layers),
+                       candidate_source_layer=(cfg.candidate_source_layer
+                                               if cfg.candidate_source_layer <= layer else -1))
 
 
 _WEIGHTS: dict[int, dict] = {}
@@ -83,7 +98,7 @@ def layer_weights(layer: int) -> dict:
     if layer not in _WEIGHTS:
         from ds41numba.golden import make_weights
 
-        _WEIGHTS[layer] = make_weights(layer_config(1024), [layer], SEED)
+        _WEIGHTS[layer] = make_weights(layer_config(1024, layer), [layer], SEED)
     return _WEIGHTS[layer]
 
 
@@ -95,7 +110,7 @@ def weight_subset(layer: int, leaves) -> dict:
     from ds41numba.golden import make_tensor, weight_distribution
     from ds41numba.stack import weight_specs
 
-    specs = weight_specs(layer_config(1024), layer)
+    specs = weight_specs(layer_config(1024, layer), layer)
     out = {}
     for leaf in leaves:
         name = f"layers.{layer}.attn.{leaf}"
@@ -116,7 +131,7 @@ def build_stack(layer: int, max_seq_len: int):
     """A one-layer :class:`AttentionStack` of production layer ``layer`` (sources of its own)."""
     from ds41numba.stack import AttentionStack
 
-    return AttentionStack(layer_config(max_seq_len), layer_weights(layer), layers=[layer])
+    return AttentionStack(layer_config(max_seq_len, layer), layer_weights(layer), layers=[layer])
 
 
 def warm_up(stack, layer: int, tokens: int = WARMUP_TOKENS):
@@ -357,7 +372,7 @@ def _index_keys(n, idim, seed):
 
 
 def _indexer_case():
-    cfg = layer_config(_CTX)
+    cfg = layer_config(_CTX, DECODE_LAYER)
     ih, idim, layer = cfg.index_n_heads, cfg.index_head_dim, DECODE_LAYER
     start = _CTX - _TILE
     proj = 2 * _TILE * (cfg.q_lora_rank * ih * idim + cfg.dim * ih)
@@ -411,7 +426,7 @@ def _index_scores_case():
 
 
 def _compressor_case(tokens=1024):
-    cfg = layer_config(tokens)
+    cfg = layer_config(tokens, 2)
     layer, r, hd = 2, 2, cfg.head_dim
     proj = 2 * tokens * 2 * cfg.dim * hd
 

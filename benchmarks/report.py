@@ -36,6 +36,7 @@ import pstats
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from . import common
@@ -230,13 +231,29 @@ def run_job(j: dict, args) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    tail: list[str] = []
+
+    def relay():   # the worker's progress lines, passed on as they come; the last kept
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if line.strip():
+                tail[:] = (tail + [line.strip()])[-3:]
+
+    relay_thread = threading.Thread(target=relay, daemon=True)
+    relay_thread.start()
+    stdout = proc.stdout.read()
+    proc.wait()
+    relay_thread.join()
     res = {"job": j, "wall_seconds": time.perf_counter() - t0, "returncode": proc.returncode}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
     if proc.returncode == 0 and lines:
         res["result"] = json.loads(lines[-1])
     else:
-        res["error"] = f"worker exited with status {proc.returncode}"
+        res["error"] = (f"worker exited with status {proc.returncode}"
+                        + (f": {tail[-1]}" if tail else ""))
     return res
 
 

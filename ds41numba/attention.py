@@ -78,6 +78,11 @@ def window_index_rows(start_pos: int, seqlen: int, window: int) -> np.ndarray:
     Prefill: query t sees the new rows ``max(0, t - win + 1) ..`` (``min(seqlen, win)`` entries,
     future ones -1). Decode: the whole ring, oldest slot first, slots not yet filled -1.
     """
+    for name, v, lo in (("start_pos", start_pos, 0), ("seqlen", seqlen, 1), ("window", window, 1)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise ValueError(f"window_index_rows: {name} must be an integer >= {lo}, got {v!r}")
+    if start_pos > 0 and seqlen != 1:
+        raise ValueError(f"window_index_rows: a decode (start_pos {start_pos} > 0) has one token, got {seqlen}")
     if start_pos == 0:
         n = min(seqlen, window)
         t = np.arange(seqlen)[:, None]
@@ -113,7 +118,9 @@ def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi):
             continue
         # Scores as [rows, heads]: both products then run untransposed through BLAS.
         scores = (rows @ q[s].T) * scale
-        m = scores.max(axis=0)
+        # Shift by the larger of the best score and the sink: a sink far above every score
+        # then underflows the scores instead of overflowing exp(sink - m) to inf.
+        m = np.maximum(scores.max(axis=0), sink)
         p = np.exp(scores - m)
         denom = p.sum(axis=0) + np.exp(sink - m)
         o[s] = (p.T @ rows) / denom[:, None]
@@ -122,6 +129,28 @@ def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi):
 @functools.lru_cache(maxsize=1)
 def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41numba-attn")
+
+
+def _check_sparse_attn(q, kv, idx, attn_sink):
+    """Shapes and index range, checked before any row is gathered: a bad entry is an error."""
+    parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
+    if not isinstance(q, np.ndarray) or q.dtype != np.float32 or q.ndim != 3:
+        raise ValueError(f"sparse_attn: q must be float32 [S, H, hd], got {getattr(q, 'shape', q)!r}")
+    S, H, hd = q.shape
+    for p in parts:
+        if not isinstance(p, np.ndarray) or p.dtype != np.float32 or p.ndim != 2 or p.shape[1] != hd:
+            raise ValueError(f"sparse_attn: kv rows must be float32 [rows, {hd}], got "
+                             f"{getattr(p, 'dtype', type(p).__name__)} {getattr(p, 'shape', '')}")
+    if not isinstance(idx, np.ndarray) or idx.dtype == np.bool_ or not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"sparse_attn: idx must be an integer array, got {getattr(idx, 'dtype', idx)!r}")
+    if idx.ndim != 2 or idx.shape[0] != S:
+        raise ValueError(f"sparse_attn: idx must be [{S}, W], got {list(idx.shape)}")
+    n_rows = sum(p.shape[0] for p in parts)
+    if idx.size and (idx.min() < -1 or idx.max() >= n_rows):
+        raise ValueError(f"sparse_attn: idx entries must be -1 (skip) or a row 0..{n_rows - 1}, "
+                         f"got {int(idx.min())}..{int(idx.max())}")
+    if np.shape(attn_sink) != (H,):
+        raise ValueError(f"sparse_attn: attn_sink must be [{H}], got {list(np.shape(attn_sink))}")
 
 
 def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.ndarray,
@@ -139,6 +168,7 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     ``numba.get_num_threads()`` workers instead, each with single-threaded BLAS; a query's
     arithmetic is the same whichever worker runs it.
     """
+    _check_sparse_attn(q, kv, idx, attn_sink)
     S, H, hd = q.shape
     scale = np.float32(softmax_scale)
     sink = attn_sink.astype(np.float32)

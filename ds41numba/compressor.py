@@ -84,6 +84,32 @@ def _pool_groups(kv, score, ratio):
     return out
 
 
+def _check_args(x, start_pos, ratio, weights, state):
+    """What the pooling kernel indexes by must agree: a mismatch is an error, not a stray read."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, np.integer)) or ratio < 1:
+        raise ValueError(f"compressor: ratio must be a positive integer, got {ratio!r}")
+    if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
+        raise ValueError(f"compressor: start_pos must be an integer >= 0, got {start_pos!r}")
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError(f"compressor: x must be a non-empty float32 [seqlen, dim] array, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    if start_pos > 0 and x.shape[0] != 1:
+        raise ValueError(f"compressor: a decode (start_pos {start_pos} > 0) takes one token, got {x.shape[0]}")
+    shape = tuple(getattr(weights.wkv, "shape", ()))
+    if len(shape) != 2 or shape[1] != x.shape[1]:
+        raise ValueError(f"compressor: wkv must be [hd, {x.shape[1]}], got {list(shape)}")
+    if ratio > 1:
+        if tuple(getattr(weights.wgate, "shape", ())) != shape:
+            raise ValueError(f"compressor: wgate must have wkv's shape {list(shape)}, got "
+                             f"{None if weights.wgate is None else list(weights.wgate.shape)}")
+        for name in ("kv", "score"):
+            a = getattr(state, name)
+            if not isinstance(a, np.ndarray) or a.shape != (ratio, shape[0]) or a.dtype != np.float32:
+                raise ValueError(f"compressor: state.{name} must be float32 [{ratio}, {shape[0]}] "
+                                 f"(CompressorState.fresh(ratio, hd)), got "
+                                 f"{None if a is None else (a.dtype, list(a.shape))}")
+
+
 def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWeights,
                state: CompressorState, norm_eps: float) -> np.ndarray | None:
     """Compress the step's tokens; return the new pre-RoPE latents ``[groups, hd]`` or None.
@@ -92,6 +118,7 @@ def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWei
     ``P % r`` tokens in ``state`` slots ``0 .. P % r - 1``; decode puts the token in slot
     ``start_pos % r`` and pools when that completes a group. Positions: :func:`latent_positions`.
     """
+    _check_args(x, start_pos, ratio, weights, state)
     if ratio == 1:
         return rms_norm(linear_bf16(x, weights.wkv), weights.norm, norm_eps)
     kv = linear_f32(x, weights.wkv)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -55,7 +56,16 @@ class AttnConfig:
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
                 raise ValueError(f"config: {name} must be a list of integers, got {value!r}")
+            value = tuple(value)
+            if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in value):
+                raise ValueError(f"config: {name} must be a list of integers, got {list(value)!r}")
             object.__setattr__(self, name, tuple(int(v) for v in value))
+        for f in dataclasses.fields(self):   # numpy scalars (read from arrays) as Python numbers
+            v = getattr(self, f.name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+                object.__setattr__(self, f.name, int(v))
+            elif isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float, numbers.Integral)):
+                object.__setattr__(self, f.name, float(v))
         self._validate()
 
     # ------------------------------------------------------------------ construction
@@ -204,7 +214,7 @@ class AttnConfig:
                 bad(f"{name} must be a positive integer, got {v!r}")
         for name in ("compress_rope_theta", "rope_theta", "rope_factor", "norm_eps"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 bad(f"{name} must be a positive number, got {v!r}")
         for name in ("original_seq_len", "beta_fast", "beta_slow", "candidate_source_layer"):
             v = getattr(self, name)
@@ -212,6 +222,14 @@ class AttnConfig:
                 bad(f"{name} must be an integer, got {v!r}")
         if self.original_seq_len < 0:
             bad(f"original_seq_len must be >= 0, got {self.original_seq_len}")
+        if self.original_seq_len > 0:   # YaRN: log(original_seq_len / (beta * 2 pi)) / log(base)
+            for name in ("beta_fast", "beta_slow"):
+                if getattr(self, name) <= 0:
+                    bad(f"{name} must be positive when YaRN is on (original_seq_len > 0), "
+                        f"got {getattr(self, name)}")
+            if self.compress_rope_theta == 1:
+                bad("compress_rope_theta must not be 1 when YaRN is on (original_seq_len > 0): "
+                    "YaRN divides by log(compress_rope_theta)")
         if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
             bad(f"rope_head_dim ({self.rope_head_dim}) must be even and at most head_dim ({self.head_dim})")
         if self.rope_head_dim > self.index_head_dim:

@@ -255,6 +255,8 @@ def _layer_sources(config: AttnConfig, layer_id: int) -> list[tuple[int, str]]:
         found.append((c.key_owner_of(layer_id), "index-key owner"))
     if c.uses_candidates(layer_id):
         found.append((c.candidate_source_layer, "candidate source"))
+    from .stack import fallback_key_owners   # the key owners its index keys may come from
+    found += [(src, "key owner it may score against") for src in fallback_key_owners(c, layer_id)]
     return [(src, role) for src, role in found if src != layer_id]
 
 

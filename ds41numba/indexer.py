@@ -191,17 +191,70 @@ def select_candidate_blocks(scores: np.ndarray, clen, topk_blocks: int,
     pinned; torch's top-k over the block scores picks ``min(topk_blocks, n_blocks)`` blocks
     and those scoring above -inf are kept, expanded back to positions.
     """
-    scores = np.asarray(scores, dtype=np.float32)
+    scores = np.asarray(scores)
+    if not (np.issubdtype(scores.dtype, np.floating) or scores.dtype.name == "bfloat16"):
+        raise TypeError(f"scores must be a real floating-point array, got dtype {scores.dtype}")
+    scores = scores.astype(np.float32, copy=False)
     if scores.ndim != 2:
         raise ValueError(f"scores must be [rows, width], got shape {scores.shape}")
     rows, width = scores.shape
-    clen = np.broadcast_to(np.asarray(clen, dtype=np.int64), (rows,))
+    clen = np.asarray(clen)
+    if clen.dtype == np.bool_ or not np.issubdtype(clen.dtype, np.integer):
+        raise TypeError(f"clen must be integers, got dtype {clen.dtype}")
+    if clen.shape not in ((), (rows,)):
+        raise ValueError(f"clen must be one integer or one per row ({rows}), got shape {clen.shape}")
+    clen = np.broadcast_to(clen.astype(np.int64), (rows,))
+    for name, v in (("topk_blocks", topk_blocks), ("block_size", block_size)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {v!r}")
     if topk_blocks < 1 or block_size < 1:
         raise ValueError(f"topk_blocks ({topk_blocks}) and block_size ({block_size}) must be >= 1")
     if np.any(clen < 0) or np.any(clen > width):
         raise ValueError(f"clen must lie in 0..{width}")
     blocks = _candidate_block_mask(scores, clen, topk_blocks, block_size)
     return np.repeat(blocks, block_size, axis=1)[:, :width]
+
+
+def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile):
+    """The shapes the scoring kernels index by must agree: a mismatch is an error, not a stray read."""
+    def bad(msg):
+        raise ValueError(f"indexer: {msg}")
+
+    def is_int(v, lo):
+        return not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, np.integer)) and v >= lo
+
+    if not isinstance(cfg, IndexerCfg):
+        raise TypeError(f"indexer: cfg must be an IndexerCfg, got {type(cfg).__name__}")
+    for name in ("n_heads", "head_dim", "topk", "ratio", "candidate_topk_blocks", "candidate_block_size"):
+        if not is_int(getattr(cfg, name), 1):
+            bad(f"cfg.{name} must be a positive integer, got {getattr(cfg, name)!r}")
+    if not is_int(start_pos, 0) or not is_int(offset, 0):
+        bad(f"start_pos and offset must be integers >= 0, got {start_pos!r} and {offset!r}")
+    if tile is not None and not is_int(tile, 1):
+        bad(f"tile must be None or a positive integer, got {tile!r}")
+    for name, a in (("x", x), ("qr", qr), ("index_k", index_k)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 2:
+            bad(f"{name} must be a 2-D float32 array, got {getattr(a, 'dtype', type(a).__name__)} "
+                f"{getattr(a, 'shape', '')}")
+    seqlen = x.shape[0]
+    if seqlen == 0 or qr.shape[0] != seqlen:
+        bad(f"x and qr must have the same number (>= 1) of rows, got {x.shape} and {qr.shape}")
+    ih, idim = cfg.n_heads, cfg.head_dim
+    for name, w, want in (("weights_proj", weights.weights_proj, (ih, x.shape[1])),
+                          ("wq_b", weights.wq_b, (ih * idim, qr.shape[1]))):
+        if tuple(getattr(w, "shape", ())) != want:
+            bad(f"weights.{name} must have shape {list(want)}, got {list(getattr(w, 'shape', ()))}")
+    width = (start_pos + seqlen) // cfg.ratio
+    if index_k.shape[0] < width or index_k.shape[1] != idim:
+        bad(f"index_k must be [>= {width}, {idim}] (the keys of every position scored), got "
+            f"{list(index_k.shape)}")
+    if cfg.use_candidates and width:
+        nb = -(-width // cfg.candidate_block_size)
+        want = (seqlen, (nb + 7) // 8)
+        if (not isinstance(candidate_blocks, np.ndarray) or candidate_blocks.dtype != np.uint8
+                or candidate_blocks.shape != want):
+            bad(f"candidate_blocks must be the candidate source's packed uint8 mask of shape "
+                f"{list(want)}, got {getattr(candidate_blocks, 'shape', candidate_blocks)}")
 
 
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
@@ -216,6 +269,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     the candidate source's per-block mask (bits packed along rows, see :func:`candidate_mask`), and with ``capture`` the scores after the
     visibility mask and before candidate masking.
     """
+    _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile)
     seqlen = x.shape[0]
     end_pos = start_pos + seqlen
     r = cfg.ratio

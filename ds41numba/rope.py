@@ -118,6 +118,9 @@ def yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_
         factor = _check_real(factor, "factor")
         beta_fast = _check_real(beta_fast, "beta_fast")
         beta_slow = _check_real(beta_slow, "beta_slow")
+        if base == 1.0:
+            raise ValueError("yarn_freqs_cis: base must not be 1 with YaRN (original_seq_len > 0): "
+                             "its correction range divides by log(base)")
     freqs = _inv_freqs(dim, original_seq_len, base, factor, beta_fast, beta_slow)
     cos = np.empty((seqlen, dim // 2), dtype=np.float32)
     sin = np.empty((seqlen, dim // 2), dtype=np.float32)

@@ -22,7 +22,8 @@ from .config import AttnConfig
 from .indexer import IndexerWeights, candidate_mask
 from .numerics import Bf16Matrix, is_bf16_valued
 
-__all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "weight_specs"]
+__all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "weight_specs",
+           "fallback_key_owners"]
 
 
 def weight_specs(config: AttnConfig, layer_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -213,6 +214,11 @@ class AttentionStack:
                 if src not in members:
                     raise ValueError(f"layers: layer {i} needs layer {src} (a source it reads), "
                                      f"which is not in the stack")
+            for src in fallback_key_owners(config, i):
+                if src not in members:
+                    raise ValueError(f"layers: layer {i} needs layer {src} (a key owner whose index "
+                                     f"keys it scores against on steps it writes none itself, as "
+                                     f"the reference does), which is not in the stack")
         self.weights = {i: AttnWeights.from_mapping(config, i, weights) for i in self.layers}
         self.states = {i: LayerAttnState.fresh(config, i) for i in self.layers}
         self.shared = SharedRuntime()
@@ -282,7 +288,7 @@ class AttentionStack:
                                  f"ran this step after layer {src} and may have replaced it: run "
                                  f"layer {src} again first, then the layers after it in order")
         if r and c.is_index_source(layer_id):
-            self._check_index_keys(layer_id, start_pos, seqlen)
+            self._check_index_keys(layer_id, start_pos, seqlen, begin)
         self.states[layer_id] = state
         if cur_step is not None:
             self._step = cur_step
@@ -296,16 +302,32 @@ class AttentionStack:
             self._index_k_writer = layer_id
         return run
 
-    def _check_index_keys(self, layer_id: int, start_pos: int, seqlen: int):
+    def _check_index_keys(self, layer_id: int, start_pos: int, seqlen: int, begin: int):
         """An index source that does not write keys this step scores against the shared index keys
-        as the latest key owner left them, even another ratio's (as the reference does); refuse a
-        step those keys are too short for, instead of scoring missing rows."""
+        as the latest key owner left them, even another ratio's (as the reference does). Those
+        are the reference's only if every such owner has run as the reference runs it: the ones
+        before this layer this step, the ones after it the previous step. Refuse a step the keys
+        are too short for, instead of scoring missing rows."""
         c = self.config
         r = c.ratio(layer_id)
         width = (start_pos + seqlen) // r
         writes = c.is_key_owner(layer_id) and (seqlen >= r if start_pos == 0 else (start_pos + 1) % r == 0)
+        if width == 0 or writes:
+            return
+        if start_pos > 0:
+            for j in fallback_key_owners(c, layer_id):
+                st = self.states[j]
+                if j < layer_id and (st.last_step != (start_pos, seqlen) or self._ticks.get(j, -1) < begin):
+                    raise ValueError(f"layer {layer_id} writes no index keys this step and scores "
+                                     f"against the ones the key owners left, but key owner layer {j} "
+                                     f"has not run this step (start_pos {start_pos}) yet: run it first")
+                if j > layer_id and (st.last_step is None or st.end_pos != start_pos):
+                    raise ValueError(f"layer {layer_id} writes no index keys this step and scores "
+                                     f"against the ones the key owners left, but key owner layer {j} "
+                                     f"has not run the previous step (start_pos {start_pos - 1}): "
+                                     f"every step runs all the key owners, in layer order")
         keys = self.shared.index_k
-        if width == 0 or writes or (keys is not None and keys.shape[0] >= width):
+        if keys is not None and keys.shape[0] >= width:
             return
         who = self._index_k_writer
         owner = "no key owner" if keys is None else (
@@ -314,6 +336,24 @@ class AttentionStack:
         raise ValueError(f"layer {layer_id} (ratio {r}) would score {width} compressed positions "
                          f"against the shared index keys, which {owner} published last with only "
                          f"{rows} rows: the keys of another ratio's cache cannot cover this step")
+
+
+def fallback_key_owners(config: AttnConfig, layer_id: int) -> list[int]:
+    """Key owners whose index keys index source ``layer_id`` may score against on a decode step
+    where no key owner at or before it of its own ratio writes keys.
+
+    The shared ``index_k`` slot then holds whatever key owner wrote last, of any ratio (the
+    reference's behaviour, which the goldens record), so the result depends on those layers
+    having run. A ratio-1 index source always has fresh keys of its own ratio; an owner before
+    this layer whose ratio is a multiple of this layer's never writes last (this layer's own key
+    owner writes after it at every step it writes).
+    """
+    c = config
+    r = c.ratio(layer_id)
+    if not c.is_index_source(layer_id) or r <= 1:
+        return []
+    owners = [j for j in c.kv_source_layers if c.is_index_source(j) and j != layer_id]
+    return sorted(j for j in owners if j > layer_id or c.ratio(j) % r)
 
 
 def _sources(config: AttnConfig, layer_id: int) -> list[int]:

@@ -117,10 +117,11 @@ def test_io_capture_matches_the_full_capture(tmp_path):
 
 
 def test_layer_subset(tmp_path):
-    path = _golden(tmp_path, "g.safetensors", "--layers", "0,2-3", "--prefill", "6", "--decode", "3")
-    assert json.loads(_metadata(path)["layers"]) == [0, 2, 3]
+    # Layer 2 (ratio 2) needs key owner 4 too: on odd steps it scores against layer 4's keys.
+    path = _golden(tmp_path, "g.safetensors", "--layers", "0,2-4", "--prefill", "6", "--decode", "3")
+    assert json.loads(_metadata(path)["layers"]) == [0, 2, 3, 4]
     names = load_file(path)
-    assert {n.split(".")[1 if n.startswith("layers") else 2] for n in names} == {"0", "2", "3"}
+    assert {n.split(".")[1 if n.startswith("layers") else 2] for n in names} == {"0", "2", "3", "4"}
     assert main(["replay", "--quiet", str(path)]) == 0
 
 

@@ -83,7 +83,7 @@ def valid_topology(draw, min_layers=1, max_layers=5, min_compressed=0):
     """Ratios and roles that satisfy SPEC's sharing rules, built layer by layer: a compressed layer
     becomes a kv / index source whenever the latest one has another ratio (else at random), and an
     index source that is not a kv source needs a key owner of its ratio."""
-    n = draw(st.integers(min_layers, max_layers))
+    n = draw(st.integers(max(min_layers, min_compressed), max_layers))
     ratios = draw(st.lists(st.sampled_from(RATIOS), min_size=n, max_size=n))
     if sum(r > 0 for r in ratios) < min_compressed:
         for i in range(min_compressed):

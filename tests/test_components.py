@@ -1,0 +1,660 @@
+"""Focused tests of each attention component against the plain-loop references in naive.py
+(section "attention components"), written from SPEC.md.
+
+Covered: the compressor (ratio 1; ratio r > 1 with a prefill shorter than a group, with a
+trailing partial group, with whole groups; decode across several group boundaries), the window
+index rows and the window ring (filling, wrapping), the candidate blocks, the index scores, the
+index selection of a candidate consumer that picks candidate-masked positions (also in the tiny
+golden), rows with nothing visible, sparse attention with a sink, the grouped output projection,
+and the structural invariants of a prefill + decode run of a small stack.
+
+Exactness: index rows and selections are compared exactly. Float results that go through a BLAS
+dot product are compared in bf16 steps (the distance in representable bf16 values): at most one
+step anywhere and at least 99.9% identical (the SPEC's "How exact is exact"); the naive versions
+sum their dot products exactly, so they do not share any BLAS's order. Results whose sums are
+exact in f32 whatever the order (fp4-quantised index scores) must be bit-identical.
+"""
+
+import importlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+import naive
+from ds41numba import (AttentionStack, AttnConfig, act_quant_fp8_inplace, apply_rotary,
+                       fp4_quant_e8m0_inplace, output_projection, select_candidate_blocks,
+                       sparse_attn, to_bf16_rne, weight_specs,
+                       window_index_rows)
+from ds41numba.attention import layer_rope_table
+from ds41numba.compressor import CompressorState, CompressorWeights, compressor, latent_positions
+from ds41numba.numerics import Bf16Matrix
+
+# ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
+indexer_mod = importlib.import_module("ds41numba.indexer")
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+EPS = 1e-20
+F32_U = 2.0 ** -24
+
+
+# =============================================================================== helpers
+
+
+def bf16_steps(a, b):
+    """Elementwise distance of two bf16-valued arrays in bf16 steps (+0 and -0 are 0 apart)."""
+    def ordered(x):
+        u = (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.int64)
+        return np.where(u & 0x8000, -(u & 0x7FFF), u)
+    return np.abs(ordered(a) - ordered(b))
+
+
+def assert_bf16_close(got, want, what, min_identical=0.999):
+    """At most one bf16 step apart everywhere, and at least ``min_identical`` bit-identical."""
+    got = np.asarray(got, np.float32)
+    want = np.asarray(want, np.float32)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.all(np.isfinite(got)) and np.all(np.isfinite(want)), f"{what}: non-finite values"
+    assert np.array_equal(to_bf16_rne(got), got), f"{what}: not bf16-valued"
+    d = bf16_steps(got, want)
+    worst = np.unravel_index(np.argmax(d), d.shape) if d.size else ()
+    assert d.max(initial=0) <= 1, (f"{what}: {int(d.max())} bf16 steps apart at {worst}: "
+                                   f"got {got[worst]!r}, want {want[worst]!r}")
+    same = float(np.mean(d == 0)) if d.size else 1.0
+    assert same >= min_identical, f"{what}: only {same:.4%} bit-identical"
+
+
+def bf16(rng, shape, scale=1.0):
+    return to_bf16_rne((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def assert_f32_dot_close(got, x, w, what):
+    """``got`` holds f32 dot products ``x @ w.T`` summed in some f32 order: within the worst-case
+    bound of any order, ``(n - 1) u sum|x_i w_i|``, of the exact value."""
+    x64 = np.asarray(x, np.float64)
+    w64 = np.asarray(w, np.float64)
+    exact = x64 @ w64.T
+    bound = (x64.shape[-1] - 1) * F32_U * (np.abs(x64) @ np.abs(w64).T) * 1.0001
+    err = np.abs(np.asarray(got, np.float64) - exact)
+    assert np.all(err <= bound), f"{what}: f32 error {err.max():.3g} beyond the summation bound"
+
+
+def random_config(**kw):
+    base = dict(dim=64, n_heads=2, head_dim=32, rope_head_dim=8, q_lora_rank=16, o_lora_rank=8,
+                o_groups=1, window_size=8, compress_ratios=[0], kv_source_layers=[],
+                index_source_layers=[], candidate_source_layer=-1, candidate_topk_blocks=2,
+                candidate_block_size=2, index_n_heads=2, index_head_dim=32, index_topk=4,
+                compress_rope_theta=40000.0, rope_factor=2.0, original_seq_len=32, beta_fast=32,
+                beta_slow=1, rope_theta=10000.0, norm_eps=EPS, max_seq_len=512)
+    base.update(kw)
+    return AttnConfig.from_dict(base)
+
+
+def random_weights(config, seed):
+    """Every parameter of every layer: N(0, 1/in) projections, norms near 1, N(0, 1) sinks."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(config.n_layers):
+        for name, (shape, kind) in weight_specs(config, i).items():
+            if name.endswith("attn_sink"):
+                a = rng.standard_normal(shape)
+            elif name.endswith("norm.weight"):
+                a = 1.0 + 0.1 * rng.standard_normal(shape)
+            else:
+                a = rng.standard_normal(shape) / np.sqrt(shape[-1])
+            a = a.astype(np.float32)
+            out[name] = to_bf16_rne(a) if kind == "bf16" else a
+    return out
+
+
+def visible(start_pos, seqlen, r):
+    """SPEC step 5's clen per query."""
+    if start_pos == 0:
+        return np.array([(s + 1) // r for s in range(seqlen)], np.int64)
+    return np.full(seqlen, (start_pos + seqlen) // r, np.int64)
+
+
+def compressor_case(ratio, seed, dim=64, hd=32):
+    rng = np.random.default_rng(seed)
+    if ratio == 1:
+        wkv, wgate = bf16(rng, (hd, dim), dim ** -0.5), None
+    else:
+        wkv = (rng.standard_normal((hd, dim)) * dim ** -0.5).astype(np.float32)
+        wgate = (rng.standard_normal((hd, dim)) * dim ** -0.5).astype(np.float32)
+    norm = to_bf16_rne((1.0 + 0.1 * rng.standard_normal(hd)).astype(np.float32))
+    return rng, CompressorWeights(wkv=wkv, wgate=wgate, norm=norm)
+
+
+def run_compressor(ratio, weights, x_steps):
+    """The package compressor over a prefill and decode steps: latents, positions, state."""
+    state = CompressorState.fresh(ratio, weights.wkv.shape[0])
+    latents, positions = [], []
+    start_pos = 0
+    for x in x_steps:
+        latents.append(compressor(x, start_pos, ratio, weights, state, EPS))
+        positions.append(latent_positions(start_pos, x.shape[0], ratio).tolist())
+        start_pos += x.shape[0]
+    return latents, positions, state
+
+
+# =============================================================================== compressor
+
+
+def test_compressor_ratio_1_one_latent_per_token():
+    rng, w = compressor_case(1, seed=1)
+    x = bf16(rng, (11, 64))
+    steps = [x[:7]] + [x[i:i + 1] for i in range(7, 11)]
+    got, got_pos, state = run_compressor(1, w, steps)
+    want, want_pos, _, _ = naive.naive_compressor(steps, 1, w.wkv, w.wgate, w.norm, EPS)
+    assert state.kv is None and state.score is None
+    assert got_pos == want_pos == [list(range(7))] + [[p] for p in range(7, 11)]
+    for i, (g, wn) in enumerate(zip(got, want)):
+        assert g.shape == (steps[i].shape[0], 32)
+        assert_bf16_close(g, wn, f"step {i} latents")
+
+
+def _prefill_lengths(r):
+    """P < r (no latent), P % r != 0 (groups and a trailing partial group), P % r == 0."""
+    return sorted({1, r - 1, 2 * r + r // 2 + 1 if r > 2 else 2 * r + 1, 2 * r})
+
+
+@pytest.mark.parametrize("r", [2, 3, 4, 7, 128])
+def test_compressor_prefill_groups_and_state(r):
+    rng, w = compressor_case(r, seed=r)
+    hd = 32
+    for P in _prefill_lengths(r):
+        x = bf16(rng, (P, 64))
+        (got,), (pos,), state = run_compressor(r, w, [x])
+        (want,), (want_pos,), nkv, nscore = naive.naive_compressor([x], r, w.wkv, w.wgate,
+                                                                   w.norm, EPS)
+        groups, rest = divmod(P, r)
+        assert pos == want_pos == [g * r for g in range(groups)]
+        if groups == 0:
+            assert got is None and want is None, f"P={P} < r={r} must give no latent"
+        else:
+            assert got.shape == (groups, hd)
+            assert_bf16_close(got, want, f"r={r} P={P} latents")
+        # Slots 0 .. P%r-1 hold the trailing tokens' kv and score; the others are untouched.
+        assert_f32_dot_close(state.kv[:rest], x[P - rest:], w.wkv, f"r={r} P={P} kv state")
+        assert_f32_dot_close(state.score[:rest], x[P - rest:], w.wgate, f"r={r} P={P} score state")
+        assert np.array_equal(state.kv[rest:], np.zeros((r - rest, hd), np.float32))
+        assert np.array_equal(state.score[rest:], np.full((r - rest, hd), -np.inf, np.float32))
+        assert np.all(np.isfinite(state.score[:rest]))
+        assert_f32_dot_close(nkv[:rest], x[P - rest:], w.wkv, "naive kv state")
+
+
+@pytest.mark.parametrize("r", [2, 3, 4, 7, 128])
+def test_compressor_decode_across_group_boundaries(r):
+    rng, w = compressor_case(r, seed=100 + r)
+    for P in _prefill_lengths(r):
+        n_decode = 3 * r + 2
+        x = bf16(rng, (P + n_decode, 64))
+        steps = [x[:P]] + [x[p:p + 1] for p in range(P, P + n_decode)]
+        got, got_pos, state = run_compressor(r, w, steps)
+        want, want_pos, nkv, nscore = naive.naive_compressor(steps, r, w.wkv, w.wgate, w.norm, EPS)
+        assert got_pos == want_pos
+        made = 0
+        for i in range(1, len(steps)):
+            start_pos = P + i - 1
+            if (start_pos + 1) % r == 0:
+                assert got_pos[i] == [start_pos + 1 - r]
+                assert got[i] is not None and got[i].shape == (1, 32), (r, P, start_pos)
+                assert_bf16_close(got[i], want[i], f"r={r} P={P} decode latent at {start_pos}")
+                made += 1
+            else:
+                assert got[i] is None and want[i] is None and got_pos[i] == [], (r, P, start_pos)
+        assert made >= 3, "the decode must cross several group boundaries"
+        # The final state: slot p % r holds token p's projections (pooling does not clear it).
+        end_pos = P + n_decode
+        for slot in range(r):
+            p = max(q for q in range(end_pos) if q % r == slot)
+            if p < P - P % r:
+                # never written since the prefill (a slot of a whole prefill group)
+                assert np.all(state.kv[slot] == 0) and np.all(state.score[slot] == -np.inf)
+                continue
+            assert_f32_dot_close(state.kv[slot], x[p], w.wkv, f"r={r} kv slot {slot}")
+            assert_f32_dot_close(state.score[slot], x[p], w.wgate, f"r={r} score slot {slot}")
+
+
+def test_compressor_decode_latent_pools_its_own_group():
+    """A decode latent pools exactly the r tokens start_pos + 1 - r .. start_pos: it equals the
+    prefill latent of the same tokens as a whole group."""
+    r = 4
+    rng, w = compressor_case(r, seed=7)
+    x = bf16(rng, (2 * r, 64))
+    got, pos, _ = run_compressor(r, w, [x[:r + 1]] + [x[p:p + 1] for p in range(r + 1, 2 * r)])
+    assert pos[-1] == [r] and got[-1] is not None
+    alone = compressor(x[r:2 * r], 0, r, w, CompressorState.fresh(r, 32), EPS)
+    assert_bf16_close(got[-1], alone, "decode latent vs the same group pooled at prefill")
+
+
+# =============================================================================== window
+
+
+@pytest.mark.parametrize("win", [1, 3, 8])
+def test_window_index_rows_vs_naive(win):
+    for P in sorted({1, max(1, win - 1), win, win + 1, 2 * win + 3}):
+        got = window_index_rows(0, P, win)
+        want = naive.naive_window_index_rows(0, P, win)
+        assert got.dtype == np.int32 and np.array_equal(got, want), (win, P)
+        # Row t's valid entries are exactly the positions max(0, t - win + 1) .. t.
+        for t in range(P):
+            assert sorted(got[t][got[t] >= 0]) == list(range(max(0, t - win + 1), t + 1))
+        # decode while the ring fills and after several wraps
+        for start_pos in range(P, P + 4 * win + 2):
+            got = window_index_rows(start_pos, 1, win)
+            want = naive.naive_window_index_rows(start_pos, 1, win)
+            assert got.shape == (1, win) and np.array_equal(got, want), (win, P, start_pos)
+            assert sorted(got[0][got[0] >= 0]) == sorted(
+                p % win for p in range(max(0, start_pos - win + 1), start_pos + 1))
+
+
+@pytest.mark.parametrize("P", [3, 8, 13, 21])
+def test_window_ring_through_stack(P):
+    """The ring after a prefill shorter than, equal to and longer than the window, and while decode
+    fills it and wraps it several times: slot p % win holds the quantised kv row of the newest p."""
+    win = 8
+    cfg = random_config(window_size=win)
+    stack = AttentionStack(cfg, random_weights(cfg, seed=P))
+    rng = np.random.default_rng(P)
+    run = stack.forward(0, bf16(rng, (P, 64)), 0, capture=True)
+    assert run.kv_rows.shape == (P, 32)
+    prefill_rows = run.kv_rows.copy()
+    assert np.array_equal(run.idx, naive.naive_window_index_rows(0, P, win))
+    assert np.array_equal(stack.states[0].window_kv, naive.naive_window_ring(prefill_rows, [], win))
+    decode_rows = []
+    for start_pos in range(P, P + 3 * win + 3):
+        before = stack.states[0].window_kv.copy()
+        run = stack.forward(0, bf16(rng, (1, 64)), start_pos, capture=True)
+        ring = stack.states[0].window_kv
+        assert run.kv_rows.shape == (win, 32)
+        assert np.array_equal(run.kv_rows, ring), "decode attends to the whole ring"
+        assert np.array_equal(run.idx, naive.naive_window_index_rows(start_pos, 1, win))
+        slot = start_pos % win
+        others = np.arange(win) != slot
+        assert np.array_equal(ring[others], before[others]), "a decode step writes one slot"
+        decode_rows.append(ring[slot].copy())
+        assert np.array_equal(ring, naive.naive_window_ring(prefill_rows, decode_rows, win))
+        # every row is an fp8-quantised row (quantising it again changes nothing)
+        assert np.array_equal(act_quant_fp8_inplace(ring.copy()), ring)
+
+
+# =============================================================================== candidate blocks
+
+
+def _tie_heavy_scores(rng, rows, width):
+    vals = np.array([-np.inf, -1.0, 0.0, 0.5, 1.0, 2.0], np.float32)
+    scores = rng.choice(vals, size=(rows, width), p=[0.3, 0.1, 0.2, 0.2, 0.1, 0.1])
+    return scores.astype(np.float32)
+
+
+def test_select_candidate_blocks_vs_naive_tie_heavy():
+    rng = np.random.default_rng(3)
+    cases = 0
+    for _ in range(150):
+        width = int(rng.integers(1, 41))
+        block = int(rng.integers(1, 6))
+        n_blocks = -(-width // block)
+        topk_blocks = int(rng.integers(1, n_blocks + 4))     # sometimes > n_blocks
+        rows = int(rng.integers(1, 7))
+        scores = _tie_heavy_scores(rng, rows, width)
+        clen = rng.integers(0, width + 1, size=rows)
+        clen[0] = 0                                          # a row with nothing visible
+        scores[rows // 2] = -np.inf                          # an all -inf row
+        if rng.random() < 0.5:                               # the indexer's visibility mask
+            scores[np.arange(width)[None, :] >= clen[:, None]] = -np.inf
+        got = select_candidate_blocks(scores, clen, topk_blocks, block)
+        want = naive.naive_select_candidate_blocks(scores, clen, topk_blocks, block)
+        assert got.shape == (rows, width) and got.dtype == bool
+        assert np.array_equal(got, want), (width, block, topk_blocks, clen, scores)
+        # the newest visible position is always a candidate; nothing when all is -inf and clen 0
+        for s in range(rows):
+            if clen[s] > 0:
+                assert got[s, clen[s] - 1]
+            elif np.all(scores[s] == -np.inf):
+                assert not got[s].any()
+        cases += 1
+    assert cases == 150
+
+
+def test_select_candidate_blocks_topk_beyond_blocks_keeps_every_finite_block():
+    scores = np.array([[1.0, -np.inf, -np.inf, 2.0, 0.0, -np.inf, -np.inf]], np.float32)
+    got = select_candidate_blocks(scores, np.array([4]), 10, 2)
+    # blocks {0,1} (max 1), {2,3} (pinned), {4,5} (max 0) kept; {6} is all -inf: dropped
+    assert got.tolist() == [[True, True, True, True, True, True, False]]
+    assert np.array_equal(got, naive.naive_select_candidate_blocks(scores, [4], 10, 2))
+
+
+# =============================================================================== index scores
+
+
+def _index_inputs(rng, T, ih, idim, n):
+    iq = fp4_quant_e8m0_inplace(bf16(rng, (T, ih, idim)))
+    keys = fp4_quant_e8m0_inplace(bf16(rng, (n, idim)))
+    w = bf16(rng, (T, ih), 0.2)
+    return iq, w, keys
+
+
+def test_tile_scores_bit_identical_to_naive():
+    rng = np.random.default_rng(11)
+    for T, ih, idim, n in [(1, 1, 32, 5), (6, 3, 64, 40), (9, 4, 32, 70)]:
+        iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+        clen = rng.integers(0, n + 1, size=T)
+        clen[0] = 0
+        clen[-1] = n
+        got = indexer_mod._tile_scores(iq, w, keys, clen, n)
+        want = naive.naive_index_scores(iq, w, keys, clen)
+        assert got.dtype == np.float32 and got.shape == (T, n)
+        assert np.array_equal(got, want), f"{np.sum(got != want)} scores differ"
+        assert np.all(got[np.arange(n)[None, :] >= clen[:, None]] == -np.inf)
+        assert np.array_equal(to_bf16_rne(got), got)
+
+
+def test_tile_scores_across_position_chunks(monkeypatch):
+    """With a small tile budget the positions are scored in several chunks of 256."""
+    monkeypatch.setattr(indexer_mod, "_TILE_ELEMS", 64)
+    rng = np.random.default_rng(12)
+    T, ih, idim, n = 3, 2, 32, 600
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    clen = np.array([0, 300, 600])
+    got = indexer_mod._tile_scores(iq, w, keys, clen, n)
+    assert np.array_equal(got, naive.naive_index_scores(iq, w, keys, clen))
+
+
+# =============================================================================== sparse attention
+
+
+def _attn_case(rng, S=10, H=4, hd=64, n=48, W=20):
+    q = bf16(rng, (S, H, hd))
+    kv = act_quant_fp8_inplace(bf16(rng, (n, hd)))
+    idx = np.array([rng.permutation(n)[:W] for _ in range(S)], np.int32)   # duplicate-free
+    idx[rng.random(idx.shape) < 0.3] = -1
+    idx[2] = -1                                                 # nothing valid: zeros
+    idx[3, 1:] = -1                                             # a single valid row
+    sink = (rng.standard_normal(H) * 2).astype(np.float32)
+    return q, kv, idx, sink
+
+
+def test_sparse_attn_vs_naive():
+    rng = np.random.default_rng(21)
+    for _ in range(4):
+        q, kv, idx, sink = _attn_case(rng)
+        scale = q.shape[-1] ** -0.5
+        got = sparse_attn(q, kv, idx, sink, scale)
+        want = naive.naive_sparse_attn(q, kv, idx, sink, scale)
+        assert np.array_equal(got[2], np.zeros_like(got[2])), "a row with no valid entry is zeros"
+        assert_bf16_close(got, want, "sparse_attn")
+
+
+def test_sparse_attn_large_sink():
+    """A sink far above every score takes almost all the probability mass; the tiny outputs
+    still match the naive softmax to a bf16 step."""
+    rng = np.random.default_rng(22)
+    q, kv, idx, sink = _attn_case(rng)
+    sink[:] = [12.0, 20.0, 0.0, 30.0]
+    scale = q.shape[-1] ** -0.5
+    got = sparse_attn(q, kv, idx, sink, scale)
+    want = naive.naive_sparse_attn(q, kv, idx, sink, scale)
+    assert_bf16_close(got, want, "sparse_attn with a large sink")
+    no_sink = sparse_attn(q, kv, idx, np.full(4, -np.inf, np.float32), scale)
+    assert np.max(np.abs(got[:, 3])) < 1e-6 * np.max(np.abs(no_sink[:, 3]))
+    assert np.max(np.abs(got[:, 2])) > 1e-3
+
+
+def test_sparse_attn_sink_only_in_the_denominator():
+    """One valid row j: the output is kv_j * e^s / (e^s + e^sink) (softmax weight of one row)."""
+    q = np.zeros((1, 1, 32), np.float32)
+    kv = to_bf16_rne(np.linspace(-2, 2, 64, dtype=np.float32).reshape(2, 32))
+    idx = np.array([[-1, 1]], np.int32)
+    got = sparse_attn(q, kv, idx, np.array([0.0], np.float32), 1.0)       # score 0, sink 0
+    assert np.array_equal(got[0, 0], to_bf16_rne(kv[1] * np.float32(0.5)))
+
+
+def test_sparse_attn_kv_as_row_blocks_is_identical():
+    rng = np.random.default_rng(23)
+    q, kv, idx, sink = _attn_case(rng, n=40)
+    win = 12
+    # window entries first, then compressed entries (the layout attention_any builds) ...
+    idx_w = np.array([rng.permutation(win)[:6] for _ in range(len(idx))], np.int32)
+    idx_c = np.array([win + np.sort(rng.permutation(40 - win)[:5]) for _ in range(len(idx))],
+                     np.int32)
+    ordered = np.concatenate([idx_w, idx_c], axis=1)
+    ordered[rng.random(ordered.shape) < 0.25] = -1
+    ordered[4] = -1
+    scale = q.shape[-1] ** -0.5
+    for rows in (ordered, idx):       # ... and arbitrary order (compressed before window)
+        whole = sparse_attn(q, kv, rows, sink, scale)
+        split = sparse_attn(q, (kv[:win], kv[win:]), rows, sink, scale)
+        three = sparse_attn(q, [kv[:5], kv[5:win], kv[win:]], rows, sink, scale)
+        assert np.array_equal(whole, split) and np.array_equal(whole, three)
+        assert_bf16_close(whole, naive.naive_sparse_attn(q, kv, rows, sink, scale), "sparse_attn")
+
+
+# =============================================================================== output projection
+
+
+@pytest.mark.parametrize("S,H,hd,G,rank,dim", [(5, 4, 32, 2, 16, 64), (3, 6, 32, 3, 8, 40),
+                                               (2, 8, 128, 2, 1024, 1024)])
+def test_output_projection_vs_naive(S, H, hd, G, rank, dim):
+    """Grouped wo_a then wo_b; the last shape's weights are big enough for the bf16-bits
+    matrix-vector kernel (Bf16Matrix with few rows), the arrays go through BLAS."""
+    rng = np.random.default_rng(S * 100 + G)
+    o = bf16(rng, (S, H * hd))
+    wo_a = bf16(rng, (G * rank, H * hd // G), (H * hd // G) ** -0.5)
+    wo_b = bf16(rng, (dim, G * rank), (G * rank) ** -0.5)
+    want = naive.naive_output_projection(o, wo_a, wo_b, G)
+    blocks = [wo_a[g * rank:(g + 1) * rank] for g in range(G)]
+    got = output_projection(o, blocks, wo_b)
+    got_bits = output_projection(o, [Bf16Matrix(b) for b in blocks], Bf16Matrix(wo_b))
+    assert got.shape == (S, dim)
+    assert_bf16_close(got, want, "output_projection (arrays)")
+    assert_bf16_close(got_bits, want, "output_projection (Bf16Matrix)")
+
+
+# =============================================================================== the stack
+
+
+def _run_steps(stack, cfg, P, n_decode, rng, layers=None):
+    """Prefill then decode through every layer in order; yields (start_pos, layer, run)."""
+    layers = range(cfg.n_layers) if layers is None else layers
+    for step in range(1 + n_decode):
+        start_pos, seqlen = (0, P) if step == 0 else (P + step - 1, 1)
+        for i in layers:
+            run = stack.forward(i, bf16(rng, (seqlen, cfg.dim)), start_pos, capture=True)
+            yield start_pos, seqlen, i, run
+
+
+@pytest.mark.parametrize("P", [3, 10])
+def test_rows_with_nothing_visible(P):
+    """Prefill queries with (s + 1) // r == 0 see no compressed position: their compressed
+    entries are all -1 and their output is window attention alone."""
+    r, win = 4, 6
+    cfg = random_config(compress_ratios=[r], kv_source_layers=[0], index_source_layers=[0],
+                        window_size=win, index_topk=3)
+    stack = AttentionStack(cfg, random_weights(cfg, seed=P))
+    rng = np.random.default_rng(P)
+    runs = list(_run_steps(stack, cfg, P, 6, rng))
+    start_pos, seqlen, _, run = runs[0]
+    width = P // r
+    k = min(3, width)
+    nwin = min(P, win)
+    assert run.idx.shape == (P, nwin + k) and run.kv_rows.shape == (P + width, 32)
+    comp = run.idx[:, nwin:]
+    for s in range(P):
+        if (s + 1) // r == 0:
+            assert np.all(comp[s] == -1), (s, comp[s])
+            alone = sparse_attn(run.q[s:s + 1], run.kv_rows, run.idx[s:s + 1, :nwin],
+                                stack.weights[0].attn_sink, 32 ** -0.5)
+            assert np.array_equal(run.o[s:s + 1], alone)
+        else:
+            n_valid = min(k, (s + 1) // r)
+            assert np.all(comp[s, :n_valid] >= P) and np.all(comp[s, n_valid:] == -1)
+    # decode: the first latent appears when end_pos reaches r
+    for start_pos, _, _, run in runs[1:]:
+        end_pos = start_pos + 1
+        width = end_pos // r
+        assert run.idx.shape == (1, win + min(3, width))
+        assert run.kv_rows.shape == (win + width, 32)
+        assert np.all(run.idx[0, win:] >= win)
+
+
+@pytest.mark.parametrize("block,topk,P", [(2, 6, 12), (1, 2, 140)])
+def test_candidate_consumer_keeps_masked_picks_inside_the_visible_range(block, topk, P):
+    """A consumer with fewer candidate positions than k: top-k also picks -inf positions. Those
+    inside the visible range stay valid indices (SPEC step 5's note); those at or past clen are -1.
+    The second case has k * 64 <= positions: torch's partial-sort branch."""
+    cfg = random_config(compress_ratios=[1, 1], kv_source_layers=[0], index_source_layers=[0, 1],
+                        candidate_source_layer=0, candidate_topk_blocks=1,
+                        candidate_block_size=block, index_topk=topk, window_size=4)
+    stack = AttentionStack(cfg, random_weights(cfg, seed=5))
+    rng = np.random.default_rng(5)
+    masked_valid = masked_dropped = 0
+    src = None
+    for start_pos, seqlen, layer, run in _run_steps(stack, cfg, P, 8, rng):
+        end_pos = start_pos + seqlen
+        clen = visible(start_pos, seqlen, 1)
+        k = min(topk, end_pos)
+        offset = seqlen if start_pos == 0 else 4
+        nwin = run.idx.shape[1] - k
+        comp = run.idx[:, nwin:].astype(np.int64)
+        cands = stack.shared.candidates
+        if layer == 0:
+            src = run
+            want_c = naive.naive_select_candidate_blocks(run.index_score, clen, 1, block)
+            assert np.array_equal(cands, want_c)
+            assert np.array_equal(comp, naive.naive_topk_idxs(run.index_score, clen, k, offset))
+            continue
+        assert src is not None and run.index_score.shape == (seqlen, end_pos)
+        want = naive.naive_topk_idxs(run.index_score, clen, k, offset, candidates=cands)
+        assert np.array_equal(comp, want)
+        assert np.array_equal(stack.shared.topk_idxs, want)
+        for s in range(seqlen):
+            assert int(cands[s, :clen[s]].sum()) <= block
+            valid = comp[s][comp[s] >= 0] - offset
+            assert np.all(valid < clen[s]) and np.all(np.diff(valid) > 0)
+            masked_valid += int(np.sum(~cands[s, valid]))
+            masked_dropped += int(np.sum(comp[s] == -1))
+            if start_pos > 0:
+                assert len(valid) == k, "at decode every pick is visible, masked or not"
+    assert masked_valid > 0, "the config must make a consumer pick candidate-masked positions"
+    assert masked_dropped > 0
+
+
+def test_candidate_consumer_quirk_in_the_tiny_golden():
+    """In tiny.npz, layer 5 (a candidate consumer, ratio 1, index_topk 6 over 3 blocks of 2) keeps
+    candidate-masked picks: the naive selection from the golden's own scores and candidates
+    reproduces its index rows, and so does the stack."""
+    d = np.load(os.path.join(DATA, "tiny.npz"))
+    meta = json.loads(str(d["config"]))
+    cfg = AttnConfig.from_dict(meta)
+    assert cfg.uses_candidates(5) and cfg.ratio(5) == 1
+    stack = AttentionStack(cfg, {k: d[k] for k in d.files if k.startswith("layers.")})
+    win, P = cfg.window_size, meta["prefill"]
+    quirk_rows = []
+    for step in range(1 + meta["decode"]):
+        start_pos = 0 if step == 0 else P + step - 1
+        for i in range(cfg.n_layers):
+            pre = f"step{step}.layers.{i}."
+            run = stack.forward(i, d[pre + "x"], start_pos, capture=(i == 5))
+        pre = f"step{step}.layers.5."
+        seqlen = d[pre + "x"].shape[0]
+        end_pos = start_pos + seqlen
+        offset, nwin = (seqlen, min(seqlen, win)) if start_pos == 0 else (win, win)
+        k = min(cfg.index_topk, end_pos)
+        clen = visible(start_pos, seqlen, 1)
+        cands = d[pre + "shared.candidates"].astype(bool)
+        want = d[pre + "idx"][:, nwin:].astype(np.int64)
+        assert np.array_equal(
+            naive.naive_topk_idxs(d[pre + "index_score"], clen, k, offset, candidates=cands), want)
+        assert np.array_equal(run.idx[:, nwin:], want)
+        assert np.array_equal(stack.shared.candidates, cands)
+        for s in range(seqlen):
+            valid = want[s][want[s] >= 0] - offset
+            if np.any(~cands[s, valid]):
+                quirk_rows.append((step, s))
+    # measured on the golden: the prefill's query 10 and every odd decode step
+    assert (0, 10) in quirk_rows
+    assert [st for st, _ in quirk_rows[1:]] == list(range(1, meta["decode"] + 1, 2))
+
+
+def test_sparse_attn_and_output_projection_reproduce_the_golden():
+    """Per layer and step of tiny.npz: sparse_attn(q, kv, idx) gives the golden o, and the output
+    projection of the inverse-rotated o gives the golden out."""
+    d = np.load(os.path.join(DATA, "tiny.npz"))
+    meta = json.loads(str(d["config"]))
+    cfg = AttnConfig.from_dict(meta)
+    stack = AttentionStack(cfg, {k: d[k] for k in d.files if k.startswith("layers.")})
+    P = meta["prefill"]
+    for step in (0, 1, 2, 9, 40):
+        start_pos = 0 if step == 0 else P + step - 1
+        for i in range(cfg.n_layers):
+            pre = f"step{step}.layers.{i}."
+            q, kv, idx, o = (d[pre + n] for n in ("q", "kv", "idx", "o"))
+            w = stack.weights[i]
+            got_o = sparse_attn(q, kv, idx, w.attn_sink, cfg.head_dim ** -0.5)
+            assert_bf16_close(got_o, o, pre + "o", min_identical=0.99)
+            pos = np.arange(start_pos, start_pos + q.shape[0])
+            table = layer_rope_table(cfg, cfg.ratio(i), start_pos + q.shape[0])
+            o_rot = apply_rotary(o, pos, table, inverse=True).reshape(q.shape[0], -1)
+            got = output_projection(o_rot, w.wo_a, w.wo_b)
+            assert_bf16_close(got, d[pre + "out"], pre + "out", min_identical=0.99)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stack_structural_invariants(seed):
+    """A random small stack (ratios 0, 3, 3, 1, 1; kv sources 1, 3; index sources 1, 3, 4;
+    candidate source 3) over a prefill and decode steps: window rows, compressed entries in range
+    or -1, sorted, as many as min(index_topk, end_pos // r), kv rows, shared selections."""
+    rng = np.random.default_rng(seed)
+    win = int(rng.integers(2, 10))
+    topk = int(rng.integers(1, 7))
+    cfg = random_config(compress_ratios=[0, 3, 3, 1, 1], kv_source_layers=[1, 3],
+                        index_source_layers=[1, 3, 4], candidate_source_layer=3,
+                        candidate_topk_blocks=int(rng.integers(1, 4)),
+                        candidate_block_size=int(rng.integers(1, 4)), index_topk=topk,
+                        window_size=win, n_heads=2, o_groups=2)
+    stack = AttentionStack(cfg, random_weights(cfg, seed))
+    P = int(rng.integers(1, 20))
+    hd = cfg.head_dim
+    prev_idx = {}
+    for start_pos, seqlen, i, run in _run_steps(stack, cfg, P, 12, rng):
+        r = cfg.ratio(i)
+        end_pos = start_pos + seqlen
+        offset = seqlen if start_pos == 0 else win
+        nwin = min(seqlen, win) if start_pos == 0 else win
+        width = end_pos // r if r else 0
+        k = min(topk, width) if r else 0
+        assert run.idx.dtype == np.int32 and run.idx.shape == (seqlen, nwin + k)
+        assert run.kv_rows.shape == (offset + width, hd)
+        assert np.array_equal(run.idx[:, :nwin], np.broadcast_to(
+            naive.naive_window_index_rows(start_pos, seqlen, win), (seqlen, nwin)))
+        if not r:
+            continue
+        assert np.array_equal(run.kv_rows[offset:], stack.shared.compress_kv[:width])
+        comp = run.idx[:, nwin:].astype(np.int64)
+        clen = visible(start_pos, seqlen, r)
+        for s in range(seqlen):
+            row = comp[s]
+            valid = row[row >= 0]
+            n_valid = len(valid)
+            assert np.all(row[n_valid:] == -1), f"-1 before a valid entry: {row}"
+            assert np.all(np.diff(valid) > 0), f"not sorted ascending: {row}"
+            assert np.all((valid >= offset) & (valid < offset + clen[s])), (s, row, clen[s])
+            if cfg.uses_candidates(i) and start_pos == 0:
+                assert n_valid <= min(k, clen[s])
+            else:
+                assert n_valid == min(k, clen[s]), (i, start_pos, s, row)
+        if cfg.is_index_source(i) and width == 0:
+            assert run.index_score is None and stack.shared.topk_idxs.shape == (seqlen, 0)
+        elif cfg.is_index_source(i):
+            cands = stack.shared.candidates if cfg.uses_candidates(i) else None
+            want = naive.naive_topk_idxs(run.index_score, clen, k, offset, candidates=cands)
+            assert np.array_equal(comp, want), (i, start_pos)
+            if cfg.is_candidate_source(i):
+                assert np.array_equal(stack.shared.candidates, naive.naive_select_candidate_blocks(
+                    run.index_score, clen, cfg.candidate_topk_blocks, cfg.candidate_block_size))
+        else:
+            # layer 2 reuses layer 1's selection
+            assert np.array_equal(comp, prev_idx[cfg.index_source_of(i)])
+        prev_idx[i] = comp
