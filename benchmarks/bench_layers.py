@@ -27,6 +27,7 @@ class Prefill:
     param_names = ["layer", "tokens"]
     number = 1
     repeat = (1, 3, 60.0)     # at most 3 samples, none started after 60 s
+    rounds = 1                # one benchmark process per case (each builds the layer's weights)
     warmup_time = 0
     timeout = _TIMEOUT
 
@@ -50,6 +51,7 @@ class Decode:
     param_names = ["context"]
     number = 1
     repeat = (3, 20, 20.0)
+    rounds = 1
     warmup_time = 0
     timeout = _TIMEOUT
 

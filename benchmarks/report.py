@@ -20,8 +20,9 @@ serves both.
 
 Options: ``--sizes 1024,4096,16384`` (prefill), ``--decode-context 4096,65536``, ``--quick``
 (sizes 1024,4096, decode 4096, fewer repeats), ``--long 65536`` (opt-in, many minutes),
-``--layers 0,2,20``, ``--no-kernels``, ``--no-layers``, ``--repeat N``, ``--profile N`` (top N
-functions by own time, per layer run, from cProfile), ``--json``.
+``--layers 0,2,20``, ``--no-kernels``, ``--no-layers``, ``--repeat N``, ``--decode-steps N``,
+``--profile N`` (top N functions by own time, per layer run, from cProfile), ``--json`` (JSON
+instead of the table), ``--json-file PATH`` (the JSON as well).
 """
 
 from __future__ import annotations
@@ -394,14 +395,15 @@ def print_text(s: dict, meta: dict):
     w(f"  prefill L{common.DECODE_LAYER} @ 4096: useful FLOP/s / numpy matmul = "
       + (f"{p['ratio']:.3f}  (target >= {TARGET_PREFILL_RATIO})  {verdict(p['met'])}" if p
          else "not measured (needs --sizes with 4096)"))
-    lk = t.get(f"prefill_{TARGET_LONG_TOKENS}_long")
-    if lk is None:
+    longs = sorted((int(key.split("_")[1]), v) for key, v in t.items() if key.endswith("_long"))
+    if TARGET_LONG_TOKENS not in [n for n, _ in longs]:
         w(f"  prefill L{common.DECODE_LAYER} @ {TARGET_LONG_TOKENS}: not run (opt-in: --long {TARGET_LONG_TOKENS})")
-    elif not lk["completed"]:
-        w(f"  prefill L{common.DECODE_LAYER} @ {TARGET_LONG_TOKENS}: FAILED ({lk.get('error')})")
-    else:
-        w(f"  prefill L{common.DECODE_LAYER} @ {TARGET_LONG_TOKENS}: completed in {lk['seconds']:.0f} s, "
-          f"peak RSS {_gb(lk['peak_rss'])} (target <= 6 GB)  {verdict(lk['met'])}")
+    for n, lk in longs:
+        if not lk["completed"]:
+            w(f"  prefill L{common.DECODE_LAYER} @ {n} (--long): FAILED ({lk.get('error')})")
+        else:
+            w(f"  prefill L{common.DECODE_LAYER} @ {n} (--long): completed in {lk['seconds']:.0f} s, "
+              f"peak RSS {_gb(lk['peak_rss'])} (target <= 6 GB)  {verdict(lk['met'])}")
     for c, tgt in TARGET_DECODE_RATIO.items():
         d = t.get(f"decode_{c}")
         w(f"  decode L{common.DECODE_LAYER} @ {c}: step / numpy matvecs = "
@@ -453,6 +455,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--no-layers", action="store_true")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--json-file", metavar="PATH", help="also write the JSON to PATH")
     # The per-measurement subprocess.
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layer", type=int, default=common.DECODE_LAYER, help=argparse.SUPPRESS)
@@ -487,6 +490,9 @@ def main(argv=None) -> int:
     meta["load_after"] = " ".join(f"{v:.1f}" for v in os.getloadavg())
     meta["wall_seconds"] = time.perf_counter() - t_start
     summary = summarise(kernels, layer_runs, parent_mm)
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump({"meta": meta, **summary}, f, indent=1)
     if args.json:
         print(json.dumps({"meta": meta, **summary}, indent=1))
     else:

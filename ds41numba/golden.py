@@ -56,6 +56,7 @@ import json
 import math
 import os
 import re
+import struct
 import tempfile
 import time
 from contextlib import contextmanager
@@ -585,6 +586,26 @@ def _temporary_beside(path: str):
             os.unlink(tmp)
 
 
+def _sort_metadata(f):
+    """Rewrite the header of the safetensors file open in ``f`` with its metadata keys sorted.
+
+    safetensors serialises the metadata map in a random order (a Rust HashMap), so two equal
+    runs would give files that differ in their header bytes. Tensor entries keep their order;
+    the rewritten header has the same length (padded with spaces, which the format allows).
+    """
+    f.seek(0)
+    n = struct.unpack("<Q", f.read(8))[0]
+    header = json.loads(f.read(n))
+    if not header.get("__metadata__"):
+        return
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(text) <= n:
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
+        f.flush()
+
+
 def write_tensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dict[str, str],
                          force: bool = False):
     """Write a safetensors file to a temporary name beside ``path``, then rename it into place.
@@ -601,6 +622,7 @@ def write_tensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dict[st
     with _temporary_beside(path) as tmp:
         save_file(arrays, tmp, metadata=metadata)
         with open(tmp, "rb+") as f:
+            _sort_metadata(f)
             os.fsync(f.fileno())
         # mkstemp and safetensors both make private (0600) files; a golden is an ordinary file.
         umask = os.umask(0)

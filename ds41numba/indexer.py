@@ -248,7 +248,7 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
     if index_k.shape[0] < width or index_k.shape[1] != idim:
         bad(f"index_k must be [>= {width}, {idim}] (the keys of every position scored), got "
             f"{list(index_k.shape)}")
-    if cfg.use_candidates and width:
+    if cfg.use_candidates:
         nb = -(-width // cfg.candidate_block_size)
         want = (seqlen, (nb + 7) // 8)
         if (not isinstance(candidate_blocks, np.ndarray) or candidate_blocks.dtype != np.uint8

@@ -230,6 +230,7 @@ class AttentionStack:
         self._ticks: dict[int, int] = {}
         self._step: tuple | None = None
         self._index_k_writer: int | None = None
+        self._stale: set[int] = set()      # compressed layers whose prefill an earlier one redid
 
     def forward(self, layer_id: int, x, start_pos: int, capture: bool = False) -> CompAttnRun:
         """Run layer ``layer_id`` on ``x [seqlen, dim]`` (bf16 values) at ``start_pos``.
@@ -267,8 +268,13 @@ class AttentionStack:
         step = (start_pos, seqlen)
         r = c.ratio(layer_id)
         begin = cur_step = None
+        stale = set()
         if r:
             cur = self._step
+            if start_pos > 0 and layer_id in self._stale:
+                raise ValueError(f"layer {layer_id}: its prefill was run before an earlier layer "
+                                 f"restarted the sequence (start_pos 0 again), so the shared slots "
+                                 f"it left are not the reference's: prefill layer {layer_id} again")
             if cur is not None and cur[0] == step and layer_id > cur[1]:
                 begin = cur[2]                       # the step goes on, in layer order
             elif cur is not None and cur[0] == step and start_pos > 0:
@@ -277,6 +283,10 @@ class AttentionStack:
                                  f"as the reference does")
             else:
                 begin = self._tick                   # a new step (at start_pos 0: a new sequence)
+                if cur is not None and cur[0] == step:
+                    # A prefill again, from this layer: the later layers' prefills now predate it.
+                    stale = {j for j in self.layers if j > layer_id and c.ratio(j)
+                             and self.states[j].last_step == step}
             cur_step = (step, layer_id, begin)
         for src in _sources(c, layer_id):
             if src != layer_id and self.states[src].last_step != step:
@@ -292,6 +302,7 @@ class AttentionStack:
         self.states[layer_id] = state
         if cur_step is not None:
             self._step = cur_step
+            self._stale = (self._stale | stale) - {layer_id}
         run = attention_any(c, layer_id, self.weights[layer_id], state, self.shared,
                             x, start_pos, capture=capture, tile=self.tile)
         state.end_pos = start_pos + seqlen
@@ -321,7 +332,7 @@ class AttentionStack:
                     raise ValueError(f"layer {layer_id} writes no index keys this step and scores "
                                      f"against the ones the key owners left, but key owner layer {j} "
                                      f"has not run this step (start_pos {start_pos}) yet: run it first")
-                if j > layer_id and (st.last_step is None or st.end_pos != start_pos):
+                if j > layer_id and (st.last_step is None or st.end_pos != start_pos or j in self._stale):
                     raise ValueError(f"layer {layer_id} writes no index keys this step and scores "
                                      f"against the ones the key owners left, but key owner layer {j} "
                                      f"has not run the previous step (start_pos {start_pos - 1}): "
