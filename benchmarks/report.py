@@ -87,8 +87,6 @@ def _profile_rows(prof: cProfile.Profile, top: int) -> list[dict]:
 
 def run_worker(args) -> dict:
     """One layer measurement in this (fresh) process; the result is printed as JSON."""
-    import numpy as np
-
     layer, tokens = args.layer, args.prefill
     steps = args.decode_steps
     tag = f"[layer {layer}, {tokens} tokens]"
@@ -339,7 +337,8 @@ def print_text(s: dict, meta: dict):
       f"(median; samples {', '.join(f'{v:.0f}' for v in s['matmul_samples_parent'])})")
     if s["kernels"]:
         w("")
-        w("Kernels (median time; GFLOP/s = useful FLOPs / time; 'vs matmul' = GFLOP/s / numpy matmul)")
+        w("Kernels, in this process (median time; GFLOP/s = useful FLOPs / time; 'vs matmul' = GFLOP/s / "
+          "numpy matmul; peak RSS = this process's peak during one call)")
         h = f"{'kernel':<20} {'shape':<34} {'time':>10} {'GFLOP/s':>8} {'vs matmul':>9} {'Gelem/s':>8} {'peak RSS':>9}"
         w(h)
         w("-" * len(h))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
 from .numerics import linear_bf16, linear_f32, rms_norm, to_bf16_rne
@@ -90,7 +91,8 @@ def _check_args(x, start_pos, ratio, weights, state):
         raise ValueError(f"compressor: ratio must be a positive integer, got {ratio!r}")
     if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
         raise ValueError(f"compressor: start_pos must be an integer >= 0, got {start_pos!r}")
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[0] == 0:
+    if (not isinstance(x, np.ndarray) or x.dtype not in (np.float32, BF16) or x.ndim != 2
+            or x.shape[0] == 0):
         raise ValueError(f"compressor: x must be a non-empty float32 [seqlen, dim] array, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
     if start_pos > 0 and x.shape[0] != 1:

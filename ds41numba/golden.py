@@ -497,8 +497,9 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
                 progress(0, where)
             x = make_input(prefix + "x", (seqlen, cfg.dim), plan.seed)
             tensors[prefix + "x"] = to_storage(prefix + "x", x, "BF16")
-            run = stack.forward(i, x, start_pos, capture=_forward_capture(plan.capture))
-            del x
+            del x   # the stack takes the stored bfloat16 copy: half the memory of float32
+            run = stack.forward(i, tensors[prefix + "x"], start_pos,
+                                capture=_forward_capture(plan.capture))
             for what, value in layer_captures(stack, i, run, start_pos, plan.capture).items():
                 tensors[prefix + what] = to_storage(prefix + what, value, storage_kind(prefix + what))
             del run

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
 from .numerics import (bf16_scalar, fp4_quant_e8m0_inplace, linear_bf16, rms_norm,
@@ -233,7 +234,8 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
     if tile is not None and not is_int(tile, 1):
         bad(f"tile must be None or a positive integer, got {tile!r}")
     for name, a in (("x", x), ("qr", qr), ("index_k", index_k)):
-        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 2:
+        dtypes = (np.float32, BF16) if name == "x" else (np.float32,)
+        if not isinstance(a, np.ndarray) or a.dtype not in dtypes or a.ndim != 2:
             bad(f"{name} must be a 2-D float32 array, got {getattr(a, 'dtype', type(a).__name__)} "
                 f"{getattr(a, 'shape', '')}")
     seqlen = x.shape[0]

@@ -427,7 +427,9 @@ def fp4_quant_e4m3_inplace(x, block=LATENT_BLOCK):
 
 
 def _check_linear(x, w, name):
-    x = _as_f32_array(x, f"{name}: x")
+    x = np.asarray(x)
+    if x.dtype.name != "bfloat16":
+        x = _as_f32_array(x, f"{name}: x")
     w = _as_f32_array(w, f"{name}: w")
     if w.ndim != 2:
         raise ValueError(f"{name}: w must be 2-D [out, in], got shape {w.shape}")
@@ -436,12 +438,26 @@ def _check_linear(x, w, name):
     return x, w
 
 
+# Rows of a bfloat16 input widened to float32 at a time: the f32 copy of a long input would
+# otherwise be the largest array of a long prefill.
+_WIDEN_ROWS = 4096
+
+
 def linear_f32(x, w):
     """``x @ w.T`` with numpy's f32 BLAS, f32 result (the ratio > 1 compressor's projections).
-    x is ``[..., in]``, w ``[out, in]``; returns ``[..., out]``."""
+
+    x is ``[..., in]``, float32 or ``ml_dtypes.bfloat16`` (widened exactly, a block of rows at a
+    time), w ``[out, in]``; returns ``[..., out]`` float32.
+    """
     x, w = _check_linear(x, w, "linear_f32")
-    y = np.matmul(x.reshape(-1, w.shape[1]), w.T)
-    return np.ascontiguousarray(y, dtype=np.float32).reshape(x.shape[:-1] + (w.shape[0],))
+    x2 = x.reshape(-1, w.shape[1])
+    if x.dtype == np.float32:
+        y = np.ascontiguousarray(np.matmul(x2, w.T), dtype=np.float32)
+    else:
+        y = np.empty((x2.shape[0], w.shape[0]), np.float32)
+        for a in range(0, x2.shape[0], _WIDEN_ROWS):
+            np.matmul(x2[a:a + _WIDEN_ROWS].astype(np.float32), w.T, out=y[a:a + _WIDEN_ROWS])
+    return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
 def linear_bf16(x, w):
@@ -453,7 +469,7 @@ def linear_bf16(x, w):
     Returns ``[..., out]``.
     """
     if isinstance(w, Bf16Matrix):
-        x = _as_f32_array(x, "linear_bf16: x")
+        x = np.asarray(x)
         rows = x.size // max(x.shape[-1], 1) if x.ndim else 0
         if (x.ndim >= 1 and x.shape[-1] == w.in_features and 0 < rows <= MATVEC_MAX_ROWS
                 and w.f32.size >= _MATVEC_MIN_SIZE):
