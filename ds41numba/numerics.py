@@ -312,76 +312,68 @@ def _clamp(y, bound):
     return y
 
 
+_Q_FP8 = 0       # act_quant: e4m3 elements, power-of-two scale
+_Q_FP4_E8M0 = 1  # fp4_act_quant: e2m1 elements, power-of-two scale
+_Q_FP4_E4M3 = 2  # latent quantiser: e2m1 elements, e4m3 scale
+
+
 @njit(cache=True)
-def _fp8_quant_row(row, block):
-    """act_quant on a 1-D float32 view in place: per block of ``block`` values, amax floored at
-    1e-4, ``s = pow2ceil(amax / 448)``, ``bf16(e4m3(clamp(x / s, +-448)) * s)``. The row's length
-    should be a multiple of ``block`` (a shorter last block is quantised on its own)."""
-    bound = np.float32(448.0)
-    floor = np.float32(1e-4)
+def _quant_row(row, block, kind):
+    """One of the three quantise-dequantise schemes on a 1-D float32 view, in place.
+
+    Per block of ``block`` values (a shorter last block is quantised on its own): the block's
+    amax, floored; the scale ``s`` (``pow2ceil(amax / bound)``, or for the latents the e4m3
+    rounding of ``amax / 6``); then ``bf16(elem(clamp(x / s, +-bound)) * s)`` with the element
+    format e4m3 (fp8) or e2m1 (fp4). A block whose e4m3 scale overflows gets a NaN scale, as
+    the non-saturating e4m3fn cast gives.
+    """
+    if kind == _Q_FP8:
+        bound, floor = np.float32(448.0), np.float32(1e-4)
+    elif kind == _Q_FP4_E8M0:
+        bound, floor = np.float32(6.0), np.float32(6.0 * 2.0**-126)
+    else:
+        bound, floor = np.float32(6.0), np.float32(6.0 * 2.0**-9)
     for lo in range(0, row.shape[0], block):
         hi = min(lo + block, row.shape[0])
         amax = _block_amax(row, lo, hi)
         if amax < floor:
             amax = floor
-        s = pow2ceil_scalar(amax / bound)
+        if kind == _Q_FP4_E4M3:
+            s = e4m3_scalar(amax / bound)
+        else:
+            s = pow2ceil_scalar(amax / bound)
         for j in range(lo, hi):
             # A true f32 division, not a multiply by 1/s.
             y = _clamp(row[j] / s, bound)
-            row[j] = bf16_scalar(e4m3_scalar(y) * s)
+            q = e4m3_scalar(y) if kind == _Q_FP8 else e2m1_scalar(y)
+            row[j] = bf16_scalar(q * s)
+
+
+@njit(cache=True)
+def _fp8_quant_row(row, block):
+    """act_quant on a 1-D float32 view in place: amax floored at 1e-4, ``s = pow2ceil(amax / 448)``,
+    ``bf16(e4m3(clamp(x / s, +-448)) * s)``."""
+    _quant_row(row, block, _Q_FP8)
 
 
 @njit(cache=True)
 def _fp4_e8m0_row(row, block):
-    """fp4_act_quant with e8m0 scales on a 1-D float32 view in place: amax floored at 6 * 2^-126,
-    ``s = pow2ceil(amax / 6)``, ``bf16(e2m1(clamp(x / s, +-6)) * s)``."""
-    bound = np.float32(6.0)
-    floor = np.float32(6.0 * 2.0**-126)
-    for lo in range(0, row.shape[0], block):
-        hi = min(lo + block, row.shape[0])
-        amax = _block_amax(row, lo, hi)
-        if amax < floor:
-            amax = floor
-        s = pow2ceil_scalar(amax / bound)
-        for j in range(lo, hi):
-            y = _clamp(row[j] / s, bound)
-            row[j] = bf16_scalar(e2m1_scalar(y) * s)
+    """fp4_act_quant with e8m0 scales in place: amax floored at 6 * 2^-126, ``s = pow2ceil(amax / 6)``,
+    ``bf16(e2m1(clamp(x / s, +-6)) * s)``."""
+    _quant_row(row, block, _Q_FP4_E8M0)
 
 
 @njit(cache=True)
 def _fp4_e4m3_row(row, block):
-    """fp4 quantiser with e4m3 scales (compressed-KV latents) on a 1-D float32 view in place: amax
-    floored at 6 * 2^-9, ``s = e4m3(amax / 6)``, ``bf16(e2m1(clamp(x / s, +-6)) * s)``. A block with
-    amax / 6 > 464 gets a NaN scale, as the non-saturating e4m3fn cast gives."""
-    bound = np.float32(6.0)
-    floor = np.float32(6.0 * 2.0**-9)
-    for lo in range(0, row.shape[0], block):
-        hi = min(lo + block, row.shape[0])
-        amax = _block_amax(row, lo, hi)
-        if amax < floor:
-            amax = floor
-        s = e4m3_scalar(amax / bound)
-        for j in range(lo, hi):
-            y = _clamp(row[j] / s, bound)
-            row[j] = bf16_scalar(e2m1_scalar(y) * s)
+    """fp4 with e4m3 scales (compressed-KV latents) in place: amax floored at 6 * 2^-9,
+    ``s = e4m3(amax / 6)``, ``bf16(e2m1(clamp(x / s, +-6)) * s)``."""
+    _quant_row(row, block, _Q_FP4_E4M3)
 
 
 @njit(parallel=True, cache=True)
-def _fp8_kernel(flat, block):
+def _quant_kernel(flat, block, kind):
     for b in prange(flat.shape[0] // block):
-        _fp8_quant_row(flat[b * block : (b + 1) * block], block)
-
-
-@njit(parallel=True, cache=True)
-def _fp4_e8m0_kernel(flat, block):
-    for b in prange(flat.shape[0] // block):
-        _fp4_e8m0_row(flat[b * block : (b + 1) * block], block)
-
-
-@njit(parallel=True, cache=True)
-def _fp4_e4m3_kernel(flat, block):
-    for b in prange(flat.shape[0] // block):
-        _fp4_e4m3_row(flat[b * block : (b + 1) * block], block)
+        _quant_row(flat[b * block : (b + 1) * block], block, kind)
 
 
 def _check_block(x, block, name):
@@ -395,30 +387,30 @@ def _check_block(x, block, name):
     return int(block)
 
 
-def _quantise(x, block, name, row_fn, kernel):
+def _quantise(x, block, name, kind):
     block = _check_block(x, block, name)
     flat = x.reshape(-1)
     if flat.shape[0] >= _PARALLEL_MIN:
-        kernel(flat, block)
+        _quant_kernel(flat, block, kind)
     elif flat.shape[0]:
-        row_fn(flat, block)
+        _quant_row(flat, block, kind)
     return x
 
 
 def act_quant_fp8_inplace(x, block=FP8_BLOCK):
     """fp8 quantise-dequantise (the reference's ``act_quant``, window KV) of every block of ``block``
     consecutive last-dimension values, in place. Returns ``x``; the result is bf16-valued."""
-    return _quantise(x, block, "act_quant_fp8_inplace", _fp8_quant_row, _fp8_kernel)
+    return _quantise(x, block, "act_quant_fp8_inplace", _Q_FP8)
 
 
 def fp4_quant_e8m0_inplace(x, block=FP4_BLOCK):
     """fp4 quantise-dequantise with power-of-two (e8m0) scales (indexer q and keys), in place."""
-    return _quantise(x, block, "fp4_quant_e8m0_inplace", _fp4_e8m0_row, _fp4_e8m0_kernel)
+    return _quantise(x, block, "fp4_quant_e8m0_inplace", _Q_FP4_E8M0)
 
 
 def fp4_quant_e4m3_inplace(x, block=LATENT_BLOCK):
     """fp4 quantise-dequantise with e4m3 scales (compressed KV latents), in place."""
-    return _quantise(x, block, "fp4_quant_e4m3_inplace", _fp4_e4m3_row, _fp4_e4m3_kernel)
+    return _quantise(x, block, "fp4_quant_e4m3_inplace", _Q_FP4_E4M3)
 
 
 # ----------------------------------------------------------------------------------------------
