@@ -19,6 +19,8 @@ from .numerics import FP4_BLOCK, LATENT_BLOCK
 
 __all__ = ["AttnConfig", "PRESETS", "preset"]
 
+_INT_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class AttnConfig:
@@ -212,6 +214,8 @@ class AttnConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad(f"{name} must be a positive integer, got {v!r}")
+            if v > _INT_MAX:     # sizes and counts the kernels index with int64 arithmetic
+                bad(f"{name} must be at most 2**31 - 1, got {v}")
         for name in ("compress_rope_theta", "rope_theta", "rope_factor", "norm_eps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -245,8 +249,8 @@ class AttnConfig:
         n = self.n_layers
         if n == 0:
             bad("compress_ratios is empty: a stack needs at least one layer")
-        if any(r < 0 for r in self.compress_ratios):
-            bad(f"compress_ratios must be >= 0, got {list(self.compress_ratios)}")
+        if any(r < 0 or r > _INT_MAX for r in self.compress_ratios):
+            bad(f"compress_ratios must be >= 0 and at most 2**31 - 1, got {list(self.compress_ratios)}")
         for name in ("kv_source_layers", "index_source_layers"):
             ids = getattr(self, name)
             if len(set(ids)) != len(ids):
@@ -259,20 +263,16 @@ class AttnConfig:
         for i, r in enumerate(self.compress_ratios):
             if r == 0:
                 continue
-            kv_src = [s for s in self.kv_source_layers if s <= i]
-            if not kv_src:
-                bad(f"layer {i} has compress_ratio {r} but no kv source at or before it")
-            s = max(kv_src)
-            if self.compress_ratios[s] != r:
-                bad(f"layer {i} (ratio {r}) would read the compressed cache of kv source {s} "
-                    f"(ratio {self.compress_ratios[s]}): ratios must agree")
-            idx_src = [s for s in self.index_source_layers if s <= i]
-            if not idx_src:
-                bad(f"layer {i} has compress_ratio {r} but no index source at or before it")
-            s = max(idx_src)
-            if self.compress_ratios[s] != r:
-                bad(f"layer {i} (ratio {r}) would reuse the selection of index source {s} "
-                    f"(ratio {self.compress_ratios[s]}): ratios must agree")
+            for role, sources, reads in (
+                    ("kv source", self.kv_source_layers, "read the compressed cache of"),
+                    ("index source", self.index_source_layers, "reuse the selection of")):
+                before = [s for s in sources if s <= i]
+                if not before:
+                    bad(f"layer {i} has compress_ratio {r} but no {role} at or before it")
+                s = max(before)
+                if self.compress_ratios[s] != r:
+                    bad(f"layer {i} (ratio {r}) would {reads} {role} {s} "
+                        f"(ratio {self.compress_ratios[s]}): ratios must agree")
             if self.is_index_source(i):
                 owners = [k for k in self.kv_source_layers if k <= i and self.is_index_source(k)]
                 if not owners:
