@@ -5,6 +5,13 @@ tolerance in its tensors) and runs at full length on multicore CPUs. The public 
 the reference's.
 """
 
+import os as _os
+
+# numba's OpenMP workers otherwise spin after every parallel kernel, fighting OpenBLAS's threads
+# for the cores between the kernels and the BLAS calls of a layer (several times slower on two
+# cores). Read by the OpenMP runtime when numba first starts it; an explicit setting wins.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from .numerics import (FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK, act_quant_fp8_inplace,
                        fp4_quant_e4m3_inplace, fp4_quant_e8m0_inplace, is_bf16_valued,
                        linear_bf16, linear_f32, pow2ceil, rms_norm, to_bf16_rne, to_e2m1_rne,

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
-from .numerics import (act_quant_fp8_inplace, fp4_quant_e4m3_inplace, linear_bf16, rms_norm,
-                       round_bf16_inplace)
+from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
+                       linear_bf16, rms_norm, round_bf16_inplace, single_threaded_blas)
 from .rope import apply_rotary, yarn_freqs_cis
 
 __all__ = ["CompAttnRun", "attention_any", "sparse_attn", "window_index_rows",
@@ -180,7 +179,7 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
         _attend_queries(q, parts, starts, idx, sink, scale, o, 0, S)
     else:
         bounds = np.linspace(0, S, workers + 1).astype(int)
-        with threadpool_limits(limits=1, user_api="blas"):
+        with single_threaded_blas():
             jobs = [_pool(numba.config.NUMBA_NUM_THREADS).submit(
                         _attend_queries, q, parts, starts, idx, sink, scale, o, lo, hi)
                     for lo, hi in zip(bounds[:-1], bounds[1:])]
@@ -276,7 +275,16 @@ def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, 
     Inputs are assumed valid (``AttentionStack.forward`` checks them). What every query needs
     is built first (window rows, latents, index keys, the index selection); then the queries
     run in tiles: projection, RoPE, sparse attention, inverse RoPE, output projection.
+    A decode step's products are all small: BLAS runs single-threaded for it.
     """
+    if x.shape[0] <= MATVEC_MAX_ROWS:
+        with single_threaded_blas():
+            return _attention_step(config, layer_id, weights, state, shared, x, start_pos,
+                                   capture, tile)
+    return _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile)
+
+
+def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile):
     c = config
     seqlen = x.shape[0]
     H, hd = c.n_heads, c.head_dim

@@ -11,8 +11,11 @@ the public array functions validate at the Python boundary and hand off to paral
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
+from threadpoolctl import ThreadpoolController
 
 __all__ = [
     "FP4_BLOCK",
@@ -469,6 +472,21 @@ def linear_bf16(x, w):
         w = w.f32
     y = linear_f32(x, w)
     return round_bf16_inplace(y)
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    return ThreadpoolController()
+
+
+def single_threaded_blas():
+    """A context in which numpy's BLAS runs on one thread.
+
+    For work made of many small products (a decode step; one query's attention), BLAS's own
+    threads cost more than they give: OpenBLAS's threaded matrix-vector product is several
+    times slower here than its single-threaded one. The results are the same either way.
+    """
+    return _blas_controller().limit(limits=1, user_api="blas")
 
 
 # ----------------------------------------------------------------------------------------------
