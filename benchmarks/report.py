@@ -371,7 +371,8 @@ def print_text(s: dict, meta: dict):
     if s["decode"]:
         w("")
         w(f"Decode, one step of layer {common.DECODE_LAYER} (median of steps; numpy = the layer's "
-          "projection matvecs alone, f32 weights, interleaved with the steps)")
+          "projection matvecs alone, f32 weights, interleaved with the steps; the faster of numpy's "
+          "default BLAS threads and one thread)")
         h = (f"{'context':>8} {'step ms':>9} {'numpy ms':>9} {'ratio':>6} {'numpy GB/s':>10} "
              f"{'step GFLOP/s':>12} {'decode peak':>11} {'prefill peak':>12}")
         w(h)
