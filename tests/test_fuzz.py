@@ -149,7 +149,7 @@ _FIELDS = ["dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_lora
            "candidate_source_layer"]
 
 
-@fuzz(250)
+@fuzz(400)
 @given(dims=small_dims(), data=st.data())
 def test_fuzz_config(dims, data):
     """Random topologies (valid and not) and hostile field values: ValueError/TypeError naming the
@@ -166,7 +166,7 @@ def test_fuzz_config(dims, data):
     bad = data.draw(st.lists(st.tuples(st.sampled_from(_FIELDS + ["compress_ratios"]),
                                        st.sampled_from(_BAD_VALUES)), max_size=2), "bad fields")
     for name, value in bad:
-        if name == "compress_ratios" and fields[name]:
+        if name == "compress_ratios" and isinstance(fields[name], list) and fields[name]:
             fields[name] = [value] + list(fields[name][1:])
         else:
             fields[name] = value
@@ -188,7 +188,8 @@ def test_fuzz_config(dims, data):
     assert all(type(r) is int for r in cfg.compress_ratios)
     reason = topology_ok(cfg.to_dict())
     assert reason is None, f"accepted a config that breaks the rules: {reason}: {cfg.to_dict()}"
-    if cfg.max_seq_len > 4096 or cfg.window_size * cfg.head_dim > 1 << 20:
+    sizes = [getattr(cfg, f) for f in _FIELDS[:13]] + [cfg.max_seq_len, *cfg.compress_ratios]
+    if max(sizes) > 4096:        # valid, but too big to build here (a MemoryError at worst)
         return
     stack = AttentionStack(cfg, make_weights(cfg, None, 0))
     x = naive.hz_random_x(np.random.default_rng(0), min(3, cfg.max_seq_len), cfg.dim)
@@ -212,8 +213,9 @@ def stack_plan(draw, min_compressed=0):
 
 
 def non_finite(rng, x, kind):
-    """Put NaN / +-inf into a random row (whole row or one element) of x."""
-    v = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[kind]
+    """Put NaN, +-inf, the largest bf16 or a bf16 subnormal into a random row (whole row or one
+    element) of x. The largest bf16 squares to inf in RMSNorm, so it acts as non-finite input."""
+    v = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "huge": -3.3895314e38, "tiny": 2.0 ** -130}[kind]
     x = x.copy()
     row = rng.integers(0, x.shape[0])
     if rng.integers(0, 2):
@@ -223,9 +225,9 @@ def non_finite(rng, x, kind):
     return x
 
 
-@fuzz(30)
+@fuzz(150)
 @given(plan=stack_plan(), seed=st.integers(0, 2**32 - 1),
-       poison=st.sampled_from([None, None, None, "nan", "inf", "-inf"]),
+       poison=st.sampled_from([None, None, None, "nan", "inf", "-inf", "huge", "tiny"]),
        twin=st.booleans())
 def test_fuzz_stack(plan, seed, poison, twin):
     """A prefill and decode steps that cross group and window boundaries, on random configs and
@@ -246,7 +248,7 @@ def test_fuzz_stack(plan, seed, poison, twin):
             x = naive.hz_random_x(rng, seqlen, cfg.dim)
             if step == poison_step and rng.integers(0, 2):
                 x = non_finite(rng, x, poison)
-                finite = False
+                finite = finite and poison == "tiny"     # bf16 subnormals stay finite
             try:
                 run = stack.forward(i, x, start_pos, capture=True)
             except ValueError as e:
@@ -270,7 +272,7 @@ def test_fuzz_stack(plan, seed, poison, twin):
 # =============================================================================== call order
 
 
-@fuzz(30)
+@fuzz(150)
 @given(plan=stack_plan(min_compressed=2), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_fuzz_call_order(plan, seed, data):
     """Layers called in random orders, repeated and skipped, within each step: a call is either
@@ -370,7 +372,7 @@ _X_WORDS = {"float64": "float32", "float16": "float32", "int32": "float32", "boo
             "non_bf16": "bf16"}
 
 
-@fuzz(60)
+@fuzz(150)
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 6),
        kind=st.sampled_from(_X_BENIGN + _X_BAD + _POS_BAD), layer=st.integers(0, 3))
 def test_fuzz_bad_step(seed, steps, kind, layer):
@@ -454,7 +456,7 @@ def same_bits(got, want):
     return got.shape == want.shape and bool(np.all((got == want) | (np.isnan(got) & np.isnan(want))))
 
 
-@fuzz(150)
+@fuzz(300)
 @given(a=hostile_arrays(max_ndim=2, max_side=70),
        k=st.one_of(st.integers(-2, 80), st.sampled_from([1.0, True, None, "2"]),
                    st.lists(st.integers(-1, 70), max_size=3)))
@@ -490,7 +492,7 @@ _QUANTS = {"act_quant_fp8_inplace": (act_quant_fp8_inplace, naive.naive_act_quan
            "fp4_quant_e4m3_inplace": (fp4_quant_e4m3_inplace, naive.naive_fp4_quant_e4m3, 16)}
 
 
-@fuzz(150)
+@fuzz(300)
 @given(a=hostile_arrays(max_side=40),
        name=st.sampled_from(sorted(_CONVERSIONS) + sorted(_QUANTS) + ["is_bf16_valued"]),
        block=st.one_of(st.none(), st.integers(-1, 40), st.sampled_from([2.0, True])))
@@ -509,8 +511,11 @@ def test_fuzz_roundings(a, name, block):
         assert np.array_equal(a, before, equal_nan=True), "input modified"
         if name == "is_bf16_valued":
             assert got == bool(np.all(np.isnan(a) | (naive.naive_bf16(a) == a)))
-        else:
-            assert got.dtype == np.float32 and same_bits(got, _CONVERSIONS[name][1](a))
+            return
+        want = _CONVERSIONS[name][1](a)
+        if name == "to_e2m1_rne":     # documented: NaN stays NaN (ml_dtypes' e2m1 makes it a zero)
+            want = np.where(np.isnan(a), np.float32(np.nan), want)
+        assert got.dtype == np.float32 and same_bits(got, want)
         return
     fn, ref, default = _QUANTS[name]
     try:
@@ -529,7 +534,7 @@ def test_fuzz_roundings(a, name, block):
     assert same_bits(got, ref(before, blk)), "differs from the naive quantiser"
 
 
-@fuzz(120)
+@fuzz(200)
 @given(x=hostile_arrays(max_ndim=3, max_side=12, dtypes=["float32"] * 5 + ["float64"]),
        wshape=st.lists(st.integers(0, 12), min_size=0, max_size=3),
        fn=st.sampled_from(["linear_bf16", "linear_f32", "rms_norm"]))
@@ -553,7 +558,7 @@ def test_fuzz_linear_and_norm(x, wshape, fn):
         assert same_bits(got, naive.naive_rms_norm(x, w, 1e-6))
 
 
-@fuzz(120)
+@fuzz(200)
 @given(data=st.data(), rd=st.sampled_from([2, 4, 8, 16]), length=st.integers(0, 40),
        yarn=st.sampled_from([0, 32]), base=st.sampled_from([10000.0, 1.0, 0.5, 0.0, -5.0, np.inf]))
 def test_fuzz_rope(data, rd, length, yarn, base):
@@ -583,7 +588,7 @@ def test_fuzz_rope(data, rd, length, yarn, base):
         assert same_bits(got, naive.naive_apply_rotary(x, pos.astype(np.int64), table, inverse))
 
 
-@fuzz(120)
+@fuzz(200)
 @given(scores=hostile_arrays(max_ndim=3, max_side=30),
        clen=st.one_of(st.integers(-1, 31), st.lists(st.integers(-1, 31), max_size=4),
                       st.sampled_from([1.5, None])),
@@ -608,11 +613,11 @@ def test_fuzz_select_candidate_blocks(scores, clen, topk_blocks, block_size):
             assert part.all() or not part.any(), "a block is partly selected"
             blocks[b] = part.any()
         assert blocks.sum() <= topk_blocks
-        if cl[r] > 0:
+        if cl[r] > 0 and not np.isnan(np.asarray(scores[r], np.float32)).any():   # NaN ranks first
             assert blocks[(cl[r] - 1) // block_size], "the newest visible block is not kept"
 
 
-@fuzz(120)
+@fuzz(200)
 @given(data=st.data(), S=st.integers(0, 4), H=st.integers(1, 3), rows=st.integers(0, 6),
        W=st.integers(0, 5), split=st.booleans())
 def test_fuzz_sparse_attn_and_window(data, S, H, rows, W, split):
@@ -655,7 +660,7 @@ _IDX_BREAKS = ["none", "weights_proj", "wq_b", "index_k_rows", "index_k_dim", "c
 _COMP_BREAKS = ["none", "wgate", "wkv", "state_ratio", "state_dim", "ratio", "x_1d", "decode_2"]
 
 
-@fuzz(80)
+@fuzz(200)
 @given(seed=st.integers(0, 2**16), brk=st.sampled_from(_IDX_BREAKS), cbrk=st.sampled_from(_COMP_BREAKS),
        seqlen=st.integers(1, 9), ratio=st.sampled_from([1, 2, 3]), decode=st.booleans())
 def test_fuzz_indexer_and_compressor(seed, brk, cbrk, seqlen, ratio, decode):
