@@ -109,20 +109,21 @@ def _gather_rows(parts, starts, ids):
                            for part, start, a, b in zip(parts, starts, bounds[:-1], bounds[1:])])
 
 
-def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi):
-    """Queries ``lo .. hi-1`` of :func:`sparse_attn`, written into ``o``."""
+def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi, h0, h1):
+    """Queries ``lo .. hi-1``, heads ``h0 .. h1-1`` of :func:`sparse_attn`, written into ``o``."""
+    sink = sink[h0:h1]
     for s in range(lo, hi):
         rows = _gather_rows(parts, starts, idx[s][idx[s] >= 0])
         if rows.shape[0] == 0:
             continue
         # Scores as [rows, heads]: both products then run untransposed through BLAS.
-        scores = (rows @ q[s].T) * scale
+        scores = (rows @ q[s, h0:h1].T) * scale
         # Shift by the larger of the best score and the sink: a sink far above every score
         # then underflows the scores instead of overflowing exp(sink - m) to inf.
         m = np.maximum(scores.max(axis=0), sink)
         p = np.exp(scores - m)
         denom = p.sum(axis=0) + np.exp(sink - m)
-        o[s] = (p.T @ rows) / denom[:, None]
+        o[s, h0:h1] = (p.T @ rows) / denom[:, None]
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,14 +159,15 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
 
     ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads; or a tuple of row blocks that
     stack to it, e.g. the window rows and the compressed cache, so that they need not be copied
-    together), ``idx [S, W]`` (-1 = skip), ``attn_sink [H]``. Softmax in f32 over the listed scores plus the sink, which joins only
-    the denominator. A query with no listed row outputs zeros. Result rounded to bf16.
+    together), ``idx [S, W]`` (-1 = skip), ``attn_sink [H]``. Softmax in f32 over the listed
+    scores plus the sink, which joins only the denominator. A query with no listed row outputs zeros. Result rounded to bf16.
 
     All heads of a query read the same rows, so each query is two small matrix products
     (``[H, hd] x [hd, n]`` and ``[H, n] x [n, hd]``) over its gathered valid rows. Such products
-    are too small to split well across BLAS threads, so the queries are split across
-    ``numba.get_num_threads()`` workers instead, each with single-threaded BLAS; a query's
-    arithmetic is the same whichever worker runs it.
+    are too small to split well across BLAS threads, so the work is split across
+    ``numba.get_num_threads()`` workers instead, each with single-threaded BLAS: by queries, or
+    by heads when there are fewer queries than workers (a decode step). Every head's arithmetic
+    is the same whichever worker runs it.
     """
     _check_sparse_attn(q, kv, idx, attn_sink)
     S, H, hd = q.shape
@@ -174,28 +176,29 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
     o = np.zeros((S, H, hd), np.float32)
-    workers = min(numba.get_num_threads(), S)
-    if workers <= 1:
-        _attend_queries(q, parts, starts, idx, sink, scale, o, 0, S)
+    workers = numba.get_num_threads()
+    if S >= workers:
+        q_cut, h_cut = np.linspace(0, S, workers + 1).astype(int), np.array([0, H])
     else:
-        bounds = np.linspace(0, S, workers + 1).astype(int)
-        with single_threaded_blas():
+        q_cut, h_cut = np.array([0, S]), np.linspace(0, H, min(workers, H) + 1).astype(int)
+    parts_of_work = [(lo, hi, h0, h1) for lo, hi in zip(q_cut[:-1], q_cut[1:])
+                     for h0, h1 in zip(h_cut[:-1], h_cut[1:])]
+    with single_threaded_blas():
+        if len(parts_of_work) == 1:
+            _attend_queries(q, parts, starts, idx, sink, scale, o, 0, S, 0, H)
+        else:
             jobs = [_pool(numba.config.NUMBA_NUM_THREADS).submit(
-                        _attend_queries, q, parts, starts, idx, sink, scale, o, lo, hi)
-                    for lo, hi in zip(bounds[:-1], bounds[1:])]
+                        _attend_queries, q, parts, starts, idx, sink, scale, o, *work)
+                    for work in parts_of_work]
             for job in jobs:
                 job.result()
     return round_bf16_inplace(o)
 
 
 def output_projection(o: np.ndarray, wo_a, wo_b) -> np.ndarray:
-    """Grouped low-rank output projection: ``o [S, H*hd]`` split into ``len(wo_a)`` head groups,
-    group g through its block ``wo_a[g] [o_rank, H*hd/G]``, the results side by side through ``wo_b``."""
-    S = o.shape[0]
-    groups = len(wo_a)
-    per_group = o.reshape(S, groups, -1)
-    mid = np.concatenate([linear_bf16(per_group[:, g], wo_a[g]) for g in range(groups)], axis=1)
-    return linear_bf16(mid, wo_b)
+    """Grouped low-rank output projection: ``o [S, H*hd]`` through ``wo_a``, a grouped
+    :class:`Bf16Matrix` (head group g through its own block of rows), then through ``wo_b``."""
+    return linear_bf16(linear_bf16(o, wo_a), wo_b)
 
 
 def _default_tile(seqlen: int) -> int:
@@ -275,7 +278,8 @@ def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, 
     Inputs are assumed valid (``AttentionStack.forward`` checks them). What every query needs
     is built first (window rows, latents, index keys, the index selection); then the queries
     run in tiles: projection, RoPE, sparse attention, inverse RoPE, output projection.
-    A decode step's products are all small: BLAS runs single-threaded for it.
+    A decode step's products are all small, and BLAS's threads would only contend with the
+    numba kernels between them: BLAS runs single-threaded for it.
     """
     if x.shape[0] <= MATVEC_MAX_ROWS:
         with single_threaded_blas():

@@ -458,20 +458,27 @@ def linear_f32(x, w):
 def linear_bf16(x, w):
     """bf16 linear: ``x @ w.T`` (w holds bf16 values) summed in f32, rounded to bf16 once.
 
-    x is ``[..., in]``; w is ``[out, in]``, a float32 array or a :class:`Bf16Matrix`. Many rows go
-    through numpy's BLAS; a :class:`Bf16Matrix` times at most ``MATVEC_MAX_ROWS`` rows (a decode
-    step) goes through the fused kernel that reads the weight as bf16 bits, half the bytes.
-    Returns ``[..., out]``.
+    x is ``[..., in]``; w is ``[out, in]``, a float32 array or a :class:`Bf16Matrix` (which may
+    be grouped: see there). Many rows go through numpy's BLAS; a large :class:`Bf16Matrix` times
+    at most ``MATVEC_MAX_ROWS`` rows (a decode step) goes through the fused kernel that reads the
+    weight as bf16 bits, half the bytes. Returns ``[..., out]``.
     """
-    if isinstance(w, Bf16Matrix):
-        x = np.asarray(x)
-        rows = x.size // max(x.shape[-1], 1) if x.ndim else 0
-        if (x.ndim >= 1 and x.shape[-1] == w.in_features and 0 < rows <= MATVEC_MAX_ROWS
-                and w.f32.size >= _MATVEC_MIN_SIZE):
-            return w.matvec(x)
-        w = w.f32
-    y = linear_f32(x, w)
-    return round_bf16_inplace(y)
+    if not isinstance(w, Bf16Matrix):
+        return round_bf16_inplace(linear_f32(x, w))
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[-1] != w.in_features:
+        raise ValueError(f"linear_bf16: x of shape {x.shape} does not match a weight taking "
+                         f"{w.in_features} inputs")
+    rows = x.size // max(x.shape[-1], 1)
+    if 0 < rows <= MATVEC_MAX_ROWS and w.f32.size >= _MATVEC_MIN_SIZE:
+        return w.matvec(x)
+    if w.groups == 1:
+        return round_bf16_inplace(linear_f32(x, w.f32))
+    per_group = x.reshape(-1, w.groups, w.f32.shape[1])
+    rank = w.f32.shape[0] // w.groups
+    y = np.concatenate([linear_f32(per_group[:, g], w.f32[g * rank:(g + 1) * rank])
+                        for g in range(w.groups)], axis=1)
+    return round_bf16_inplace(y).reshape(x.shape[:-1] + (w.f32.shape[0],))
 
 
 @functools.lru_cache(maxsize=1)
@@ -504,49 +511,77 @@ MATVEC_MAX_ROWS = 8
 _MATVEC_MIN_SIZE = 1 << 20
 
 
+@njit(cache=True)
+def _widen(bits):
+    """A bf16 bit pattern (uint16) as the f32 it stands for."""
+    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+
+
 @njit(parallel=True, cache=True)
-def _matvec_bf16_kernel(x, bits, out):
-    m, k_in = x.shape
-    n_out = out.shape[1]
-    k4 = k_in - k_in % 4
+def _matvec_bf16_kernel(x, bits, out, groups):
+    """``out = bf16(x @ W.T)`` for W packed as bf16 bits ``[blocks, in, _MV_BLOCK]``.
+
+    The blocks split evenly into ``groups``; block b belongs to group ``g = b // (blocks /
+    groups)``, reads inputs ``x[:, g*in : (g+1)*in]`` and writes outputs ``g*rank + ...``
+    (``rank = out.shape[1] / groups``); padding rows of a group's last block are dropped. Each
+    output adds its products in input order; 8 inputs per pass keep the accumulator in a register.
+    """
+    m = x.shape[0]
+    k_in = bits.shape[1]
+    per_group = bits.shape[0] // groups
+    rank = out.shape[1] // groups
+    k8 = k_in - k_in % 8
     for b in prange(bits.shape[0]):
+        g = b // per_group
+        x0_col = g * k_in
         acc = np.zeros((m, _MV_BLOCK), np.float32)
         for i in range(m):
-            for k in range(0, k4, 4):
-                x0 = x[i, k]
-                x1 = x[i, k + 1]
-                x2 = x[i, k + 2]
-                x3 = x[i, k + 3]
+            xi = x[i, x0_col:x0_col + k_in]
+            for k in range(0, k8, 8):
+                x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
+                x4, x5, x6, x7 = xi[k + 4], xi[k + 5], xi[k + 6], xi[k + 7]
                 for j in range(_MV_BLOCK):
                     a = acc[i, j]
-                    a += x0 * np.uint32(np.uint32(bits[b, k, j]) << np.uint32(16)).view(np.float32)
-                    a += x1 * np.uint32(np.uint32(bits[b, k + 1, j]) << np.uint32(16)).view(np.float32)
-                    a += x2 * np.uint32(np.uint32(bits[b, k + 2, j]) << np.uint32(16)).view(np.float32)
-                    a += x3 * np.uint32(np.uint32(bits[b, k + 3, j]) << np.uint32(16)).view(np.float32)
+                    a += x0 * _widen(bits[b, k, j])
+                    a += x1 * _widen(bits[b, k + 1, j])
+                    a += x2 * _widen(bits[b, k + 2, j])
+                    a += x3 * _widen(bits[b, k + 3, j])
+                    a += x4 * _widen(bits[b, k + 4, j])
+                    a += x5 * _widen(bits[b, k + 5, j])
+                    a += x6 * _widen(bits[b, k + 6, j])
+                    a += x7 * _widen(bits[b, k + 7, j])
                     acc[i, j] = a
-            for k in range(k4, k_in):
+            for k in range(k8, k_in):
                 for j in range(_MV_BLOCK):
-                    acc[i, j] += x[i, k] * np.uint32(np.uint32(bits[b, k, j]) << np.uint32(16)).view(np.float32)
-        n0 = b * _MV_BLOCK
+                    acc[i, j] += xi[k] * _widen(bits[b, k, j])
+        first = (b - g * per_group) * _MV_BLOCK
         for i in range(m):
-            for j in range(min(_MV_BLOCK, n_out - n0)):
-                out[i, n0 + j] = bf16_scalar(acc[i, j])
+            for j in range(min(_MV_BLOCK, rank - first)):
+                out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
 
 
 class Bf16Matrix:
-    """A bf16-valued weight ``[out, in]``: f32 for BLAS, and bf16 bits for matrix-vector products.
+    """A bf16-valued weight: f32 for BLAS, and bf16 bits for matrix-vector products.
 
-    The f32 array is kept as given (no copy when already C-contiguous float32); the packed bits
-    are built on the first matrix-vector product. Treat the weight as read-only once wrapped.
+    ``w [out, in]``. With ``groups = G > 1`` it is the reference's grouped projection (``wo_a``):
+    the input splits into G equal parts and part g goes through rows ``g*out/G .. (g+1)*out/G``
+    only, so ``in_features = G * in``. The f32 array is kept as given (no copy when already
+    C-contiguous float32); the packed bits are built on the first matrix-vector product. Treat
+    the weight as read-only once wrapped.
     """
 
-    __slots__ = ("f32", "_bits")
+    __slots__ = ("f32", "groups", "_bits")
 
-    def __init__(self, w):
+    def __init__(self, w, groups: int = 1):
         w = np.ascontiguousarray(_as_f32_array(w, "Bf16Matrix"))
         if w.ndim != 2:
             raise ValueError(f"Bf16Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
+        if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 \
+                or w.shape[0] % groups:
+            raise ValueError(f"Bf16Matrix: groups must be a positive divisor of out "
+                             f"({w.shape[0]}), got {groups!r}")
         self.f32 = w
+        self.groups = int(groups)
         self._bits = None
 
     @property
@@ -555,22 +590,24 @@ class Bf16Matrix:
 
     @property
     def in_features(self):
-        return self.f32.shape[1]
+        return self.f32.shape[1] * self.groups
 
     def _packed(self):
         if self._bits is None:
             n_out, k_in = self.f32.shape
-            nb = -(-n_out // _MV_BLOCK)
-            hi = np.zeros((nb * _MV_BLOCK, k_in), np.uint16)
-            hi[:n_out] = self.f32.view(np.uint32) >> 16
-            self._bits = np.ascontiguousarray(hi.reshape(nb, _MV_BLOCK, k_in).transpose(0, 2, 1))
+            rank = n_out // self.groups
+            nb = -(-rank // _MV_BLOCK)
+            hi = np.zeros((self.groups, nb * _MV_BLOCK, k_in), np.uint16)
+            hi[:, :rank] = (self.f32.view(np.uint32) >> 16).reshape(self.groups, rank, k_in)
+            blocks = hi.reshape(self.groups * nb, _MV_BLOCK, k_in)
+            self._bits = np.ascontiguousarray(blocks.transpose(0, 2, 1))
         return self._bits
 
     def matvec(self, x):
-        """``bf16(x @ w.T)`` for a few rows ``x [..., in]``, reading the weight as bf16 bits."""
+        """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the bf16 bits."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
         out = np.empty((x2.shape[0], self.f32.shape[0]), np.float32)
-        _matvec_bf16_kernel(x2, self._packed(), out)
+        _matvec_bf16_kernel(x2, self._packed(), out, self.groups)
         return out.reshape(x.shape[:-1] + (self.f32.shape[0],))
 
 

@@ -75,7 +75,7 @@ def _checked_weight(name: str, array, shape: tuple[int, ...], kind: str) -> np.n
 @dataclass
 class AttnWeights:
     """One layer's attention parameters: float32 arrays (norms, the sink, f32 compressor weights)
-    and :class:`Bf16Matrix` projections; ``wo_a`` is the list of its ``o_groups`` group blocks."""
+    and :class:`Bf16Matrix` projections; ``wo_a`` is grouped (``o_groups``)."""
 
     attn_sink: np.ndarray
     wq_a: np.ndarray
@@ -83,7 +83,7 @@ class AttnWeights:
     wq_b: np.ndarray
     wkv: np.ndarray
     kv_norm: np.ndarray
-    wo_a: list
+    wo_a: Bf16Matrix
     wo_b: Bf16Matrix
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
@@ -98,7 +98,7 @@ class AttnWeights:
             got[name] = _checked_weight(full, weights.get(full), shape, kind)
             kinds[name] = kind
         # Projections with bf16 weights become Bf16Matrix (BLAS for many rows, bf16 bits for
-        # a decode step); wo_a is split into its o_groups independent projections.
+        # a decode step); wo_a is grouped: o_groups independent projections.
         proj = {name: Bf16Matrix(a) if a.ndim == 2 and kinds[name] == "bf16" else a
                 for name, a in got.items()}
         comp = idx = None
@@ -111,12 +111,10 @@ class AttnWeights:
                                  weights_proj=proj["indexer.weights_proj.weight"],
                                  wk=proj.get("indexer.wk.weight"),
                                  k_norm=proj.get("indexer.k_norm.weight"))
-        wo_a = got["wo_a.weight"]
-        rank = wo_a.shape[0] // config.o_groups
-        wo_a_groups = [Bf16Matrix(wo_a[g * rank:(g + 1) * rank]) for g in range(config.o_groups)]
+        wo_a = Bf16Matrix(got["wo_a.weight"], groups=config.o_groups)
         return cls(attn_sink=proj["attn_sink"], wq_a=proj["wq_a.weight"], q_norm=proj["q_norm.weight"],
                    wq_b=proj["wq_b.weight"], wkv=proj["wkv.weight"], kv_norm=proj["kv_norm.weight"],
-                   wo_a=wo_a_groups, wo_b=proj["wo_b.weight"], compressor=comp, indexer=idx)
+                   wo_a=wo_a, wo_b=proj["wo_b.weight"], compressor=comp, indexer=idx)
 
 
 @dataclass

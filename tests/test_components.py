@@ -437,19 +437,20 @@ def test_sparse_attn_kv_as_row_blocks_is_identical():
 @pytest.mark.parametrize("S,H,hd,G,rank,dim", [(5, 4, 32, 2, 16, 64), (3, 6, 32, 3, 8, 40),
                                                (2, 8, 128, 2, 1024, 1024)])
 def test_output_projection_vs_naive(S, H, hd, G, rank, dim):
-    """Grouped wo_a then wo_b; the last shape's weights are big enough for the bf16-bits
-    matrix-vector kernel (Bf16Matrix with few rows), the arrays go through BLAS."""
+    """Grouped wo_a then wo_b. Few rows of a large weight take the bf16-bits matrix-vector
+    kernel (the last shape); many rows (the input repeated) always go through BLAS."""
     rng = np.random.default_rng(S * 100 + G)
     o = bf16(rng, (S, H * hd))
     wo_a = bf16(rng, (G * rank, H * hd // G), (H * hd // G) ** -0.5)
     wo_b = bf16(rng, (dim, G * rank), (G * rank) ** -0.5)
     want = naive.naive_output_projection(o, wo_a, wo_b, G)
-    blocks = [wo_a[g * rank:(g + 1) * rank] for g in range(G)]
-    got = output_projection(o, blocks, wo_b)
-    got_bits = output_projection(o, [Bf16Matrix(b) for b in blocks], Bf16Matrix(wo_b))
-    assert got.shape == (S, dim)
-    assert_bf16_close(got, want, "output_projection (arrays)")
-    assert_bf16_close(got_bits, want, "output_projection (Bf16Matrix)")
+    grouped = Bf16Matrix(wo_a, groups=G)
+    got = output_projection(o, grouped, Bf16Matrix(wo_b))
+    many = np.repeat(o, 3, axis=0)
+    got_blas = output_projection(many, grouped, wo_b)
+    assert got.shape == (S, dim) and got_blas.shape == (3 * S, dim)
+    assert_bf16_close(got, want, "output_projection (few rows)")
+    assert_bf16_close(got_blas, np.repeat(want, 3, axis=0), "output_projection (BLAS)")
 
 
 # =============================================================================== the stack
