@@ -127,15 +127,19 @@ def run_worker(args) -> dict:
         reset = common.reset_peak_rss()
         prof = cProfile.Profile() if args.profile else None
         dec, mv = [], []
-        for i in range(1, steps + 1):
-            if prof is not None:
-                prof.enable()
-            t0 = time.perf_counter()
-            stack.forward(layer, inputs[i], tokens + i)
-            dec.append(time.perf_counter() - t0)
-            if prof is not None:
-                prof.disable()
-            mv.append(common.matvec_once(pairs))
+        # Decode steps and numpy's matvecs alternate in blocks, not step by step: right after a
+        # numpy pass OpenBLAS's threads still spin for a while and would slow the next step.
+        half = (steps + 1) // 2
+        for block in (range(1, half + 1), range(half + 1, steps + 1)):
+            for i in block:
+                if prof is not None:
+                    prof.enable()
+                t0 = time.perf_counter()
+                stack.forward(layer, inputs[i], tokens + i)
+                dec.append(time.perf_counter() - t0)
+                if prof is not None:
+                    prof.disable()
+            mv.extend(common.matvec_once(pairs) for _ in block)
         out["decode"] = {
             "context": tokens, "step_seconds": dec, "matvec_seconds": mv,
             "matvec_bytes": int(sum(w.nbytes for _, w in pairs)),
@@ -371,7 +375,7 @@ def print_text(s: dict, meta: dict):
     if s["decode"]:
         w("")
         w(f"Decode, one step of layer {common.DECODE_LAYER} (median of steps; numpy = the layer's "
-          "projection matvecs alone, f32 weights, interleaved with the steps; the faster of numpy's "
+          "projection matvecs alone, f32 weights, in blocks alternating with the steps; the faster of numpy's "
           "default BLAS threads and one thread)")
         h = (f"{'context':>8} {'step ms':>9} {'numpy ms':>9} {'ratio':>6} {'numpy GB/s':>10} "
              f"{'step GFLOP/s':>12} {'decode peak':>11} {'prefill peak':>12}")

@@ -15,7 +15,6 @@ index selection) and then runs the queries in tiles end to end, so memory grows 
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -24,7 +23,8 @@ import numpy as np
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
 from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
-                       linear_bf16, rms_norm, round_bf16_inplace, single_threaded_blas)
+                       in_workers, linear_bf16, rms_norm, round_bf16_inplace,
+                       single_threaded_blas, split_range)
 from .rope import apply_rotary, yarn_freqs_cis
 
 __all__ = ["CompAttnRun", "attention_any", "sparse_attn", "window_index_rows",
@@ -126,11 +126,6 @@ def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi, h0, h1):
         o[s, h0:h1] = (p.T @ rows) / denom[:, None]
 
 
-@functools.lru_cache(maxsize=1)
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41numba-attn")
-
-
 def _check_sparse_attn(q, kv, idx, attn_sink):
     """Shapes and index range, checked before any row is gathered: a bad entry is an error."""
     parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
@@ -178,20 +173,10 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     o = np.zeros((S, H, hd), np.float32)
     workers = numba.get_num_threads()
     if S >= workers:
-        q_cut, h_cut = np.linspace(0, S, workers + 1).astype(int), np.array([0, H])
+        pieces = [(lo, hi, 0, H) for lo, hi in split_range(S, workers)]
     else:
-        q_cut, h_cut = np.array([0, S]), np.linspace(0, H, min(workers, H) + 1).astype(int)
-    parts_of_work = [(lo, hi, h0, h1) for lo, hi in zip(q_cut[:-1], q_cut[1:])
-                     for h0, h1 in zip(h_cut[:-1], h_cut[1:])]
-    with single_threaded_blas():
-        if len(parts_of_work) == 1:
-            _attend_queries(q, parts, starts, idx, sink, scale, o, 0, S, 0, H)
-        else:
-            jobs = [_pool(numba.config.NUMBA_NUM_THREADS).submit(
-                        _attend_queries, q, parts, starts, idx, sink, scale, o, *work)
-                    for work in parts_of_work]
-            for job in jobs:
-                job.result()
+        pieces = [(0, S, h0, h1) for h0, h1 in split_range(H, workers)]
+    in_workers(_attend_queries, [(q, parts, starts, idx, sink, scale, o, *p) for p in pieces])
     return round_bf16_inplace(o)
 
 

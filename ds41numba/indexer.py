@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
-from .numerics import (bf16_scalar, fp4_quant_e8m0_inplace, linear_bf16, rms_norm,
-                       to_bf16_rne)
+from .numerics import (MATVEC_MAX_ROWS, bf16_scalar, fp4_quant_e8m0_inplace, in_workers,
+                       linear_bf16, rms_norm, split_range, to_bf16_rne)
 from .rope import apply_rotary
 from .topk import _partial_sort_set_into, _topk_set_into, torch_cpu_topk_rows
 
@@ -116,8 +117,15 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
     for t0 in range(0, n_vis, chunk):
         t1 = min(n_vis, t0 + chunk)
         # keys @ iq^T keeps both BLAS operands untransposed (a transposed right operand
-        # runs at half speed here).
-        _mix_heads(keys[t0:t1] @ flat.T, w, clen, t0, out)
+        # runs at half speed here). A decode step's product is one long thin one: its
+        # position ranges go to the workers (one BLAS thread each).
+        d = np.empty((t1 - t0, T * ih), np.float32)
+        if T > MATVEC_MAX_ROWS:
+            np.matmul(keys[t0:t1], flat.T, out=d)
+        else:
+            in_workers(lambda a, b: np.matmul(keys[t0 + a:t0 + b], flat.T, out=d[a:b]),
+                       split_range(t1 - t0, numba.get_num_threads()))
+        _mix_heads(d, w, clen, t0, out)
     return out
 
 

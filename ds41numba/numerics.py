@@ -12,7 +12,9 @@ the public array functions validate at the Python boundary and hand off to paral
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
+import numba
 import numpy as np
 from numba import njit, prange
 from threadpoolctl import ThreadpoolController
@@ -494,6 +496,34 @@ def single_threaded_blas():
     times slower here than its single-threaded one. The results are the same either way.
     """
     return _blas_controller().limit(limits=1, user_api="blas")
+
+
+@functools.lru_cache(maxsize=1)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41numba")
+
+
+def in_workers(fn, jobs) -> None:
+    """``fn(*job)`` for every job, spread over ``numba.get_num_threads()`` Python threads, each
+    with single-threaded BLAS (numpy releases the GIL in BLAS and ufuncs).
+
+    For independent pieces of work (queries, heads, position ranges) whose results do not
+    depend on which thread runs them; one job runs in the calling thread.
+    """
+    jobs = list(jobs)
+    with single_threaded_blas():
+        if len(jobs) == 1:
+            fn(*jobs[0])
+            return
+        pool = _pool(numba.config.NUMBA_NUM_THREADS)
+        for future in [pool.submit(fn, *job) for job in jobs]:
+            future.result()
+
+
+def split_range(n: int, parts: int) -> list[tuple[int, int]]:
+    """``0 .. n`` cut into at most ``parts`` near-equal non-empty ranges."""
+    cuts = np.linspace(0, n, max(1, min(parts, n)) + 1).astype(int)
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
 
 
 # ----------------------------------------------------------------------------------------------
