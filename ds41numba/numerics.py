@@ -663,6 +663,16 @@ def _ceil_log2(x):
 
 
 @njit(cache=True)
+def _add_group(x, square, lanes, i, acc):
+    """Group i (4 vectors of ``lanes`` values) into the 4 ILP partial sums ``acc[0]``."""
+    for k in range(_SUM_ILP):
+        base = (i * _SUM_ILP + k) * lanes
+        for l in range(lanes):
+            v = x[base + l]
+            acc[0, k, l] += v * v if square else v
+
+
+@njit(cache=True)
 def _multi_row_sum(x, square, lanes, size, acc):
     """``multi_row_sum`` with 4 ILP rows of ``lanes`` lanes over ``size`` groups of 4 * lanes values:
     ``acc[0, k, l]`` ends with the sum of values ``(4 * i + k) * lanes + l``, accumulated in cascade
@@ -673,11 +683,7 @@ def _multi_row_sum(x, square, lanes, size, acc):
     i = 0
     while i + level_step <= size:
         for _ in range(level_step):
-            for k in range(_SUM_ILP):
-                base = (i * _SUM_ILP + k) * lanes
-                for l in range(lanes):
-                    v = x[base + l]
-                    acc[0, k, l] += v * v if square else v
+            _add_group(x, square, lanes, i, acc)
             i += 1
         for j in range(1, _SUM_LEVELS):
             for k in range(_SUM_ILP):
@@ -687,11 +693,7 @@ def _multi_row_sum(x, square, lanes, size, acc):
             if (i & (level_mask << (j * level_power))) != 0:
                 break
     while i < size:
-        for k in range(_SUM_ILP):
-            base = (i * _SUM_ILP + k) * lanes
-            for l in range(lanes):
-                v = x[base + l]
-                acc[0, k, l] += v * v if square else v
+        _add_group(x, square, lanes, i, acc)
         i += 1
     for j in range(1, _SUM_LEVELS):
         for k in range(_SUM_ILP):
