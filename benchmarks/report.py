@@ -332,6 +332,14 @@ def _f(v, fmt):
     return format(v, fmt) if abs(v) >= 0.1 else format(v, ".2g")
 
 
+def _table_head(w, title: str, header: str):
+    """A blank line, the table's title, its column header and a rule as wide as the header."""
+    w("")
+    w(title)
+    w(header)
+    w("-" * len(header))
+
+
 def print_text(s: dict, meta: dict):
     w = print
     w(f"ds41numba benchmark report  ({meta['when']}, {meta['cpus']} CPUs, numba threads "
@@ -340,12 +348,11 @@ def print_text(s: dict, meta: dict):
     w(f"numpy f32 matmul 2048x2048x2048 in this process: {s['matmul_gflops_parent']:.1f} GFLOP/s "
       f"(median; samples {', '.join(f'{v:.0f}' for v in s['matmul_samples_parent'])})")
     if s["kernels"]:
-        w("")
-        w("Kernels, in this process (median time; GFLOP/s = useful FLOPs / time; 'vs matmul' = GFLOP/s / "
-          "numpy matmul; peak RSS = this process's peak during one call)")
-        h = f"{'kernel':<20} {'shape':<34} {'time':>10} {'GFLOP/s':>8} {'vs matmul':>9} {'Gelem/s':>8} {'peak RSS':>9}"
-        w(h)
-        w("-" * len(h))
+        _table_head(w, "Kernels, in this process (median time; GFLOP/s = useful FLOPs / time; "
+                       "'vs matmul' = GFLOP/s / numpy matmul; peak RSS = this process's peak during "
+                       "one call)",
+                    f"{'kernel':<20} {'shape':<34} {'time':>10} {'GFLOP/s':>8} {'vs matmul':>9} "
+                    f"{'Gelem/s':>8} {'peak RSS':>9}")
         for k in s["kernels"]:
             if "skipped" in k:
                 w(f"{k['name']:<20} {k['shape']:<34} skipped: {k['skipped']}")
@@ -354,13 +361,10 @@ def print_text(s: dict, meta: dict):
               f"{_f(k['gflops'], '8.1f'):>8} {_f(k['vs_matmul'], '9.3f'):>9} "
               f"{k['gelem_per_s']:>8.3f} {_mb(k['peak_rss']):>9}")
     if s["prefill"]:
-        w("")
-        w("Prefill, one production layer (subprocess each; matmul = numpy's rate in that process; "
-          "peak = process peak RSS)")
-        h = (f"{'layer':>5} {'what':<40} {'tokens':>7} {'time s':>9} {'TFLOP':>7} {'GFLOP/s':>8} "
-             f"{'matmul':>7} {'ratio':>6} {'peak RSS':>9}")
-        w(h)
-        w("-" * len(h))
+        _table_head(w, "Prefill, one production layer (subprocess each; matmul = numpy's rate in "
+                       "that process; peak = process peak RSS)",
+                    f"{'layer':>5} {'what':<40} {'tokens':>7} {'time s':>9} {'TFLOP':>7} "
+                    f"{'GFLOP/s':>8} {'matmul':>7} {'ratio':>6} {'peak RSS':>9}")
         for p in s["prefill"]:
             if "error" in p:
                 w(f"{p['layer']:>5} {'':<40} {p['tokens']:>7} FAILED: {p['error']}")
@@ -373,14 +377,11 @@ def print_text(s: dict, meta: dict):
             f"{p['flops']['attention'] / 1e12:.2f} / {p['flops']['indexer'] / 1e12:.2f} TFLOP"
             for p in s["prefill"] if "flops" in p))
     if s["decode"]:
-        w("")
-        w(f"Decode, one step of layer {common.DECODE_LAYER} (median of steps; numpy = the layer's "
-          "projection matvecs alone, f32 weights, in blocks alternating with the steps; the faster of numpy's "
-          "default BLAS threads and one thread)")
-        h = (f"{'context':>8} {'step ms':>9} {'numpy ms':>9} {'ratio':>6} {'numpy GB/s':>10} "
-             f"{'step GFLOP/s':>12} {'decode peak':>11} {'prefill peak':>12}")
-        w(h)
-        w("-" * len(h))
+        _table_head(w, f"Decode, one step of layer {common.DECODE_LAYER} (median of steps; numpy = "
+                       "the layer's projection matvecs alone, f32 weights, in blocks alternating with "
+                       "the steps; the faster of numpy's default BLAS threads and one thread)",
+                    f"{'context':>8} {'step ms':>9} {'numpy ms':>9} {'ratio':>6} {'numpy GB/s':>10} "
+                    f"{'step GFLOP/s':>12} {'decode peak':>11} {'prefill peak':>12}")
         for d in s["decode"]:
             if "error" in d:
                 w(f"{d['context']:>8} FAILED: {d['error']}")
