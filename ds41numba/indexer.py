@@ -139,10 +139,9 @@ def _block_scores(scores, clen, block):
         for t in range(width):
             v = scores[s, t]
             b = t // block
-            # NaN wins the max, as torch's amax propagates it.
-            if v > out[s, b] or np.isnan(v):
-                if not np.isnan(out[s, b]):
-                    out[s, b] = v
+            # NaN wins the max and stays, as torch's amax propagates it.
+            if not np.isnan(out[s, b]) and (np.isnan(v) or v > out[s, b]):
+                out[s, b] = v
         if clen[s] > 0:
             out[s, (clen[s] - 1) // block] = np.inf
     return out
