@@ -7,10 +7,14 @@ the reference's.
 
 import os as _os
 
-# numba's OpenMP workers otherwise spin after every parallel kernel, fighting OpenBLAS's threads
-# for the cores between the kernels and the BLAS calls of a layer (several times slower on two
-# cores). Read by the OpenMP runtime when numba first starts it; an explicit setting wins.
+# numba's OpenMP workers by default spin for a long while after every parallel kernel, fighting
+# OpenBLAS's threads for the cores between the kernels and the BLAS calls of a layer (several
+# times slower on two cores). Passive workers sleep instead, but waking a sleeping worker costs
+# ~70 us per kernel launch, most of a decode step's small kernels: so they spin briefly
+# (10,000 spins, ~0.2-0.4 ms here) and then sleep. Read by the OpenMP runtime when numba first
+# starts it; an explicit setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+_os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from .numerics import (FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK, act_quant_fp8_inplace,
                        fp4_quant_e4m3_inplace, fp4_quant_e8m0_inplace, is_bf16_valued,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from numba import njit
 
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
@@ -92,38 +93,104 @@ def window_index_rows(start_pos: int, seqlen: int, window: int) -> np.ndarray:
     return np.where(slots > start_pos, -1, slots).astype(np.int32)[None, :]
 
 
-def _gather_rows(parts, starts, ids):
-    """Rows ``ids`` of the row blocks ``parts`` stacked end to end (``starts``: first row ids).
+# Queries whose attention runs as one batch of small products: enough to spread numpy's
+# per-call cost, few enough that the gathered rows ([block, rows, hd]) stay a few MB.
+_ATTN_BLOCK = 4
 
-    Index rows list the window entries before the compressed ones, so the ids fall into the
-    blocks in order and each block is gathered on its own, without stacking the blocks.
+
+@njit(nogil=True, cache=True)
+def _gather_valid_rows(parts, starts, idx, rows):
+    """For each query b, its listed rows (``idx[b] >= 0``, in list order) into ``rows[b, :n]``
+    and zeros after them. ``parts`` are row blocks that stack to the KV rows; ``starts`` their
+    first row ids. Runs without the GIL, in a worker thread."""
+    for b in range(idx.shape[0]):
+        n = 0
+        for e in range(idx.shape[1]):
+            r = idx[b, e]
+            if r < 0:
+                continue
+            p = len(starts) - 1
+            while starts[p] > r:
+                p -= 1
+            rows[b, n, :] = parts[p][r - starts[p]]
+            n += 1
+        rows[b, n:, :] = 0
+
+
+@njit(nogil=True, cache=True)
+def _shifted_scores(scores, counts, sink, scale):
+    """In place: ``scores[b, j, h] * scale - m[b, h]`` for listed rows, -inf for padding, where
+    ``m`` is the larger of the best scaled score and the sink (NaN if either is). Returns ``m``.
+
+    Shifting by the larger of the best score and the sink means a sink far above every score
+    underflows the scores instead of overflowing ``exp(sink - m)`` to inf.
     """
-    if len(parts) == 1:
-        return np.take(parts[0], ids, axis=0)
-    block = np.searchsorted(starts, ids, side="right") - 1
-    if np.any(block[1:] < block[:-1]):
-        return np.take(np.concatenate(parts), ids, axis=0)
-    cut = np.searchsorted(block, np.arange(1, len(parts)), side="left")
-    bounds = [0, *cut, len(ids)]
-    return np.concatenate([np.take(part, ids[a:b] - start, axis=0)
-                           for part, start, a, b in zip(parts, starts, bounds[:-1], bounds[1:])])
+    B, n_max, H = scores.shape
+    m = np.empty((B, H), np.float32)
+    for b in range(B):
+        n = counts[b]
+        best = np.full(H, -np.inf, np.float32)
+        for j in range(n):
+            row = scores[b, j]
+            for h in range(H):
+                v = row[h] * scale
+                row[h] = v
+                if v > best[h] or np.isnan(v):
+                    best[h] = v if not np.isnan(best[h]) else best[h]
+        for h in range(H):
+            if np.isnan(best[h]) or np.isnan(sink[h]):
+                m[b, h] = np.nan
+            else:
+                m[b, h] = max(best[h], sink[h])
+        for j in range(n):
+            row = scores[b, j]
+            for h in range(H):
+                row[h] -= m[b, h]
+        scores[b, n:, :] = -np.inf
+    return m
 
 
-def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi, h0, h1):
-    """Queries ``lo .. hi-1``, heads ``h0 .. h1-1`` of :func:`sparse_attn`, written into ``o``."""
-    sink = sink[h0:h1]
-    for s in range(lo, hi):
-        rows = _gather_rows(parts, starts, idx[s][idx[s] >= 0])
-        if rows.shape[0] == 0:
-            continue
-        # Scores as [rows, heads]: both products then run untransposed through BLAS.
-        scores = (rows @ q[s, h0:h1].T) * scale
-        # Shift by the larger of the best score and the sink: a sink far above every score
-        # then underflows the scores instead of overflowing exp(sink - m) to inf.
-        m = np.maximum(scores.max(axis=0), sink)
-        p = np.exp(scores - m)
-        denom = p.sum(axis=0) + np.exp(sink - m)
-        o[s, h0:h1] = (p.T @ rows) / denom[:, None]
+@njit(nogil=True, cache=True)
+def _row_sums(p, counts):
+    """``sum_j p[b, j, h]`` over each query's listed rows, in row order."""
+    B, _, H = p.shape
+    out = np.zeros((B, H), np.float32)
+    for b in range(B):
+        acc = out[b]
+        for j in range(counts[b]):
+            row = p[b, j]
+            for h in range(H):
+                acc[h] += row[h]
+    return out
+
+
+def _attend_block(q, rows, counts, sink, scale):
+    """Attention of queries ``q [B, h, hd]`` over their gathered rows ``rows [B, n, hd]`` (row
+    ``j >= counts[b]`` is padding); returns ``[B, h, hd]`` f32 (zeros for a query with no row)."""
+    # Scores as [B, rows, heads]: both products then run untransposed through BLAS.
+    scores = np.matmul(rows, q.transpose(0, 2, 1))
+    m = _shifted_scores(scores, counts, sink, scale)
+    p = np.exp(scores, out=scores)
+    denom = _row_sums(p, counts) + np.exp(sink - m)
+    out = np.matmul(p.transpose(0, 2, 1), rows)
+    out /= denom[:, :, None]
+    out[counts == 0] = 0
+    return out
+
+
+def _gathered(parts, starts, idx):
+    counts = np.count_nonzero(idx >= 0, axis=1)
+    rows = np.empty((idx.shape[0], int(counts.max(initial=0)), parts[0].shape[1]), np.float32)
+    _gather_valid_rows(parts, starts, idx, rows)
+    return rows, counts
+
+
+def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi):
+    """Queries ``lo .. hi-1`` of :func:`sparse_attn`, a block at a time, written into ``o``."""
+    for a in range(lo, hi, _ATTN_BLOCK):
+        b = min(hi, a + _ATTN_BLOCK)
+        rows, counts = _gathered(parts, starts, idx[a:b])
+        o[a:b] = _attend_block(q[a:b], rows, counts, sink, scale)
 
 
 def _check_sparse_attn(q, kv, idx, attn_sink):
@@ -158,25 +225,33 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     scores plus the sink, which joins only the denominator. A query with no listed row outputs zeros. Result rounded to bf16.
 
     All heads of a query read the same rows, so each query is two small matrix products
-    (``[H, hd] x [hd, n]`` and ``[H, n] x [n, hd]``) over its gathered valid rows. Such products
-    are too small to split well across BLAS threads, so the work is split across
-    ``numba.get_num_threads()`` workers instead, each with single-threaded BLAS: by queries, or
-    by heads when there are fewer queries than workers (a decode step). Every head's arithmetic
-    is the same whichever worker runs it.
+    (``[n, hd] x [hd, H]`` and ``[H, n] x [n, hd]``) over its gathered valid rows, run for a block
+    of queries at a time (rows padded to the block's longest list; padding scores -inf). Such
+    products are too small to split well across BLAS threads, so a prefill's blocks are split
+    across ``numba.get_num_threads()`` workers instead, each with single-threaded BLAS; a step
+    with fewer queries than workers (a decode step) runs its products on that many BLAS
+    threads. A query's arithmetic is the same whichever thread runs it.
     """
     _check_sparse_attn(q, kv, idx, attn_sink)
     S, H, hd = q.shape
     scale = np.float32(softmax_scale)
     sink = attn_sink.astype(np.float32)
-    parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
-    starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
+    parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
+    starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
     o = np.zeros((S, H, hd), np.float32)
     workers = numba.get_num_threads()
     if S >= workers:
-        pieces = [(lo, hi, 0, H) for lo, hi in split_range(S, workers)]
+        # Whole blocks to each worker: a block's products, and so its rounding, do not depend
+        # on the number of workers.
+        blocks = -(-S // _ATTN_BLOCK)
+        in_workers(_attend_queries, [(q, parts, starts, idx, sink, scale, o, lo * _ATTN_BLOCK,
+                                      min(S, hi * _ATTN_BLOCK))
+                                     for lo, hi in split_range(blocks, workers)])
     else:
-        pieces = [(0, S, h0, h1) for h0, h1 in split_range(H, workers)]
-    in_workers(_attend_queries, [(q, parts, starts, idx, sink, scale, o, *p) for p in pieces])
+        # A decode step: ~1 ms of BLAS, less than splitting it across threads costs.
+        rows, counts = _gathered(parts, starts, idx)
+        with single_threaded_blas():
+            o[:] = _attend_block(q, rows, counts, sink, scale)
     return round_bf16_inplace(o)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
-from .numerics import (MATVEC_MAX_ROWS, bf16_scalar, fp4_quant_e8m0_inplace, in_workers,
+from .numerics import (bf16_scalar, fp4_quant_e8m0_inplace, in_workers,
                        linear_bf16, rms_norm, split_range, to_bf16_rne)
 from .rope import apply_rotary
 from .topk import _partial_sort_set_into, _topk_set_into, torch_cpu_topk_rows
@@ -29,9 +29,14 @@ __all__ = ["IndexerWeights", "IndexerCfg", "indexer", "index_keys", "select_cand
            "candidate_mask",
            "visible_lengths"]
 
-# Elements of one tile's working arrays (the [tile, positions] scores and the
-# [tile * heads, chunk] products): 64 MB of f32, whatever the sequence length.
+# Elements of one tile's [tile, positions] scores: 64 MB of f32, whatever the sequence length.
 _TILE_ELEMS = 1 << 24
+# Elements of one worker's [chunk, tile * heads] dot products: 4 MB of f32, mixed while in cache.
+_SCORE_CHUNK_ELEMS = 1 << 20
+# Rows of the indexer's query projection run as one product.
+_PROJ_ROWS = 1024
+# Fewer multiply-adds than this (about a millisecond of BLAS) are scored in one thread.
+_SPLIT_MIN_MACS = 1 << 26
 
 
 @dataclass
@@ -84,48 +89,73 @@ def index_keys(latents: np.ndarray, positions: np.ndarray, weights: IndexerWeigh
     return fp4_quant_e8m0_inplace(k)
 
 
-@njit(parallel=True, cache=True)
+# Positions whose head mixing runs as one batch: enough independent sums to hide the add latency.
+_MIX_GROUP = 8
+
+
+@njit(nogil=True, cache=True)
 def _mix_heads(d, w, clen, t0, out):
     """``out[s, t0 + t] = bf16(sum_h bf16(relu(bf16(d[t, s * ih + h])) * w[s, h]))`` for visible t.
 
-    ``d`` holds the chunk's dot products position-major (``[chunk, T * ih]``). The head sum
+    ``d`` holds a chunk's dot products position-major (``[chunk, T * ih]``). The head sum
     accumulates in f32 in head order, as torch sums a bf16 tensor over a non-innermost
-    dimension; positions at or past ``clen[s]`` are left as they are (-inf).
+    dimension; positions at or past ``clen[s]`` are left as they are (-inf). The products of a
+    group of positions are formed first (they vectorise), then the group's sums run side by side.
+    Runs without the GIL, in a worker thread.
     """
     T, ih = w.shape
-    for t in prange(d.shape[0]):
+    n = d.shape[0]
+    vals = np.empty((_MIX_GROUP, ih), np.float32)
+    acc = np.empty(_MIX_GROUP, np.float32)
+    for a in range(0, n, _MIX_GROUP):
+        g = min(n, a + _MIX_GROUP) - a
         for s in range(T):
-            if t0 + t >= clen[s]:
+            if t0 + a >= clen[s]:
                 continue
-            acc = np.float32(0.0)
+            ws = w[s]
+            for j in range(g):
+                dj = d[a + j, s * ih:(s + 1) * ih]
+                vj = vals[j]
+                for h in range(ih):
+                    v = bf16_scalar(dj[h])
+                    if v < 0:       # relu; a NaN passes through as torch's relu does
+                        v = np.float32(0.0)
+                    vj[h] = bf16_scalar(v * ws[h])
+            acc[:] = 0
             for h in range(ih):
-                v = bf16_scalar(d[t, s * ih + h])
-                if v < 0:       # relu; a NaN passes through as torch's relu does
-                    v = np.float32(0.0)
-                acc += bf16_scalar(v * w[s, h])
-            out[s, t0 + t] = bf16_scalar(acc)
+                for j in range(g):
+                    acc[j] += vals[j, h]
+            o = out[s, t0 + a:min(t0 + a + g, clen[s])]
+            for j in range(o.shape[0]):
+                o[j] = bf16_scalar(acc[j])
 
 
 def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                  width: int) -> np.ndarray:
-    """Scores ``[T, width]`` of a tile of queries after the visibility mask."""
+    """Scores ``[T, width]`` of a tile of queries after the visibility mask.
+
+    The visible positions are split across the workers; each runs its range a chunk at a time,
+    the chunk's dot products through BLAS (``keys @ iq^T`` keeps both operands untransposed; a
+    transposed right operand runs at half speed here) and then their head mixing, while the
+    chunk is still in cache.
+    """
     T, ih, idim = iq.shape
     out = np.full((T, width), -np.inf, np.float32)
     n_vis = int(clen.max(initial=0))
     flat = iq.reshape(T * ih, idim)
-    chunk = max(256, _TILE_ELEMS // (T * ih))
-    for t0 in range(0, n_vis, chunk):
-        t1 = min(n_vis, t0 + chunk)
-        # keys @ iq^T keeps both BLAS operands untransposed (a transposed right operand
-        # runs at half speed here). A decode step's product is one long thin one: its
-        # position ranges go to the workers (one BLAS thread each).
-        d = np.empty((t1 - t0, T * ih), np.float32)
-        if T > MATVEC_MAX_ROWS:
-            np.matmul(keys[t0:t1], flat.T, out=d)
-        else:
-            in_workers(lambda a, b: np.matmul(keys[t0 + a:t0 + b], flat.T, out=d[a:b]),
-                       split_range(t1 - t0, numba.get_num_threads()))
-        _mix_heads(d, w, clen, t0, out)
+    chunk = max(_MIX_GROUP, _SCORE_CHUNK_ELEMS // (T * ih))
+
+    def score_range(lo, hi):
+        d = np.empty((min(chunk, hi - lo), T * ih), np.float32)
+        for a in range(lo, hi, chunk):
+            b = min(hi, a + chunk)
+            np.matmul(keys[a:b], flat.T, out=d[:b - a])
+            _mix_heads(d[:b - a], w, clen, a, out)
+
+    # Handing work to the worker threads costs a few hundred microseconds: a short decode
+    # step's scores (a few MFLOP) run in the calling thread.
+    workers = numba.get_num_threads() if T * n_vis * ih * idim >= _SPLIT_MIN_MACS else 1
+    in_workers(score_range, split_range(n_vis, workers))
     return out
 
 
@@ -299,10 +329,16 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         published = np.zeros((seqlen, (nb + 7) // 8), dtype=np.uint8)
     score_capture = np.empty((seqlen, width), np.float32) if capture else None
     tile = tile or max(1, min(256, _TILE_ELEMS // max(width, 1)))
+    # The query projection runs for several tiles at once: a 256-row product is well below
+    # BLAS's speed.
+    proj_rows = tile * max(1, _PROJ_ROWS // tile)
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
-        iq = linear_bf16(qr[s0:s1], weights.wq_b).reshape(s1 - s0, cfg.n_heads, cfg.head_dim)
-        iq = fp4_quant_e8m0_inplace(apply_rotary(iq, positions[s0:s1], table, inplace=True))
+        if s0 % proj_rows == 0:
+            p1 = min(seqlen, s0 + proj_rows)
+            iq_rows = linear_bf16(qr[s0:p1], weights.wq_b).reshape(p1 - s0, cfg.n_heads, cfg.head_dim)
+            iq_rows = fp4_quant_e8m0_inplace(apply_rotary(iq_rows, positions[s0:p1], table, inplace=True))
+        iq = iq_rows[s0 % proj_rows:s0 % proj_rows + s1 - s0]
         scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width)
         if capture:
             score_capture[s0:s1] = scores
