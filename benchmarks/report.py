@@ -47,6 +47,8 @@ TARGET_DECODE_RATIO = {4096: 0.8, 65536: 1.0}
 TARGET_LONG_PEAK = 6 * 1024 ** 3
 TARGET_PREFILL_TOKENS = 4096
 TARGET_LONG_TOKENS = 65536
+#: Pause after numpy's threaded BLAS before timing decode steps (its idle threads spin meanwhile).
+SETTLE_SECONDS = 0.3
 
 
 def _log(msg: str):
@@ -124,13 +126,17 @@ def run_worker(args) -> dict:
         inputs = common.decode_inputs(layer, tokens, steps + 1)
         stack.forward(layer, inputs[0], tokens)         # warm: bf16 weight bits packed, etc.
         common.matvec_once(pairs)
+        time.sleep(SETTLE_SECONDS)
         reset = common.reset_peak_rss()
         prof = cProfile.Profile() if args.profile else None
         dec, mv = [], []
-        # Decode steps and numpy's matvecs alternate in blocks, not step by step: right after a
-        # numpy pass OpenBLAS's threads still spin for a while and would slow the next step.
+        # Decode steps and numpy's matvecs alternate in blocks, not step by step, and each
+        # block of steps starts after a pause: right after a numpy pass OpenBLAS's threads
+        # still spin for ~0.1-0.2 s, which slowed the next steps by up to 60% here.
         half = (steps + 1) // 2
         for block in (range(1, half + 1), range(half + 1, steps + 1)):
+            if block.start > 1:
+                time.sleep(SETTLE_SECONDS)
             for i in block:
                 if prof is not None:
                     prof.enable()

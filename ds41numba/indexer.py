@@ -91,14 +91,16 @@ def index_keys(latents: np.ndarray, positions: np.ndarray, weights: IndexerWeigh
 
 # Positions whose head mixing runs as one batch: enough independent sums to hide the add latency.
 _MIX_GROUP = 8
+# From this many query heads on (a prefill tile) the dot products are formed head-major.
+_HEAD_MAJOR_MIN = 1024
 
 
 @njit(nogil=True, cache=True)
 def _mix_heads(d, w, clen, t0, out):
     """``out[s, t0 + t] = bf16(sum_h bf16(relu(bf16(d[t, s * ih + h])) * w[s, h]))`` for visible t.
 
-    ``d`` holds a chunk's dot products position-major (``[chunk, T * ih]``). The head sum
-    accumulates in f32 in head order, as torch sums a bf16 tensor over a non-innermost
+    ``d`` holds a chunk's dot products position-major (``[chunk, T * ih]``, a few queries). The
+    head sum accumulates in f32 in head order, as torch sums a bf16 tensor over a non-innermost
     dimension; positions at or past ``clen[s]`` are left as they are (-inf). The products of a
     group of positions are formed first (they vectorise), then the group's sums run side by side.
     Runs without the GIL, in a worker thread.
@@ -117,10 +119,7 @@ def _mix_heads(d, w, clen, t0, out):
                 dj = d[a + j, s * ih:(s + 1) * ih]
                 vj = vals[j]
                 for h in range(ih):
-                    v = bf16_scalar(dj[h])
-                    if v < 0:       # relu; a NaN passes through as torch's relu does
-                        v = np.float32(0.0)
-                    vj[h] = bf16_scalar(v * ws[h])
+                    vj[h] = _relu_weighted(dj[h], ws[h])
             acc[:] = 0
             for h in range(ih):
                 for j in range(g):
@@ -130,27 +129,66 @@ def _mix_heads(d, w, clen, t0, out):
                 o[j] = bf16_scalar(acc[j])
 
 
+@njit(nogil=True, cache=True)
+def _mix_heads_by_head(d, w, clen, t0, out):
+    """:func:`_mix_heads` for dot products held head-major (``[T * ih, chunk]``, many queries):
+    each head's row adds into the positions' sums at once, still in head order."""
+    T, ih = w.shape
+    acc = np.empty(d.shape[1], np.float32)
+    for s in range(T):
+        m = min(d.shape[1], clen[s] - t0)
+        if m <= 0:
+            continue
+        a = acc[:m]
+        a[:] = 0
+        for h in range(ih):
+            row = d[s * ih + h, :m]
+            wh = w[s, h]
+            for j in range(m):
+                a[j] += _relu_weighted(row[j], wh)
+        o = out[s, t0:t0 + m]
+        for j in range(m):
+            o[j] = bf16_scalar(a[j])
+
+
+@njit(cache=True)
+def _relu_weighted(d, w):
+    """``bf16(relu(bf16(d)) * w)``; a NaN passes relu, as torch's does."""
+    v = bf16_scalar(d)
+    if v < 0:
+        v = np.float32(0.0)
+    return bf16_scalar(v * w)
+
+
 def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                  width: int) -> np.ndarray:
     """Scores ``[T, width]`` of a tile of queries after the visibility mask.
 
     The visible positions are split across the workers; each runs its range a chunk at a time,
-    the chunk's dot products through BLAS (``keys @ iq^T`` keeps both operands untransposed; a
-    transposed right operand runs at half speed here) and then their head mixing, while the
-    chunk is still in cache.
+    the chunk's dot products through BLAS and then their head mixing, while the chunk is still
+    in cache. A tile of many queries forms them head-major (``iq @ keys^T``: the many query
+    heads make the long side of the product, and each head's row of positions mixes as one
+    vector); a decode step's few heads position-major (``keys @ iq^T``, faster for that shape).
     """
     T, ih, idim = iq.shape
     out = np.full((T, width), -np.inf, np.float32)
     n_vis = int(clen.max(initial=0))
     flat = iq.reshape(T * ih, idim)
     chunk = max(_MIX_GROUP, _SCORE_CHUNK_ELEMS // (T * ih))
+    head_major = T * ih >= _HEAD_MAJOR_MIN
 
     def score_range(lo, hi):
-        d = np.empty((min(chunk, hi - lo), T * ih), np.float32)
+        buf = np.empty(min(chunk, hi - lo) * T * ih, np.float32)
         for a in range(lo, hi, chunk):
             b = min(hi, a + chunk)
-            np.matmul(keys[a:b], flat.T, out=d[:b - a])
-            _mix_heads(d[:b - a], w, clen, a, out)
+            if head_major:
+                d = buf[:T * ih * (b - a)].reshape(T * ih, b - a)
+                np.matmul(flat, keys[a:b].T, out=d)
+                _mix_heads_by_head(d, w, clen, a, out)
+            else:
+                d = buf[:(b - a) * T * ih].reshape(b - a, T * ih)
+                np.matmul(keys[a:b], flat.T, out=d)
+                _mix_heads(d, w, clen, a, out)
 
     # Handing work to the worker threads costs a few hundred microseconds: a short decode
     # step's scores (a few MFLOP) run in the calling thread.

@@ -661,7 +661,7 @@ def naive_index_scores(iq, w, keys, clen):
             acc = _ac_f32(0.0)
             for h in range(ih):
                 d = _ac_bf16(_ac_dot_f32(iq[s, h], keys[t]))
-                r = d if d > 0 else _ac_f32(0.0)
+                r = d if (d > 0 or d != d) else _ac_f32(0.0)   # relu; NaN passes, as in torch
                 acc = _ac_f32(acc + _ac_bf16(_ac_f32(r * _ac_f32(w[s, h]))))
             out[s, t] = _ac_bf16(acc)
     return out

@@ -336,7 +336,12 @@ def _index_inputs(rng, T, ih, idim, n):
     return iq, w, keys
 
 
-def test_tile_scores_bit_identical_to_naive():
+LAYOUTS = {"position-major": 1 << 30, "head-major": 1}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tile_scores_bit_identical_to_naive(monkeypatch, layout):
+    monkeypatch.setattr(indexer_mod, "_HEAD_MAJOR_MIN", LAYOUTS[layout])
     rng = np.random.default_rng(11)
     for T, ih, idim, n in [(1, 1, 32, 5), (6, 3, 64, 40), (9, 4, 32, 70)]:
         iq, w, keys = _index_inputs(rng, T, ih, idim, n)
@@ -351,15 +356,21 @@ def test_tile_scores_bit_identical_to_naive():
         assert np.array_equal(to_bf16_rne(got), got)
 
 
-def test_tile_scores_across_position_chunks(monkeypatch):
-    """With a small tile budget the positions are scored in several chunks of 256."""
-    monkeypatch.setattr(indexer_mod, "_TILE_ELEMS", 64)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tile_scores_across_position_chunks_and_workers(monkeypatch, layout):
+    """Small chunks, split across the workers: every chunk boundary, a NaN and an inf key."""
+    monkeypatch.setattr(indexer_mod, "_HEAD_MAJOR_MIN", LAYOUTS[layout])
+    monkeypatch.setattr(indexer_mod, "_SCORE_CHUNK_ELEMS", 64)
+    monkeypatch.setattr(indexer_mod, "_SPLIT_MIN_MACS", 0)
     rng = np.random.default_rng(12)
     T, ih, idim, n = 3, 2, 32, 600
     iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    keys[17, 3] = np.nan
+    keys[401, 0] = np.inf
     clen = np.array([0, 300, 600])
     got = indexer_mod._tile_scores(iq, w, keys, clen, n)
-    assert np.array_equal(got, naive.naive_index_scores(iq, w, keys, clen))
+    assert np.array_equal(got, naive.naive_index_scores(iq, w, keys, clen), equal_nan=True)
+    assert np.isnan(got[1, 17]) and np.isnan(got[2, 17])
 
 
 # =============================================================================== sparse attention
