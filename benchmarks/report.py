@@ -40,6 +40,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from . import common
 
 TARGET_PREFILL_RATIO = 0.70
@@ -49,6 +51,8 @@ TARGET_PREFILL_TOKENS = 4096
 TARGET_LONG_TOKENS = 65536
 #: Pause after numpy's threaded BLAS before timing decode steps (its idle threads spin meanwhile).
 SETTLE_SECONDS = 0.3
+#: Blocks the timed decode steps are split into, alternating with numpy's blocks.
+_BLOCKS = 2
 
 
 def _log(msg: str):
@@ -96,7 +100,7 @@ def run_worker(args) -> dict:
     mm = [common.matmul_rate(reps=5)]
     _log(f"{tag} numpy matmul {mm[0]['gflops']:.1f} GFLOP/s; building weights and stack")
     t0 = time.perf_counter()
-    stack = common.build_stack(layer, tokens + (steps + 1 if steps else 0))
+    stack = common.build_stack(layer, tokens + (steps + 1 + _BLOCKS if steps else 0))
     cfg = stack.config
     out["setup_seconds"] = time.perf_counter() - t0
     common.warm_up(stack, layer, min(tokens, common.WARMUP_TOKENS))
@@ -123,25 +127,28 @@ def run_worker(args) -> dict:
 
     if steps:
         pairs = common.matvec_set(cfg, layer, common.layer_weights(layer))
-        inputs = common.decode_inputs(layer, tokens, steps + 1)
-        stack.forward(layer, inputs[0], tokens)         # warm: bf16 weight bits packed, etc.
-        common.matvec_once(pairs)
-        time.sleep(SETTLE_SECONDS)
+        inputs = common.decode_inputs(layer, tokens, steps + 1 + _BLOCKS)
+        pos = tokens
+        stack.forward(layer, inputs[0], pos)            # warm: bf16 weight bits packed, etc.
         reset = common.reset_peak_rss()
         prof = cProfile.Profile() if args.profile else None
         dec, mv = [], []
-        # Decode steps and numpy's matvecs alternate in blocks, not step by step, and each
-        # block of steps starts after a pause: right after a numpy pass OpenBLAS's threads
-        # still spin for ~0.1-0.2 s, which slowed the next steps by up to 60% here.
-        half = (steps + 1) // 2
-        for block in (range(1, half + 1), range(half + 1, steps + 1)):
-            if block.start > 1:
-                time.sleep(SETTLE_SECONDS)
-            for i in block:
+        # Decode steps and numpy's matvecs alternate in blocks, not step by step. Each block of
+        # steps starts after a pause and one untimed step: right after a numpy pass OpenBLAS's
+        # threads still spin for ~0.1-0.2 s (that slowed the next steps by up to 60% here), and
+        # the first step after a pause wakes sleeping threads. Back-to-back steps are what a
+        # decode loop runs.
+        for block in np.array_split(np.arange(steps), _BLOCKS):
+            common.matvec_once(pairs)
+            time.sleep(SETTLE_SECONDS)
+            pos += 1
+            stack.forward(layer, inputs[pos - tokens], pos)
+            for _ in block:
+                pos += 1
                 if prof is not None:
                     prof.enable()
                 t0 = time.perf_counter()
-                stack.forward(layer, inputs[i], tokens + i)
+                stack.forward(layer, inputs[pos - tokens], pos)
                 dec.append(time.perf_counter() - t0)
                 if prof is not None:
                     prof.disable()
@@ -460,7 +467,7 @@ def main(argv=None) -> int:
                     help="prefill layers (default 0,2,20)")
     ap.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
     ap.add_argument("--repeat", type=int, default=0, help="prefill repeats per size (default 3, 1 above 4096 or --quick)")
-    ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 9; --quick 5)")
+    ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 16; --quick 8)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="add the top N functions by own time (cProfile) of each layer run")
     ap.add_argument("--no-kernels", action="store_true")
@@ -483,7 +490,7 @@ def main(argv=None) -> int:
     if args.decode_context is None:
         args.decode_context = [4096] if args.quick else [4096, 65536]
     if args.decode_steps is None:
-        args.decode_steps = 5 if args.quick else 9
+        args.decode_steps = 8 if args.quick else 16
     if args.no_layers:
         args.sizes, args.decode_context, args.long = [], [], []
 

@@ -9,10 +9,10 @@ import os as _os
 
 # numba's OpenMP workers by default spin for a long while after every parallel kernel, fighting
 # OpenBLAS's threads for the cores between the kernels and the BLAS calls of a layer (several
-# times slower on two cores). Passive workers sleep instead, but waking a sleeping worker costs
-# ~70 us per kernel launch, most of a decode step's small kernels: so they spin briefly
-# (10,000 spins, ~0.2-0.4 ms here) and then sleep. Read by the OpenMP runtime when numba first
-# starts it; an explicit setting wins.
+# times slower on two cores). Passive workers sleep instead, but waking one costs ~70 us per
+# kernel launch (2 us when it still spins), and a decode step launches a few dozen kernels: so
+# they spin briefly (10,000 spins, ~0.2-0.4 ms here) and then sleep. Read by the OpenMP runtime
+# when numba first starts it; an explicit setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 

@@ -422,6 +422,29 @@ def test_sparse_attn_sink_only_in_the_denominator():
     assert np.array_equal(got[0, 0], to_bf16_rne(kv[1] * np.float32(0.5)))
 
 
+def test_sparse_attn_queries_of_a_block_stay_apart():
+    """Queries attend in blocks whose rows are padded to the longest list: a NaN row listed by
+    one query, a query with a longer list, or one with none must not change its neighbours,
+    and a decode-sized call (one query) gives each query's own result."""
+    rng = np.random.default_rng(24)
+    q, kv, idx, sink = _attn_case(rng, S=8, W=20)
+    kv[7] = np.nan
+    idx[idx == 7] = -1
+    idx[1, 0] = 7                                     # only query 1 lists the NaN row
+    idx[5, :] = np.arange(20)                         # the longest list of its block
+    idx[5, 7] = -1
+    scale = q.shape[-1] ** -0.5
+    got = sparse_attn(q, kv, idx, sink, scale)
+    assert np.all(np.isnan(got[1]))
+    others = [s for s in range(8) if s != 1]
+    assert not np.any(np.isnan(got[others]))
+    assert_bf16_close(got[others], naive.naive_sparse_attn(q, kv, idx, sink, scale)[others],
+                      "sparse_attn block neighbours")
+    for s in others:
+        one = sparse_attn(q[s:s + 1], kv, idx[s:s + 1], sink, scale)
+        assert_bf16_close(one, got[s:s + 1], f"query {s} alone")
+
+
 def test_sparse_attn_kv_as_row_blocks_is_identical():
     rng = np.random.default_rng(23)
     q, kv, idx, sink = _attn_case(rng, n=40)
