@@ -23,7 +23,7 @@ from numba import njit
 
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
-from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
+from .numerics import (MATVEC_MAX_ROWS, _output, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
                        in_workers, linear_bf16, rms_norm, round_bf16_inplace,
                        single_threaded_blas, split_range)
 from .rope import apply_rotary, yarn_freqs_cis
@@ -219,13 +219,14 @@ def _check_sparse_attn(q, kv, idx, attn_sink):
 
 
 def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.ndarray,
-                softmax_scale: float) -> np.ndarray:
+                softmax_scale: float, out: np.ndarray | None = None) -> np.ndarray:
     """Attention of each query over its listed KV rows, with a sink logit per head.
 
     ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads; or a tuple of row blocks that
     stack to it, e.g. the window rows and the compressed cache, so that they need not be copied
     together), ``idx [S, W]`` (-1 = skip), ``attn_sink [H]``. Softmax in f32 over the listed
-    scores plus the sink, which joins only the denominator. A query with no listed row outputs zeros. Result rounded to bf16.
+    scores plus the sink, which joins only the denominator. A query with no listed row outputs
+    zeros. Result rounded to bf16, written into ``out`` (a C-contiguous float32 buffer) if given.
 
     All heads of a query read the same rows, so each query is two small matrix products
     (``[n, hd] x [hd, H]`` and ``[H, n] x [n, hd]``) over its gathered valid rows, run for a block
@@ -242,7 +243,7 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     sink = attn_sink.astype(np.float32)
     parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
-    o = np.zeros((S, H, hd), np.float32)
+    o = _output(out, (S, H, hd), "sparse_attn")       # every query's row is written below
     workers = numba.get_num_threads()
     if S >= workers:
         # Whole blocks to each worker: a block's products, and so its rounding, do not depend
@@ -259,10 +260,12 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     return round_bf16_inplace(o)
 
 
-def output_projection(o: np.ndarray, wo_a, wo_b) -> np.ndarray:
+def output_projection(o: np.ndarray, wo_a, wo_b, out=None, mid=None) -> np.ndarray:
     """Grouped low-rank output projection: ``o [S, H*hd]`` through ``wo_a``, a grouped
-    :class:`Bf16Matrix` (head group g through its own block of rows), then through ``wo_b``."""
-    return linear_bf16(linear_bf16(o, wo_a), wo_b)
+    :class:`Bf16Matrix` (head group g through its own block of rows), then through ``wo_b``.
+    ``out`` and ``mid`` optionally take the result and the low-rank intermediate (buffers a
+    tiled loop reuses)."""
+    return linear_bf16(linear_bf16(o, wo_a, mid), wo_b, out)
 
 
 def _default_tile(seqlen: int) -> int:
@@ -372,16 +375,22 @@ def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capt
     q_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
     o_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
     step = tile or _default_tile(seqlen)
+    # One set of tile buffers for every tile (fresh arrays this size cost page faults each time).
+    q_buf = np.empty((min(step, seqlen), H, hd), np.float32)
+    o_buf = np.empty((min(step, seqlen), H, hd), np.float32)
+    mid_buf = np.empty((min(step, seqlen), weights.wo_a.shape[0]), np.float32)
     for s0 in range(0, seqlen, step):
         s1 = min(seqlen, s0 + step)
-        q = linear_bf16(qr[s0:s1], weights.wq_b).reshape(s1 - s0, H, hd)
+        n = s1 - s0
+        q = linear_bf16(qr[s0:s1], weights.wq_b, out=q_buf[:n]).reshape(n, H, hd)
         q = apply_rotary(q, positions[s0:s1], table, inplace=True)
-        o = sparse_attn(q, kv_rows, idx[s0:s1], weights.attn_sink, hd ** -0.5)
+        o = sparse_attn(q, kv_rows, idx[s0:s1], weights.attn_sink, hd ** -0.5, out=o_buf[:n])
         if capture:
             q_cap[s0:s1] = q
             o_cap[s0:s1] = o
         o = apply_rotary(o, positions[s0:s1], table, inverse=True, inplace=True)
-        out[s0:s1] = output_projection(o.reshape(s1 - s0, H * hd), weights.wo_a, weights.wo_b)
+        output_projection(o.reshape(n, H * hd), weights.wo_a, weights.wo_b, out=out[s0:s1],
+                          mid=mid_buf[:n])
     if not capture:
         return CompAttnRun(out=out)
     return CompAttnRun(out=out, q=q_cap, kv_rows=np.concatenate(kv_rows), idx=idx,

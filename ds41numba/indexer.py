@@ -20,7 +20,7 @@ import numpy as np
 from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
-from .numerics import (bf16_scalar, fp4_quant_e8m0_inplace, in_workers,
+from .numerics import (_output, bf16_scalar, fp4_quant_e8m0_inplace, in_workers,
                        linear_bf16, rms_norm, split_range, to_bf16_rne)
 from .rope import apply_rotary
 from .topk import _partial_sort_set_into, _topk_set_into, torch_cpu_topk_rows
@@ -161,8 +161,9 @@ def _relu_weighted(d, w):
 
 
 def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
-                 width: int) -> np.ndarray:
-    """Scores ``[T, width]`` of a tile of queries after the visibility mask.
+                 width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Scores ``[T, width]`` of a tile of queries after the visibility mask (into ``out``, a
+    float32 buffer of that shape, when given).
 
     The visible positions are split across the workers; each runs its range a chunk at a time,
     the chunk's dot products through BLAS and then their head mixing, while the chunk is still
@@ -171,7 +172,8 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
     vector); a decode step's few heads position-major (``keys @ iq^T``, faster for that shape).
     """
     T, ih, idim = iq.shape
-    out = np.full((T, width), -np.inf, np.float32)
+    out = _output(out, (T, width), "_tile_scores")
+    out.fill(-np.inf)
     n_vis = int(clen.max(initial=0))
     flat = iq.reshape(T * ih, idim)
     chunk = max(_MIX_GROUP, _SCORE_CHUNK_ELEMS // (T * ih))
@@ -370,14 +372,18 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     # The query projection runs for several tiles at once: a 256-row product is well below
     # BLAS's speed.
     proj_rows = tile * max(1, _PROJ_ROWS // tile)
+    # Buffers reused by every tile (fresh arrays this size cost page faults each time).
+    iq_buf = np.empty((min(proj_rows, seqlen), cfg.n_heads, cfg.head_dim), np.float32)
+    score_buf = np.empty((min(tile, seqlen), width), np.float32)
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
         if s0 % proj_rows == 0:
             p1 = min(seqlen, s0 + proj_rows)
-            iq_rows = linear_bf16(qr[s0:p1], weights.wq_b).reshape(p1 - s0, cfg.n_heads, cfg.head_dim)
+            iq_rows = linear_bf16(qr[s0:p1], weights.wq_b, out=iq_buf[:p1 - s0])
+            iq_rows = iq_rows.reshape(p1 - s0, cfg.n_heads, cfg.head_dim)
             iq_rows = fp4_quant_e8m0_inplace(apply_rotary(iq_rows, positions[s0:p1], table, inplace=True))
         iq = iq_rows[s0 % proj_rows:s0 % proj_rows + s1 - s0]
-        scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width)
+        scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width, out=score_buf[:s1 - s0])
         if capture:
             score_capture[s0:s1] = scores
         if cfg.candidate_source:

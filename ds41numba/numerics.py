@@ -446,47 +446,69 @@ def _check_linear(x, w, name):
 _WIDEN_ROWS = 4096
 
 
-def linear_f32(x, w):
+def _output(out, shape, name):
+    """``out`` viewed as ``shape`` (a new float32 array when None). A caller's buffer lets a tiled
+    loop reuse its memory: each fresh array of a prefill's size costs page faults that were ~10%
+    of a 4K-token prefill here."""
+    if out is None:
+        return np.empty(shape, np.float32)
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.writeable
+            or out.size != int(np.prod(shape))):
+        raise ValueError(f"{name}: out must be a writeable float32 array of shape {list(shape)}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+    view = out.view()
+    view.shape = shape          # raises instead of silently copying a non-contiguous buffer
+    return view
+
+
+def linear_f32(x, w, out=None):
     """``x @ w.T`` with numpy's f32 BLAS, f32 result (the ratio > 1 compressor's projections).
 
     x is ``[..., in]``, float32 or ``ml_dtypes.bfloat16`` (widened exactly, a block of rows at a
-    time), w ``[out, in]``; returns ``[..., out]`` float32.
+    time), w ``[out, in]``; returns ``[..., out]`` float32, written into ``out`` when given.
     """
     x, w = _check_linear(x, w, "linear_f32")
     x2 = x.reshape(-1, w.shape[1])
+    y = _output(out, (x2.shape[0], w.shape[0]), "linear_f32")
     if x.dtype == np.float32:
-        y = np.ascontiguousarray(np.matmul(x2, w.T), dtype=np.float32)
+        np.matmul(x2, w.T, out=y)
     else:
-        y = np.empty((x2.shape[0], w.shape[0]), np.float32)
         for a in range(0, x2.shape[0], _WIDEN_ROWS):
             np.matmul(x2[a:a + _WIDEN_ROWS].astype(np.float32), w.T, out=y[a:a + _WIDEN_ROWS])
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
-def linear_bf16(x, w):
+def linear_bf16(x, w, out=None):
     """bf16 linear: ``x @ w.T`` (w holds bf16 values) summed in f32, rounded to bf16 once.
 
     x is ``[..., in]``; w is ``[out, in]``, a float32 array or a :class:`Bf16Matrix` (which may
     be grouped: see there). Many rows go through numpy's BLAS; a large :class:`Bf16Matrix` times
     at most ``MATVEC_MAX_ROWS`` rows (a decode step) goes through the fused kernel that reads the
-    weight as bf16 bits, half the bytes. Returns ``[..., out]``.
+    weight as bf16 bits, half the bytes. Returns ``[..., out]``, written into ``out`` (a
+    C-contiguous float32 buffer) when given.
     """
     if not isinstance(w, Bf16Matrix):
-        return round_bf16_inplace(linear_f32(x, w))
+        return round_bf16_inplace(linear_f32(x, w, out))
     x = np.asarray(x)
     if x.ndim < 1 or x.shape[-1] != w.in_features:
         raise ValueError(f"linear_bf16: x of shape {x.shape} does not match a weight taking "
                          f"{w.in_features} inputs")
     rows = x.size // max(x.shape[-1], 1)
+    shape = x.shape[:-1] + (w.f32.shape[0],)
     if 0 < rows <= MATVEC_MAX_ROWS and w.f32.size >= _MATVEC_MIN_SIZE:
-        return w.matvec(x)
+        if out is None:
+            return w.matvec(x)
+        y = _output(out, shape, "linear_bf16")
+        y[...] = w.matvec(x)
+        return y
     if w.groups == 1:
-        return round_bf16_inplace(linear_f32(x, w.f32))
+        return round_bf16_inplace(linear_f32(x, w.f32, out))
     per_group = x.reshape(-1, w.groups, w.f32.shape[1])
     rank = w.f32.shape[0] // w.groups
-    y = np.concatenate([linear_f32(per_group[:, g], w.f32[g * rank:(g + 1) * rank])
-                        for g in range(w.groups)], axis=1)
-    return round_bf16_inplace(y).reshape(x.shape[:-1] + (w.f32.shape[0],))
+    y = _output(out, (rows, w.f32.shape[0]), "linear_bf16")
+    for g in range(w.groups):
+        linear_f32(per_group[:, g], w.f32[g * rank:(g + 1) * rank], out=y[:, g * rank:(g + 1) * rank])
+    return round_bf16_inplace(y).reshape(shape)
 
 
 @functools.lru_cache(maxsize=1)
