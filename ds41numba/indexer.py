@@ -95,6 +95,15 @@ _MIX_GROUP = 8
 _HEAD_MAJOR_MIN = 1024
 
 
+@njit(cache=True)
+def _relu_weighted(d, w):
+    """``bf16(relu(bf16(d)) * w)``; a NaN passes relu, as torch's does."""
+    v = bf16_scalar(d)
+    if v < 0:
+        v = np.float32(0.0)
+    return bf16_scalar(v * w)
+
+
 @njit(nogil=True, cache=True)
 def _mix_heads(d, w, clen, t0, out):
     """``out[s, t0 + t] = bf16(sum_h bf16(relu(bf16(d[t, s * ih + h])) * w[s, h]))`` for visible t.
@@ -149,15 +158,6 @@ def _mix_heads_by_head(d, w, clen, t0, out):
         o = out[s, t0:t0 + m]
         for j in range(m):
             o[j] = bf16_scalar(a[j])
-
-
-@njit(cache=True)
-def _relu_weighted(d, w):
-    """``bf16(relu(bf16(d)) * w)``; a NaN passes relu, as torch's does."""
-    v = bf16_scalar(d)
-    if v < 0:
-        v = np.float32(0.0)
-    return bf16_scalar(v * w)
 
 
 def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
