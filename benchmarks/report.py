@@ -13,8 +13,9 @@ ratios the project quotes:
 
 Kernels run in this process (each peak RSS reset through ``/proc/self/clear_refs``). Every layer
 measurement runs in a subprocess of its own, so its peak RSS is its own; that subprocess also
-measures numpy's matmul rate (before and after the layer) and, for decode, interleaves numpy's
-matvec pass with the decode steps, so each ratio compares numbers taken side by side.
+measures numpy's matmul rate (before and after the layer) and, for decode, interleaves blocks of
+numpy's matvec passes with blocks of decode steps, so each ratio compares numbers taken side by
+side (each block of steps after a pause and one untimed step: see ``SETTLE_SECONDS``).
 A decode at context C first prefills C tokens; when C is also a prefill size, one subprocess
 serves both.
 
