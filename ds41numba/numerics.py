@@ -457,7 +457,11 @@ def _output(out, shape, name):
         raise ValueError(f"{name}: out must be a writeable float32 array of shape {list(shape)}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
     view = out.view()
-    view.shape = shape          # raises instead of silently copying a non-contiguous buffer
+    try:
+        view.shape = shape      # a view, never a silent copy the result would be lost in
+    except AttributeError:
+        raise ValueError(f"{name}: out of shape {list(out.shape)} cannot be viewed as "
+                         f"{list(shape)} without a copy: pass a C-contiguous buffer") from None
     return view
 
 

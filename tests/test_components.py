@@ -24,7 +24,8 @@ import pytest
 
 import naive
 from ds41numba import (AttentionStack, AttnConfig, act_quant_fp8_inplace, apply_rotary,
-                       fp4_quant_e8m0_inplace, output_projection, select_candidate_blocks,
+                       fp4_quant_e8m0_inplace, linear_bf16, linear_f32, output_projection,
+                       select_candidate_blocks,
                        sparse_attn, to_bf16_rne, weight_specs,
                        window_index_rows)
 from ds41numba.attention import layer_rope_table
@@ -485,6 +486,31 @@ def test_output_projection_vs_naive(S, H, hd, G, rank, dim):
     assert got.shape == (S, dim) and got_blas.shape == (3 * S, dim)
     assert_bf16_close(got, want, "output_projection (few rows)")
     assert_bf16_close(got_blas, np.repeat(want, 3, axis=0), "output_projection (BLAS)")
+
+
+def test_output_buffers_take_the_result_and_refuse_a_bad_buffer():
+    """The tile loops pass reused buffers (``out=``, ``mid=``): the result lands in them,
+    identical to a fresh array; a buffer that cannot hold it is refused, never copied into."""
+    rng = np.random.default_rng(31)
+    S, H, hd, G, rank, dim = 6, 4, 32, 2, 16, 40
+    o = bf16(rng, (S, H * hd))
+    wo_a = Bf16Matrix(bf16(rng, (G * rank, H * hd // G), 0.1), groups=G)
+    wo_b = bf16(rng, (dim, G * rank), 0.1)
+    want = output_projection(o, wo_a, wo_b)
+    out, mid = np.full((S, dim), np.nan, np.float32), np.full((S, G * rank), np.nan, np.float32)
+    got = output_projection(o, wo_a, wo_b, out=out, mid=mid)
+    assert np.shares_memory(got, out) and np.array_equal(out, want)
+    assert np.array_equal(mid, linear_bf16(o, wo_a))
+    q, kv, idx, sink = _attn_case(rng)
+    buf = np.full(q.shape, np.nan, np.float32)
+    assert np.array_equal(sparse_attn(q, kv, idx, sink, 0.125, out=buf), buf)
+    assert np.array_equal(buf, sparse_attn(q, kv, idx, sink, 0.125))
+    with pytest.raises(ValueError, match="out must be a writeable float32"):
+        linear_f32(mid, wo_b, out=np.empty((S, dim), np.float64))
+    with pytest.raises(ValueError, match="without a copy"):
+        linear_f32(mid, wo_b, out=np.empty((S, dim), np.float32).T)
+    with pytest.raises(ValueError, match="out must be a writeable float32"):
+        sparse_attn(q, kv, idx, sink, 0.125, out=np.empty(3, np.float32))
 
 
 # =============================================================================== the stack
