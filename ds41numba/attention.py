@@ -24,7 +24,7 @@ from numba import njit
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
 from .numerics import (MATVEC_MAX_ROWS, _output, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
-                       in_workers, linear_bf16, rms_norm, round_bf16_inplace,
+                       in_workers, linear_bf16, nan_max, rms_norm, round_bf16_inplace,
                        single_threaded_blas, split_range)
 from .rope import apply_rotary, yarn_freqs_cis
 
@@ -137,13 +137,9 @@ def _shifted_scores(scores, counts, sink, scale):
             for h in range(H):
                 v = row[h] * scale
                 row[h] = v
-                if not np.isnan(best[h]) and (v > best[h] or np.isnan(v)):
-                    best[h] = v
+                best[h] = nan_max(best[h], v)
         for h in range(H):
-            if np.isnan(best[h]) or np.isnan(sink[h]):
-                m[b, h] = np.nan
-            else:
-                m[b, h] = max(best[h], sink[h])
+            m[b, h] = nan_max(best[h], sink[h])
         for j in range(n):
             row = scores[b, j]
             for h in range(H):

@@ -20,8 +20,8 @@ import numpy as np
 from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
-from .numerics import (_output, bf16_scalar, fp4_quant_e8m0_inplace, in_workers,
-                       linear_bf16, rms_norm, split_range, to_bf16_rne)
+from .numerics import (_output, bf16_scalar, fp4_quant_e8m0_inplace, in_workers, linear_bf16,
+                       nan_max, rms_norm, split_range, to_bf16_rne)
 from .rope import apply_rotary
 from .topk import _partial_sort_set_into, _topk_set_into, torch_cpu_topk_rows
 
@@ -209,9 +209,7 @@ def _block_scores(scores, clen, block):
         for t in range(width):
             v = scores[s, t]
             b = t // block
-            # NaN wins the max and stays, as torch's amax propagates it.
-            if not np.isnan(out[s, b]) and (np.isnan(v) or v > out[s, b]):
-                out[s, b] = v
+            out[s, b] = nan_max(out[s, b], v)
         if clen[s] > 0:
             out[s, (clen[s] - 1) // block] = np.inf
     return out

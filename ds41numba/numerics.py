@@ -302,13 +302,18 @@ def round_bf16_inplace(x):
 
 
 @njit(cache=True)
+def nan_max(best, v):
+    """The larger of ``best`` and ``v``, where a NaN wins and then stays (torch's max and amax
+    propagate NaN): fold it over values starting from -inf (or 0 for magnitudes)."""
+    return v if (v > best or v != v) else best
+
+
+@njit(cache=True)
 def _block_amax(blk):
     # Largest |x| in f32; a NaN anywhere makes it NaN, as torch's amax does.
     amax = np.float32(0.0)
     for j in range(blk.shape[0]):
-        a = abs(blk[j])
-        if a > amax or a != a:
-            amax = a
+        amax = nan_max(amax, abs(blk[j]))
     return amax
 
 
