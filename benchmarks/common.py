@@ -413,23 +413,32 @@ def _indexer_case():
                       flops=proj + score, elements=_TILE * _CTX)
 
 
-def _index_scores_case():
+def _index_scores_case(path: str):
+    """Scoring one tile: ``path`` "default" is what the indexer runs on this machine (AVX512-BF16
+    where the CPU has it), "f32" numpy's f32 BLAS (the fallback)."""
     cfg = layer_config(_CTX)
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
 
     def build():
-        from ds41numba.numerics import fp4_quant_e8m0_inplace
+        from ds41numba.numerics import BF16_DOT, fp4_quant_e8m0_inplace, pack_bf16_pairs
 
         iq = fp4_quant_e8m0_inplace(_normal((_TILE, ih, idim), 17))
         w = _normal((_TILE, ih), 18) * np.float32(0.01)
-        return {"iq": iq, "w": _bf16(w), "keys": _index_keys(_CTX, idim, 16),
+        keys = _index_keys(_CTX, idim, 16)
+        packed = pack_bf16_pairs(keys) if (BF16_DOT and path == "default") else None
+        return {"iq": iq, "w": _bf16(w), "keys": keys, "packed": packed,
                 "clen": np.full(_TILE, _CTX, np.int64)}
 
     def run(st):
         ix = importlib.import_module("ds41numba.indexer")   # the package re-exports a function of that name
-        ix._tile_scores(st["iq"], st["w"], st["keys"], st["clen"], _CTX)
+        if st["packed"] is not None:
+            ix._tile_scores_bf16(st["iq"], st["w"], st["packed"], st["clen"], _CTX)
+        else:
+            ix._tile_scores(st["iq"], st["w"], st["keys"], st["clen"], _CTX)
 
-    return KernelCase("indexer_scores_tile", "indexer scoring only (64 queries x 4096 positions)",
+    name, what = (("indexer_scores_tile", "indexer scoring only") if path == "default" else
+                  ("indexer_scores_tile_f32", "indexer scoring on f32 BLAS"))
+    return KernelCase(name, f"{what} (64 queries x 4096 positions)",
                       f"iq {_TILE}x{ih}x{idim}, keys {_CTX}x{idim}", build, run,
                       flops=2 * ih * idim * _TILE * _CTX, elements=_TILE * _CTX,
                       private="ds41numba.indexer._tile_scores")
@@ -511,7 +520,8 @@ def kernel_cases() -> dict[str, KernelCase]:
         _topk_case("topk_4k", "top-k, 4K entries (nth_element branch)", 64, 4096, 512),
         _sparse_attn_case(),
         _indexer_case(),
-        _index_scores_case(),
+        _index_scores_case("default"),
+        _index_scores_case("f32"),
         _compressor_case(),
         _pool_case(),
         _rope_case("rope_q_tile", "RoPE on a query tile (64 tokens x 64 heads)", (64, 64, 512),

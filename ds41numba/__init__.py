@@ -24,7 +24,7 @@ from .rope import apply_rotary, yarn_freqs_cis
 from .topk import torch_cpu_topk_rows, torch_cpu_topk_set
 from .config import PRESETS, AttnConfig, preset
 from .compressor import CompressorState, CompressorWeights, compressor
-from .indexer import IndexerCfg, IndexerWeights, indexer, select_candidate_blocks
+from .indexer import IndexerCfg, IndexerWeights, PackedIndexKeys, indexer, select_candidate_blocks
 from .attention import CompAttnRun, attention_any, output_projection, sparse_attn, window_index_rows
 from .stack import AttentionStack, AttnWeights, LayerAttnState, SharedRuntime, weight_specs
 

@@ -315,13 +315,17 @@ def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos,
             keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps)
             state.index_cache[first_row:first_row + len(keys)] = keys
             shared.index_k = state.index_cache
+            shared.index_k_packed = state.index_packed
+            if state.index_packed is not None:
+                state.index_packed.write(first_row, len(keys))
         if width == 0:
             shared.topk_idxs = np.zeros((seqlen, 0), np.int32)
         else:
             cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
             shared.topk_idxs, published, index_score = indexer(
                 x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
-                shared.index_k, offset, candidate_blocks=cands, capture=capture)
+                shared.index_k, offset, candidate_blocks=cands, capture=capture,
+                packed_keys=shared.index_k_packed)
             if published is not None:
                 shared.candidate_blocks = published
                 shared.candidate_width = width

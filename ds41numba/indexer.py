@@ -8,7 +8,10 @@ best positions, chosen exactly as torch's CPU ``topk`` chooses them (ties includ
 (candidate consumers) may only pick inside those blocks.
 
 The scores are computed a tile of queries at a time, so a prefill never holds a
-``[seqlen, positions]`` tensor unless the caller asks to capture it.
+``[seqlen, positions]`` tensor unless the caller asks to capture it. Their dot products are of
+fp4 values, exact in f32 whatever the summation order (unless a row's block scales lie ~2^10
+apart), so they run wherever they run fastest: on AVX512-BF16 against a packed copy of the keys
+(:class:`PackedIndexKeys`), else through numpy's f32 BLAS; both give the same scores.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import numpy as np
 from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
-from .numerics import (_output, bf16_scalar, fp4_quant_e8m0_inplace, in_workers, linear_bf16,
-                       nan_max, rms_norm, split_range, to_bf16_rne)
+from .numerics import (BF16_DOT, DOT_LANES, DOT_ROWS, _bf16_dot_tile, _output, bf16_pairs,
+                       bf16_scalar, fp4_quant_e8m0_inplace, in_workers, linear_bf16, nan_max,
+                       pack_bf16_pairs, rms_norm, split_range, to_bf16_rne)
 from .rope import apply_rotary
 from .topk import _partial_sort_set_into, _topk_set_into, torch_cpu_topk_rows
 
-__all__ = ["IndexerWeights", "IndexerCfg", "indexer", "index_keys", "select_candidate_blocks",
-           "candidate_mask",
-           "visible_lengths"]
+__all__ = ["IndexerWeights", "IndexerCfg", "PackedIndexKeys", "indexer", "index_keys",
+           "select_candidate_blocks", "candidate_mask", "visible_lengths"]
 
 # Elements of one tile's [tile, positions] scores: 64 MB of f32, whatever the sequence length.
 _TILE_ELEMS = 1 << 24
@@ -199,6 +202,79 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
     return out
 
 
+class PackedIndexKeys:
+    """A key cache (``source``, f32 ``[rows, id]`` of bf16 values) kept a second time in the layout
+    the AVX512-BF16 scorer reads (``blocks``, see :func:`~ds41numba.numerics.pack_bf16_pairs`).
+
+    A decode step scores every key: repacking them all each step would cost more than scoring
+    them (15 ms at 65,536 keys), so a key owner packs the rows it writes as it writes them.
+    """
+
+    __slots__ = ("source", "blocks")
+
+    def __init__(self, source: np.ndarray, rows: int | None = None):
+        self.source = source
+        self.blocks = np.zeros((-(-source.shape[0] // DOT_LANES), source.shape[1] // 2, DOT_LANES),
+                               np.uint32)
+        self.write(0, source.shape[0] if rows is None else rows)
+
+    def write(self, first_row: int, n: int) -> None:
+        """Pack rows ``first_row .. first_row + n`` of ``source`` (after writing them there)."""
+        if n:
+            pack_bf16_pairs(self.source[first_row:first_row + n], self.blocks, first_row)
+
+
+@njit(parallel=True, cache=True)
+def _scores_bf16_kernel(qp, w, keys, clen, n_blocks, workers, out):
+    """:func:`_tile_scores` with the dot products on AVX512-BF16.
+
+    ``qp [rows, id / 2]`` holds the tile's query heads (query-major, zero rows padding to a
+    multiple of DOT_ROWS) as bf16 pairs, ``keys`` the packed key blocks. Each worker takes a
+    contiguous run of key blocks; for each block it forms the dot products of the queries that
+    see any of it (a suffix of the tile when ``clen`` grows with the query, as it does) and
+    mixes them while they are in cache. Every score is formed whole by one worker, in a fixed
+    order, so the result does not depend on the thread count.
+    """
+    T, ih = w.shape
+    for wk in prange(workers):
+        d = np.empty((qp.shape[0], DOT_LANES), np.float32)
+        for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
+            t0 = b * DOT_LANES
+            s_lo = 0
+            while s_lo < T and clen[s_lo] <= t0:
+                s_lo += 1
+            if s_lo == T:
+                continue
+            for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, T * ih, DOT_ROWS):
+                _bf16_dot_tile(qp[r:r + DOT_ROWS], keys[b], d[r:r + DOT_ROWS])
+            _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
+
+
+def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
+                      width: int, out: np.ndarray | None = None,
+                      qbuf: np.ndarray | None = None) -> np.ndarray:
+    """:func:`_tile_scores` against packed keys (``[blocks, id / 2, DOT_LANES]``); ``qbuf`` a
+    reusable uint32 buffer of at least the tile's padded query rows."""
+    T, ih, idim = iq.shape
+    out = _output(out, (T, width), "_tile_scores_bf16")
+    out.fill(-np.inf)
+    rows = -(-T * ih // DOT_ROWS) * DOT_ROWS
+    if qbuf is None or qbuf.size < rows * (idim // 2):
+        qbuf = np.empty(rows * (idim // 2), np.uint32)
+    qp = qbuf[:rows * (idim // 2)].reshape(rows, idim // 2)
+    bf16_pairs(iq.reshape(T * ih, idim), out=qp[:T * ih])
+    qp[T * ih:] = 0
+    n_vis = int(clen.max(initial=0))
+    if keys.shape[1] != idim // 2 or keys.shape[0] * DOT_LANES < n_vis:
+        raise ValueError(f"_tile_scores_bf16: packed keys {keys.shape} do not cover {n_vis} "
+                         f"positions of {idim} dims")
+    if n_vis:
+        n_blocks = -(-n_vis // DOT_LANES)
+        _scores_bf16_kernel(qp, np.ascontiguousarray(w, np.float32), keys, clen, n_blocks,
+                            min(numba.get_num_threads(), n_blocks), out)
+    return out
+
+
 @njit(parallel=True, cache=True)
 def _block_scores(scores, clen, block):
     """Per row, the max over each block of ``block`` positions; the newest visible block is +inf."""
@@ -337,16 +413,22 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             weights: IndexerWeights, table, index_k: np.ndarray, offset: int,
             candidate_blocks: np.ndarray | None = None, tile: int | None = None,
-            capture: bool = False):
+            capture: bool = False, packed_keys: PackedIndexKeys | None = None):
     """Select each query's compressed positions.
 
     ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows); ``offset`` is
     added to every kept index (the number of window rows ahead of the compressed rows).
     Returns ``(topk_idxs [seqlen, k] int32, candidate_blocks or None, index_score or None)``:
-    the candidate source's per-block mask (bits packed along rows, see :func:`candidate_mask`), and with ``capture`` the scores after the
-    visibility mask and before candidate masking.
+    the candidate source's per-block mask (bits packed along rows, see :func:`candidate_mask`),
+    and with ``capture`` the scores after the visibility mask and before candidate masking.
+
+    ``index_k`` holds bf16 values (the fp4-quantised keys). On a CPU with AVX512-BF16 the scores'
+    dot products run there, against ``packed_keys`` when it is ``index_k``'s packed copy (a key
+    owner's cache, kept up to date as keys are written) and otherwise against keys packed here.
     """
     _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile)
+    if packed_keys is not None and not isinstance(packed_keys, PackedIndexKeys):
+        raise TypeError(f"indexer: packed_keys must be a PackedIndexKeys, got {type(packed_keys).__name__}")
     seqlen = x.shape[0]
     end_pos = start_pos + seqlen
     r = cfg.ratio
@@ -373,6 +455,17 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     # Buffers reused by every tile (fresh arrays this size cost page faults each time).
     iq_buf = np.empty((min(proj_rows, seqlen), cfg.n_heads, cfg.head_dim), np.float32)
     score_buf = np.empty((min(tile, seqlen), width), np.float32)
+    key_blocks = qbuf = None
+    if BF16_DOT:
+        if packed_keys is not None and packed_keys.source is index_k:
+            key_blocks = packed_keys.blocks
+        else:
+            try:
+                key_blocks = pack_bf16_pairs(keys)
+            except ValueError:
+                raise ValueError("indexer: index_k must hold bf16 values (the fp4-quantised keys)") from None
+        qbuf = np.empty(-(-min(tile, seqlen) * cfg.n_heads // DOT_ROWS) * DOT_ROWS
+                        * (cfg.head_dim // 2), np.uint32)
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
         if s0 % proj_rows == 0:
@@ -381,7 +474,11 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             iq_rows = iq_rows.reshape(p1 - s0, cfg.n_heads, cfg.head_dim)
             iq_rows = fp4_quant_e8m0_inplace(apply_rotary(iq_rows, positions[s0:p1], table, inplace=True))
         iq = iq_rows[s0 % proj_rows:s0 % proj_rows + s1 - s0]
-        scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width, out=score_buf[:s1 - s0])
+        if key_blocks is not None:
+            scores = _tile_scores_bf16(iq, w_all[s0:s1], key_blocks, clen[s0:s1], width,
+                                       out=score_buf[:s1 - s0], qbuf=qbuf)
+        else:
+            scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width, out=score_buf[:s1 - s0])
         if capture:
             score_capture[s0:s1] = scores
         if cfg.candidate_source:

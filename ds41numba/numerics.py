@@ -1,4 +1,5 @@
-"""Bit-exact low-precision building blocks: bf16/fp8/fp4 roundings, the quantisers, linears, RMSNorm.
+"""Bit-exact low-precision building blocks: bf16/fp8/fp4 roundings, the quantisers, linears, RMSNorm,
+and a bf16 dot-product micro-kernel for CPUs with AVX512-BF16.
 
 The reference rounds to bf16 after almost every op and quantises KV and index tensors to fp8/fp4, so an
 implementation is only as exact as these primitives. Every rounding here is done on the IEEE bit
@@ -12,11 +13,16 @@ the public array functions validate at the Python boundary and hand off to paral
 from __future__ import annotations
 
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
+import llvmlite.binding as llb
+import llvmlite.ir as ir
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 from threadpoolctl import ThreadpoolController
 
 __all__ = [
@@ -45,6 +51,11 @@ __all__ = [
     "rms_norm",
     "torch_sum_f32",
     "SUM_LANES",
+    "BF16_DOT",
+    "DOT_ROWS",
+    "DOT_LANES",
+    "bf16_pairs",
+    "pack_bf16_pairs",
 ]
 
 FP4_BLOCK = 32
@@ -451,15 +462,16 @@ def _check_linear(x, w, name):
 _WIDEN_ROWS = 4096
 
 
-def _output(out, shape, name):
-    """``out`` viewed as ``shape`` (a new float32 array when None). A caller's buffer lets a tiled
+def _output(out, shape, name, dtype=np.float32):
+    """``out`` viewed as ``shape`` (a new ``dtype`` array when None). A caller's buffer lets a tiled
     loop reuse its memory: each fresh array of a prefill's size costs page faults that were ~10%
     of a 4K-token prefill here."""
+    dtype = np.dtype(dtype)
     if out is None:
-        return np.empty(shape, np.float32)
-    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.writeable
+        return np.empty(shape, dtype)
+    if (not isinstance(out, np.ndarray) or out.dtype != dtype or not out.flags.writeable
             or out.size != int(np.prod(shape))):
-        raise ValueError(f"{name}: out must be a writeable float32 array of shape {list(shape)}, got "
+        raise ValueError(f"{name}: out must be a writeable {dtype} array of shape {list(shape)}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
     view = out.view()
     try:
@@ -674,6 +686,204 @@ class Bf16Matrix:
         _matvec_bf16_kernel(x2, self._packed(), out, self.groups)
         return out.reshape(x.shape[:-1] + (self.f32.shape[0],))
 
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 dot products on AVX512-BF16
+# ----------------------------------------------------------------------------------------------
+
+# The indexer scores every compressed position for every index head: at long lengths the largest
+# product of a decode step, and one too thin for BLAS ([positions, 128] x [128, 32] runs at half
+# its matrix-product rate here). Its operands are fp4 values, so bf16 holds them exactly and
+# AVX512-BF16's ``vdpbf16ps`` (16 f32 lanes, each adding the products of one pair of bf16 values)
+# does twice the work of an f32 FMA per instruction on half the bytes. numba has no vector types,
+# so the micro-kernel below is written in LLVM IR: a row block of A against a block of B, with the
+# accumulators held in registers for the whole dot product.
+
+#: Rows of A one micro-kernel call multiplies (A is padded to a multiple of this).
+DOT_ROWS = 4
+#: Columns of B one call multiplies: two 16-lane vectors.
+DOT_LANES = 32
+
+
+def _bf16_dot_supported() -> bool:
+    """True when this CPU runs ``vdpbf16ps`` and numba compiles for it (the host CPU, features
+    not overridden without it), unless ``DS41NUMBA_BF16_DOT=0`` asks for the f32 BLAS path."""
+    if os.environ.get("DS41NUMBA_BF16_DOT", "1") == "0" or numba.config.CPU_NAME not in (None, "host"):
+        return False
+    features = numba.config.CPU_FEATURES
+    if features is not None and "+avx512bf16" not in features.split(","):
+        return False
+    return bool(llb.get_host_cpu_features().get("avx512bf16", False))
+
+
+#: Whether the AVX512-BF16 micro-kernel is used (decided once, at import).
+BF16_DOT = _bf16_dot_supported()
+
+
+class _BFloat(ir.Type):
+    """LLVM's ``bfloat`` (llvmlite's IR builder has no type for it)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+@intrinsic
+def _bf16_dot_tile(typingctx, a, b, out):
+    """``out[m, j] = sum_p a[m, p] . b[p, j]`` for ``m < DOT_ROWS``, ``j < DOT_LANES``.
+
+    ``a`` (uint32 ``[DOT_ROWS, P]``, rows contiguous) and ``b`` (uint32 ``[P, DOT_LANES]``,
+    C-contiguous) hold pairs of bf16 values (element ``2p`` in the low half); ``out`` is float32
+    ``[DOT_ROWS, DOT_LANES]`` (rows contiguous). Each lane adds its pairs' products in p order
+    with ``vdpbf16ps``: products exact, sums rounded to f32 (RNE), denormal inputs and results
+    flushed to zero. The caller checks the shapes; P >= 1.
+    """
+    sig = types.void(a, b, out)
+
+    def codegen(context, builder, signature, args):
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+        v32b = ir.VectorType(_BFloat(), 32)
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32b, v32b]),
+                                             "llvm.x86.avx512bf16.dpbf16ps.512")
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+        a_ary, b_ary, o_ary = arrays
+        a_row = cgutils.unpack_tuple(builder, a_ary.strides, 2)[0]
+        o_row = cgutils.unpack_tuple(builder, o_ary.strides, 2)[0]
+        n_pairs = cgutils.unpack_tuple(builder, b_ary.shape, 2)[0]
+        a_base = builder.ptrtoint(a_ary.data, i64)
+        b_vecs = builder.bitcast(b_ary.data, v16i.as_pointer())
+        nvec = DOT_LANES // 16
+        zero = ir.Constant(v16f, None)
+
+        entry = builder.basic_block
+        loop = builder.append_basic_block("bf16dot.loop")
+        done = builder.append_basic_block("bf16dot.done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        p = builder.phi(i64)
+        p.add_incoming(ir.Constant(i64, 0), entry)
+        acc = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(DOT_ROWS)]
+        for row in acc:
+            for phi in row:
+                phi.add_incoming(zero, entry)
+        bv = [builder.bitcast(builder.load(builder.gep(b_vecs, [builder.add(
+            builder.mul(p, ir.Constant(i64, nvec)), ir.Constant(i64, v))]), align=4), v32b)
+            for v in range(nvec)]
+        new = []
+        for m in range(DOT_ROWS):
+            addr = builder.add(a_base, builder.add(builder.mul(a_row, ir.Constant(i64, m)),
+                                                   builder.mul(p, ir.Constant(i64, 4))))
+            pair = builder.load(builder.inttoptr(addr, i32.as_pointer()), align=4)
+            splat = builder.insert_element(ir.Constant(v16i, ir.Undefined), pair, ir.Constant(i32, 0))
+            splat = builder.bitcast(builder.shuffle_vector(splat, splat, ir.Constant(v16i, None)), v32b)
+            new.append([builder.call(dot, [acc[m][v], bv[v], splat]) for v in range(nvec)])
+        p_next = builder.add(p, ir.Constant(i64, 1))
+        p.add_incoming(p_next, loop)
+        for m in range(DOT_ROWS):
+            for v in range(nvec):
+                acc[m][v].add_incoming(new[m][v], loop)
+        builder.cbranch(builder.icmp_signed("<", p_next, n_pairs), loop, done)
+
+        builder.position_at_end(done)
+        o_base = builder.ptrtoint(o_ary.data, i64)
+        for m in range(DOT_ROWS):
+            for v in range(nvec):
+                addr = builder.add(o_base, builder.add(builder.mul(o_row, ir.Constant(i64, m)),
+                                                       ir.Constant(i64, 64 * v)))
+                builder.store(new[m][v], builder.inttoptr(addr, v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _bf16_pair(lo, hi):
+    """Two bf16 values (f32 bit patterns) as one uint32, ``lo`` in the low half."""
+    return (lo >> np.uint32(16)) | (hi & np.uint32(0xFFFF0000))
+
+
+@njit(cache=True)
+def _n_not_bf16(lo, hi):
+    return ((lo & np.uint32(0xFFFF)) != 0) + ((hi & np.uint32(0xFFFF)) != 0)
+
+
+@njit(parallel=True, cache=True)
+def _pairs_kernel(bits, out):
+    """A operand: ``out[i, p]`` = the pair (``bits[i, 2p]``, ``bits[i, 2p + 1]``); returns how many
+    values were not bf16 values."""
+    bad = 0
+    for i in prange(bits.shape[0]):
+        row, dst = bits[i], out[i]
+        miss = 0
+        for p in range(dst.shape[0]):
+            miss += _n_not_bf16(row[2 * p], row[2 * p + 1])
+            dst[p] = _bf16_pair(row[2 * p], row[2 * p + 1])
+        bad += miss
+    return bad
+
+
+@njit(parallel=True, cache=True)
+def _blocked_pairs_kernel(bits, out, first):
+    """B operand: row ``i`` into lane ``(first + i) % DOT_LANES`` of block ``(first + i) //
+    DOT_LANES`` of ``out [blocks, d / 2, DOT_LANES]``; returns how many values were not bf16."""
+    bad = 0
+    for i in prange(bits.shape[0]):
+        r = first + i
+        blk = out[r // DOT_LANES]
+        lane = r % DOT_LANES
+        row = bits[i]
+        miss = 0
+        for p in range(blk.shape[0]):
+            miss += _n_not_bf16(row[2 * p], row[2 * p + 1])
+            blk[p, lane] = _bf16_pair(row[2 * p], row[2 * p + 1])
+        bad += miss
+    return bad
+
+
+def _pair_bits(x, name):
+    x = np.ascontiguousarray(_as_f32_array(x, name))
+    if x.ndim != 2 or x.shape[1] % 2:
+        raise ValueError(f"{name}: x must be [n, d] with d even, got shape {x.shape}")
+    return x.view(np.uint32)
+
+
+def bf16_pairs(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bf16-valued rows ``x [n, d]`` (d even) as the A operand of the AVX512-BF16 micro-kernel:
+    uint32 ``[n, d / 2]``, values ``2p`` and ``2p + 1`` of a row in element p (into ``out``
+    when given)."""
+    bits = _pair_bits(x, "bf16_pairs")
+    out = _output(out, (bits.shape[0], bits.shape[1] // 2), "bf16_pairs", np.uint32)
+    if _pairs_kernel(bits, out):
+        raise ValueError("bf16_pairs: x must hold bf16 values (round it to bfloat16 first)")
+    return out
+
+
+def pack_bf16_pairs(x: np.ndarray, out: np.ndarray | None = None, first: int = 0) -> np.ndarray:
+    """bf16-valued rows ``x [n, d]`` (d even) as the B operand of the AVX512-BF16 micro-kernel:
+    uint32 ``[blocks, d / 2, DOT_LANES]``, row ``first + i`` of ``x`` in lane ``(first + i) %
+    DOT_LANES`` of block ``(first + i) // DOT_LANES``. Into ``out`` when given (its other rows
+    untouched), else into a fresh zero-padded array with ``first = 0``."""
+    bits = _pair_bits(x, "pack_bf16_pairs")
+    n, d = bits.shape
+    if out is None:
+        if first:
+            raise ValueError("pack_bf16_pairs: first needs an out array")
+        out = np.zeros((-(-n // DOT_LANES), d // 2, DOT_LANES), np.uint32)
+    elif (not isinstance(out, np.ndarray) or out.dtype != np.uint32 or out.ndim != 3
+          or out.shape[1:] != (d // 2, DOT_LANES) or not out.flags.c_contiguous
+          or not 0 <= first <= out.shape[0] * DOT_LANES - n):
+        raise ValueError(f"pack_bf16_pairs: out must be a C-contiguous uint32 [blocks, {d // 2}, "
+                         f"{DOT_LANES}] with room for rows {first}..{first + n}")
+    if _blocked_pairs_kernel(bits, out, first):
+        raise ValueError("pack_bf16_pairs: x must hold bf16 values (round it to bfloat16 first)")
+    return out
 
 # torch's CPU sum of a contiguous f32 row (ATen SumKernel: ``vectorized_inner_sum`` / ``row_sum`` /
 # ``multi_row_sum``), the reduction inside the reference RMSNorm's ``x.square().mean(-1)``. The sum

@@ -19,8 +19,8 @@ import numpy as np
 from .attention import CompAttnRun, attention_any
 from .compressor import CompressorState, CompressorWeights
 from .config import AttnConfig
-from .indexer import IndexerWeights, candidate_mask
-from .numerics import Bf16Matrix, is_bf16_valued
+from .indexer import IndexerWeights, PackedIndexKeys, candidate_mask
+from .numerics import BF16_DOT, Bf16Matrix, is_bf16_valued
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "weight_specs",
            "fallback_key_owners"]
@@ -130,6 +130,7 @@ class LayerAttnState:
     compressor: CompressorState | None = None
     compress_cache: np.ndarray | None = None
     index_cache: np.ndarray | None = None
+    index_packed: PackedIndexKeys | None = None   # index_cache for the AVX512-BF16 scorer
     end_pos: int = 0               # the next position this layer expects
     last_step: tuple[int, int] | None = None   # (start_pos, seqlen) of the step it last ran
 
@@ -150,6 +151,8 @@ class LayerAttnState:
             st.compress_cache = np.zeros((config.max_seq_len // r, hd), np.float32)
             if config.is_index_source(layer_id):
                 st.index_cache = np.zeros((config.max_seq_len // r, config.index_head_dim), np.float32)
+                if BF16_DOT:
+                    st.index_packed = PackedIndexKeys(st.index_cache, rows=0)
         return st
 
 
@@ -157,7 +160,8 @@ class LayerAttnState:
 class SharedRuntime:
     """The four slots carried down the stack within a step; never reset, as in the reference.
 
-    ``compress_kv`` and ``index_k`` are the latest writer's whole cache; ``topk_idxs`` is the
+    ``compress_kv`` and ``index_k`` are the latest writer's whole cache (``index_k_packed`` the
+    writer's packed copy of its keys, on a CPU with AVX512-BF16); ``topk_idxs`` is the
     latest index source's selection (``[seqlen, k]`` int32, offsets applied); the candidate
     source's mask is kept per block, one bit each (``candidate_blocks``, packed along rows) and
     expanded to positions on demand by :attr:`candidates`.
@@ -165,6 +169,7 @@ class SharedRuntime:
 
     compress_kv: np.ndarray | None = None
     index_k: np.ndarray | None = None
+    index_k_packed: PackedIndexKeys | None = None
     topk_idxs: np.ndarray | None = None
     candidate_blocks: np.ndarray | None = None
     candidate_width: int = 0

@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 
+import numba
 import numpy as np
 import pytest
 
@@ -30,7 +31,7 @@ from ds41numba import (AttentionStack, AttnConfig, act_quant_fp8_inplace, apply_
                        window_index_rows)
 from ds41numba.attention import layer_rope_table
 from ds41numba.compressor import CompressorState, CompressorWeights, compressor, latent_positions
-from ds41numba.numerics import Bf16Matrix
+from ds41numba.numerics import BF16_DOT, Bf16Matrix, pack_bf16_pairs
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
 indexer_mod = importlib.import_module("ds41numba.indexer")
@@ -338,18 +339,29 @@ def _index_inputs(rng, T, ih, idim, n):
 
 
 LAYOUTS = {"position-major": 1 << 30, "head-major": 1}
+needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="the AVX512-BF16 kernel is off (no "
+                                    "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
+# The f32 BLAS path in both of its layouts, and the AVX512-BF16 kernel.
+SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_tile_scores_bit_identical_to_naive(monkeypatch, layout):
-    monkeypatch.setattr(indexer_mod, "_HEAD_MAJOR_MIN", LAYOUTS[layout])
+def tile_scores(path, monkeypatch, iq, w, keys, clen, n):
+    if path == "avx512-bf16":
+        return indexer_mod._tile_scores_bf16(iq, w, pack_bf16_pairs(keys), clen, n)
+    monkeypatch.setattr(indexer_mod, "_HEAD_MAJOR_MIN", LAYOUTS[path])
+    return indexer_mod._tile_scores(iq, w, keys, clen, n)
+
+
+@pytest.mark.parametrize("path", SCORE_PATHS)
+def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
     rng = np.random.default_rng(11)
-    for T, ih, idim, n in [(1, 1, 32, 5), (6, 3, 64, 40), (9, 4, 32, 70)]:
+    # 3 heads: the bf16 kernel's rows of 4 cross query boundaries and end in a padding row.
+    for T, ih, idim, n in [(1, 1, 32, 5), (6, 3, 64, 40), (9, 4, 32, 70), (5, 32, 128, 100)]:
         iq, w, keys = _index_inputs(rng, T, ih, idim, n)
         clen = rng.integers(0, n + 1, size=T)
         clen[0] = 0
         clen[-1] = n
-        got = indexer_mod._tile_scores(iq, w, keys, clen, n)
+        got = tile_scores(path, monkeypatch, iq, w, keys, clen, n)
         want = naive.naive_index_scores(iq, w, keys, clen)
         assert got.dtype == np.float32 and got.shape == (T, n)
         assert np.array_equal(got, want), f"{np.sum(got != want)} scores differ"
@@ -357,10 +369,9 @@ def test_tile_scores_bit_identical_to_naive(monkeypatch, layout):
         assert np.array_equal(to_bf16_rne(got), got)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_tile_scores_across_position_chunks_and_workers(monkeypatch, layout):
+@pytest.mark.parametrize("path", SCORE_PATHS)
+def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
     """Small chunks, split across the workers: every chunk boundary, a NaN and an inf key."""
-    monkeypatch.setattr(indexer_mod, "_HEAD_MAJOR_MIN", LAYOUTS[layout])
     monkeypatch.setattr(indexer_mod, "_SCORE_CHUNK_ELEMS", 64)
     monkeypatch.setattr(indexer_mod, "_SPLIT_MIN_MACS", 0)
     rng = np.random.default_rng(12)
@@ -369,9 +380,86 @@ def test_tile_scores_across_position_chunks_and_workers(monkeypatch, layout):
     keys[17, 3] = np.nan
     keys[401, 0] = np.inf
     clen = np.array([0, 300, 600])
-    got = indexer_mod._tile_scores(iq, w, keys, clen, n)
+    got = tile_scores(path, monkeypatch, iq, w, keys, clen, n)
     assert np.array_equal(got, naive.naive_index_scores(iq, w, keys, clen), equal_nan=True)
     assert np.isnan(got[1, 17]) and np.isnan(got[2, 17])
+
+
+@needs_bf16_dot
+def test_bf16_tile_scores_do_not_depend_on_the_thread_count():
+    rng = np.random.default_rng(13)
+    T, ih, idim, n = 7, 8, 64, 1000
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    clen = np.arange(n - T + 1, n + 1)
+    packed = pack_bf16_pairs(keys)
+    before = numba.get_num_threads()
+    got = []
+    try:
+        for threads in (1, before):
+            numba.set_num_threads(threads)
+            got.append(indexer_mod._tile_scores_bf16(iq, w, packed, clen, n))
+    finally:
+        numba.set_num_threads(before)
+    assert before > 1 and np.array_equal(got[0], got[1])
+
+
+def _indexer_case(rng, seqlen=40, n_keys=60, ih=4, idim=32, dim=48, q_rank=24):
+    cfg = indexer_mod.IndexerCfg(n_heads=ih, head_dim=idim, topk=8, ratio=1, norm_eps=EPS)
+    weights = indexer_mod.IndexerWeights(wq_b=bf16(rng, (ih * idim, q_rank), 0.2),
+                                         weights_proj=bf16(rng, (ih, dim), 0.2))
+    table = layer_rope_table(random_config(index_head_dim=idim), 1, seqlen)
+    args = dict(x=bf16(rng, (seqlen, dim)), qr=bf16(rng, (seqlen, q_rank)), start_pos=0, cfg=cfg,
+                weights=weights, table=table, offset=3,
+                index_k=fp4_quant_e8m0_inplace(bf16(rng, (n_keys, idim))))
+    return args
+
+
+def test_indexer_same_selection_on_both_scoring_paths(monkeypatch):
+    """The AVX512-BF16 kernel and the f32 BLAS path (CPUs without it) pick the same rows."""
+    args = _indexer_case(np.random.default_rng(14))
+    results = []
+    for use_bf16 in (False, BF16_DOT):
+        monkeypatch.setattr(indexer_mod, "BF16_DOT", use_bf16)
+        results.append(indexer_mod.indexer(**args, capture=True))
+    assert np.array_equal(results[0][0], results[1][0])
+    assert np.array_equal(results[0][2], results[1][2])
+    want = naive.naive_index_scores(*_indexer_scoring_inputs(args))
+    assert np.array_equal(results[0][2], want)
+
+
+def _indexer_scoring_inputs(args):
+    """The indexer's own query projection, weights and keys, as naive_index_scores takes them."""
+    cfg, wts, table = args["cfg"], args["weights"], args["table"]
+    seqlen = args["x"].shape[0]
+    iq = linear_bf16(args["qr"], wts.wq_b).reshape(seqlen, cfg.n_heads, cfg.head_dim)
+    iq = fp4_quant_e8m0_inplace(apply_rotary(iq, np.arange(seqlen), table))
+    scale = np.float32(cfg.head_dim ** -0.5 * cfg.n_heads ** -0.5)
+    w = to_bf16_rne(linear_bf16(args["x"], wts.weights_proj) * scale)
+    width = seqlen // cfg.ratio
+    return iq, w, args["index_k"][:width], np.arange(1, seqlen + 1) // cfg.ratio
+
+
+@needs_bf16_dot
+def test_packed_index_keys_follow_their_cache_and_only_it():
+    rng = np.random.default_rng(15)
+    args = _indexer_case(rng)
+    cache = np.zeros_like(args["index_k"])
+    packed = indexer_mod.PackedIndexKeys(cache, rows=0)
+    for lo, hi in [(0, 33), (33, 34), (34, 60)]:       # a prefill, then rows a step at a time
+        cache[lo:hi] = args["index_k"][lo:hi]
+        packed.write(lo, hi - lo)
+    assert np.array_equal(packed.blocks, pack_bf16_pairs(args["index_k"]))
+    want = indexer_mod.indexer(**args)[0]
+    args["index_k"] = cache
+    assert np.array_equal(indexer_mod.indexer(**args, packed_keys=packed)[0], want)
+    # A packed copy of some other cache is not used: the indexer packs index_k itself.
+    stale = indexer_mod.PackedIndexKeys(np.zeros_like(cache))
+    assert np.array_equal(indexer_mod.indexer(**args, packed_keys=stale)[0], want)
+    with pytest.raises(TypeError, match="PackedIndexKeys"):
+        indexer_mod.indexer(**args, packed_keys=packed.blocks)
+    args["index_k"] = cache + np.float32(2.0 ** -12)
+    with pytest.raises(ValueError, match="bf16 values"):
+        indexer_mod.indexer(**args)
 
 
 # =============================================================================== sparse attention

@@ -12,6 +12,7 @@ replicate a BLAS's order), so those rows differ in the last f32 bits. They are h
 f32 accuracy (``F32_REL``) instead, and left out of the bit-identical count.
 """
 
+import importlib
 import json
 import os
 
@@ -140,3 +141,13 @@ def test_replay_prod_dev_statistically():
     assert rows_total > 8000 and el_total > 10**6
     assert rows_same / rows_total >= 0.9927, f"index rows identical: {rows_same / rows_total:.4%}"
     assert el_same / el_total >= 0.939, f"float elements identical: {el_same / el_total:.4%}"
+
+
+@pytest.mark.parametrize("name", ["tiny", "mixed"])
+def test_replay_golden_with_the_f32_blas_scorer(monkeypatch, name):
+    """A CPU without AVX512-BF16 scores the index keys through numpy's f32 BLAS: same goldens."""
+    for module in ("ds41numba.indexer", "ds41numba.stack"):
+        monkeypatch.setattr(importlib.import_module(module), "BF16_DOT", False)
+    failures, same, total = replay(name)
+    assert not failures, f"{len(failures)} mismatches, first: " + "\n".join(failures[:15])
+    assert same / total >= 0.99
