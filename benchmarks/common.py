@@ -444,6 +444,30 @@ def _index_scores_case(path: str):
                       private="ds41numba.indexer._tile_scores")
 
 
+def _projection_case(tokens=1024):
+    """One prefill tile's query up-projection (``wq_b``, the layer's largest) as a bf16 linear:
+    on AVX512-BF16 where the CPU has it, else numpy's f32 BLAS."""
+    cfg = layer_config(tokens)
+    n_out, k_in = cfg.n_heads * cfg.head_dim, cfg.q_lora_rank
+
+    def build():
+        from ds41numba.numerics import Bf16Matrix
+
+        w = Bf16Matrix(weight_subset(20, ["wq_b.weight"])["wq_b.weight"])
+        st = {"x": _normal((tokens, k_in), 21), "w": w,
+              "out": np.empty((tokens, n_out), np.float32)}
+        return st
+
+    def run(st):
+        from ds41numba.numerics import linear_bf16
+
+        linear_bf16(st["x"], st["w"], out=st["out"])
+
+    return KernelCase("linear_bf16_tile", f"bf16 linear, a prefill tile's wq_b ({tokens} rows)",
+                      f"x {tokens}x{k_in}, w {n_out}x{k_in}", build, run,
+                      flops=2 * tokens * k_in * n_out, elements=tokens * n_out)
+
+
 def _compressor_case(tokens=1024):
     cfg = layer_config(tokens, 2)
     layer, r, hd = 2, 2, cfg.head_dim
@@ -518,6 +542,7 @@ def kernel_cases() -> dict[str, KernelCase]:
                       "fp4_quant_e4m3_inplace"),
         _topk_case("topk_1m", "top-k, 1M entries (partial_sort branch)", 1, 1 << 20, 512),
         _topk_case("topk_4k", "top-k, 4K entries (nth_element branch)", 64, 4096, 512),
+        _projection_case(),
         _sparse_attn_case(),
         _indexer_case(),
         _index_scores_case("default"),

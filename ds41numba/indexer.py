@@ -245,7 +245,9 @@ def _scores_bf16_kernel(qp, w, keys, clen, n_blocks, workers, out):
                 s_lo += 1
             if s_lo == T:
                 continue
-            for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, T * ih, DOT_ROWS):
+            first = s_lo * ih // DOT_ROWS * DOT_ROWS
+            d[first:] = 0
+            for r in range(first, T * ih, DOT_ROWS):
                 _bf16_dot_tile(qp[r:r + DOT_ROWS], keys[b], d[r:r + DOT_ROWS])
             _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
 

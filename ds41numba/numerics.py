@@ -503,10 +503,11 @@ def linear_bf16(x, w, out=None):
     """bf16 linear: ``x @ w.T`` (w holds bf16 values) summed in f32, rounded to bf16 once.
 
     x is ``[..., in]``; w is ``[out, in]``, a float32 array or a :class:`Bf16Matrix` (which may
-    be grouped: see there). Many rows go through numpy's BLAS; a large :class:`Bf16Matrix` times
-    at most ``MATVEC_MAX_ROWS`` rows (a decode step) goes through the fused kernel that reads the
-    weight as bf16 bits, half the bytes. Returns ``[..., out]``, written into ``out`` (a
-    C-contiguous float32 buffer) when given.
+    be grouped: see there). A large :class:`Bf16Matrix` times at most ``MATVEC_MAX_ROWS`` rows (a
+    decode step) goes through the fused kernel that reads the weight as bf16 bits, half the
+    bytes; more rows of bf16 values go through the AVX512-BF16 kernel where the CPU has it
+    (:attr:`Bf16Matrix.dot_bf16`), else through numpy's f32 BLAS, as does a plain float32 ``w``.
+    Returns ``[..., out]``, written into ``out`` (a C-contiguous float32 buffer) when given.
     """
     if not isinstance(w, Bf16Matrix):
         return round_bf16_inplace(linear_f32(x, w, out))
@@ -522,6 +523,10 @@ def linear_bf16(x, w, out=None):
         y = _output(out, shape, "linear_bf16")
         y[...] = w.matvec(x)
         return y
+    if BF16_DOT and rows > MATVEC_MAX_ROWS:
+        y = _output(out, (rows, w.f32.shape[0]), "linear_bf16")
+        if w.dot_bf16(x.reshape(rows, w.in_features), y):
+            return round_bf16_inplace(y).reshape(shape)
     if w.groups == 1:
         return round_bf16_inplace(linear_f32(x, w.f32, out))
     per_group = x.reshape(-1, w.groups, w.f32.shape[1])
@@ -576,132 +581,20 @@ def split_range(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# bf16 weights as bits, for matrix-vector products
-# ----------------------------------------------------------------------------------------------
-
-# A decode step multiplies one row by every weight: it is bound by reading the weights, so it
-# reads them as bf16 bits. Output rows are packed in blocks of _MV_BLOCK laid out [in, block], so
-# each block streams contiguously and the inner loop runs across the block's outputs (SIMD lanes
-# without reassociating any sum: every output still adds its products in input order).
-_MV_BLOCK = 64
-#: At most this many input rows take the fused bf16-bits kernel; more go through BLAS.
-MATVEC_MAX_ROWS = 8
-# Smaller weights are cheap to read whatever their format: BLAS, without a parallel launch.
-_MATVEC_MIN_SIZE = 1 << 20
-
-
-@njit(cache=True)
-def _widen(bits):
-    """A bf16 bit pattern (uint16) as the f32 it stands for."""
-    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
-
-
-@njit(parallel=True, cache=True)
-def _matvec_bf16_kernel(x, bits, out, groups):
-    """``out = bf16(x @ W.T)`` for W packed as bf16 bits ``[blocks, in, _MV_BLOCK]``.
-
-    The blocks split evenly into ``groups``; block b belongs to group ``g = b // (blocks /
-    groups)``, reads inputs ``x[:, g*in : (g+1)*in]`` and writes outputs ``g*rank + ...``
-    (``rank = out.shape[1] / groups``); padding rows of a group's last block are dropped. Each
-    output adds its products in input order; 4 inputs per pass keep the accumulator in a register
-    (measured faster here than 2 or 8: enough work per load of the accumulators, few enough
-    weight rows in flight).
-    """
-    m = x.shape[0]
-    k_in = bits.shape[1]
-    per_group = bits.shape[0] // groups
-    rank = out.shape[1] // groups
-    k4 = k_in - k_in % 4
-    for b in prange(bits.shape[0]):
-        g = b // per_group
-        x0_col = g * k_in
-        acc = np.zeros((m, _MV_BLOCK), np.float32)
-        for i in range(m):
-            xi = x[i, x0_col:x0_col + k_in]
-            for k in range(0, k4, 4):
-                x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
-                for j in range(_MV_BLOCK):
-                    a = acc[i, j]
-                    a += x0 * _widen(bits[b, k, j])
-                    a += x1 * _widen(bits[b, k + 1, j])
-                    a += x2 * _widen(bits[b, k + 2, j])
-                    a += x3 * _widen(bits[b, k + 3, j])
-                    acc[i, j] = a
-            for k in range(k4, k_in):
-                for j in range(_MV_BLOCK):
-                    acc[i, j] += xi[k] * _widen(bits[b, k, j])
-        first = (b - g * per_group) * _MV_BLOCK
-        for i in range(m):
-            for j in range(min(_MV_BLOCK, rank - first)):
-                out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
-
-
-class Bf16Matrix:
-    """A bf16-valued weight: f32 for BLAS, and bf16 bits for matrix-vector products.
-
-    ``w [out, in]``. With ``groups = G > 1`` it is the reference's grouped projection (``wo_a``):
-    the input splits into G equal parts and part g goes through rows ``g*out/G .. (g+1)*out/G``
-    only, so ``in_features = G * in``. The f32 array is kept as given (no copy when already
-    C-contiguous float32); the packed bits are built on the first matrix-vector product. Treat
-    the weight as read-only once wrapped.
-    """
-
-    __slots__ = ("f32", "groups", "_bits")
-
-    def __init__(self, w, groups: int = 1):
-        w = np.ascontiguousarray(_as_f32_array(w, "Bf16Matrix"))
-        if w.ndim != 2:
-            raise ValueError(f"Bf16Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
-        if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 \
-                or w.shape[0] % groups:
-            raise ValueError(f"Bf16Matrix: groups must be a positive divisor of out "
-                             f"({w.shape[0]}), got {groups!r}")
-        self.f32 = w
-        self.groups = int(groups)
-        self._bits = None
-
-    @property
-    def shape(self):
-        return self.f32.shape
-
-    @property
-    def in_features(self):
-        return self.f32.shape[1] * self.groups
-
-    def _packed(self):
-        if self._bits is None:
-            n_out, k_in = self.f32.shape
-            rank = n_out // self.groups
-            nb = -(-rank // _MV_BLOCK)
-            hi = np.zeros((self.groups, nb * _MV_BLOCK, k_in), np.uint16)
-            hi[:, :rank] = (self.f32.view(np.uint32) >> 16).reshape(self.groups, rank, k_in)
-            blocks = hi.reshape(self.groups * nb, _MV_BLOCK, k_in)
-            self._bits = np.ascontiguousarray(blocks.transpose(0, 2, 1))
-        return self._bits
-
-    def matvec(self, x):
-        """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the bf16 bits."""
-        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
-        out = np.empty((x2.shape[0], self.f32.shape[0]), np.float32)
-        _matvec_bf16_kernel(x2, self._packed(), out, self.groups)
-        return out.reshape(x.shape[:-1] + (self.f32.shape[0],))
-
-
-
-# ----------------------------------------------------------------------------------------------
 # bf16 dot products on AVX512-BF16
 # ----------------------------------------------------------------------------------------------
 
-# The indexer scores every compressed position for every index head: at long lengths the largest
-# product of a decode step, and one too thin for BLAS ([positions, 128] x [128, 32] runs at half
-# its matrix-product rate here). Its operands are fp4 values, so bf16 holds them exactly and
-# AVX512-BF16's ``vdpbf16ps`` (16 f32 lanes, each adding the products of one pair of bf16 values)
-# does twice the work of an f32 FMA per instruction on half the bytes. numba has no vector types,
-# so the micro-kernel below is written in LLVM IR: a row block of A against a block of B, with the
-# accumulators held in registers for the whole dot product.
+# The reference's products are of bf16 values summed in f32: the bf16 linears, and the indexer's
+# scores (fp4 values, which bf16 holds exactly). AVX512-BF16's ``vdpbf16ps`` computes exactly
+# that (16 f32 lanes, each adding the products of one pair of bf16 values), twice the work of an
+# f32 FMA per instruction on half the bytes: measured here 1.5-1.8x numpy's f32 matrix product
+# on the prefill's projections, and 3x BLAS on the decode step's index scores, a product too thin
+# for BLAS ([positions, 128] x [128, 32]). numba has no vector types, so the micro-kernel below is
+# written in LLVM IR: a row block of A against a block of B, the accumulators in registers for
+# the whole dot product.
 
 #: Rows of A one micro-kernel call multiplies (A is padded to a multiple of this).
-DOT_ROWS = 4
+DOT_ROWS = 8
 #: Columns of B one call multiplies: two 16-lane vectors.
 DOT_LANES = 32
 
@@ -736,11 +629,11 @@ class _BFloat(ir.Type):
 
 @intrinsic
 def _bf16_dot_tile(typingctx, a, b, out):
-    """``out[m, j] = sum_p a[m, p] . b[p, j]`` for ``m < DOT_ROWS``, ``j < DOT_LANES``.
+    """``out[m, j] += sum_p a[m, p] . b[p, j]`` for ``m < DOT_ROWS``, ``j < DOT_LANES``.
 
-    ``a`` (uint32 ``[DOT_ROWS, P]``, rows contiguous) and ``b`` (uint32 ``[P, DOT_LANES]``,
-    C-contiguous) hold pairs of bf16 values (element ``2p`` in the low half); ``out`` is float32
-    ``[DOT_ROWS, DOT_LANES]`` (rows contiguous). Each lane adds its pairs' products in p order
+    ``a`` (uint32 ``[DOT_ROWS, P]``) and ``b`` (uint32 ``[P, DOT_LANES]``) hold pairs of bf16
+    values (element ``2p`` in the low half); ``out`` is float32 ``[DOT_ROWS, DOT_LANES]``. The
+    rows of each may lie apart, each row is contiguous. Each lane continues its sum in p order
     with ``vdpbf16ps``: products exact, sums rounded to f32 (RNE), denormal inputs and results
     flushed to zero. The caller checks the shapes; P >= 1.
     """
@@ -753,38 +646,42 @@ def _bf16_dot_tile(typingctx, a, b, out):
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32b, v32b]),
                                              "llvm.x86.avx512bf16.dpbf16ps.512")
         arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
-        a_ary, b_ary, o_ary = arrays
-        a_row = cgutils.unpack_tuple(builder, a_ary.strides, 2)[0]
-        o_row = cgutils.unpack_tuple(builder, o_ary.strides, 2)[0]
-        n_pairs = cgutils.unpack_tuple(builder, b_ary.shape, 2)[0]
-        a_base = builder.ptrtoint(a_ary.data, i64)
-        b_vecs = builder.bitcast(b_ary.data, v16i.as_pointer())
+        (a_base, a_row), (b_base, b_row), (o_base, o_row) = [
+            (builder.ptrtoint(ary.data, i64), cgutils.unpack_tuple(builder, ary.strides, 2)[0])
+            for ary in arrays]
+        n_pairs = cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0]
         nvec = DOT_LANES // 16
-        zero = ir.Constant(v16f, None)
 
+        def at(base, row_stride, row, offset, ty):
+            addr = builder.add(base, builder.add(builder.mul(row_stride, row), offset))
+            return builder.inttoptr(addr, ty.as_pointer())
+
+        def const(v):
+            return ir.Constant(i64, v)
+
+        out_ptrs = [[at(o_base, o_row, const(m), const(64 * v), v16f) for v in range(nvec)]
+                    for m in range(DOT_ROWS)]
+        start = [[builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
         entry = builder.basic_block
         loop = builder.append_basic_block("bf16dot.loop")
         done = builder.append_basic_block("bf16dot.done")
         builder.branch(loop)
         builder.position_at_end(loop)
         p = builder.phi(i64)
-        p.add_incoming(ir.Constant(i64, 0), entry)
+        p.add_incoming(const(0), entry)
         acc = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(DOT_ROWS)]
-        for row in acc:
-            for phi in row:
-                phi.add_incoming(zero, entry)
-        bv = [builder.bitcast(builder.load(builder.gep(b_vecs, [builder.add(
-            builder.mul(p, ir.Constant(i64, nvec)), ir.Constant(i64, v))]), align=4), v32b)
-            for v in range(nvec)]
+        for m in range(DOT_ROWS):
+            for v in range(nvec):
+                acc[m][v].add_incoming(start[m][v], entry)
+        bv = [builder.bitcast(builder.load(at(b_base, b_row, p, const(64 * v), v16i), align=4), v32b)
+              for v in range(nvec)]
         new = []
         for m in range(DOT_ROWS):
-            addr = builder.add(a_base, builder.add(builder.mul(a_row, ir.Constant(i64, m)),
-                                                   builder.mul(p, ir.Constant(i64, 4))))
-            pair = builder.load(builder.inttoptr(addr, i32.as_pointer()), align=4)
+            pair = builder.load(at(a_base, a_row, const(m), builder.mul(p, const(4)), i32), align=4)
             splat = builder.insert_element(ir.Constant(v16i, ir.Undefined), pair, ir.Constant(i32, 0))
             splat = builder.bitcast(builder.shuffle_vector(splat, splat, ir.Constant(v16i, None)), v32b)
             new.append([builder.call(dot, [acc[m][v], bv[v], splat]) for v in range(nvec)])
-        p_next = builder.add(p, ir.Constant(i64, 1))
+        p_next = builder.add(p, const(1))
         p.add_incoming(p_next, loop)
         for m in range(DOT_ROWS):
             for v in range(nvec):
@@ -792,15 +689,47 @@ def _bf16_dot_tile(typingctx, a, b, out):
         builder.cbranch(builder.icmp_signed("<", p_next, n_pairs), loop, done)
 
         builder.position_at_end(done)
-        o_base = builder.ptrtoint(o_ary.data, i64)
         for m in range(DOT_ROWS):
             for v in range(nvec):
-                addr = builder.add(o_base, builder.add(builder.mul(o_row, ir.Constant(i64, m)),
-                                                       ir.Constant(i64, 64 * v)))
-                builder.store(new[m][v], builder.inttoptr(addr, v16f.as_pointer()), align=4)
+                builder.store(new[m][v], out_ptrs[m][v], align=4)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# A product of many rows runs in work items of _GEMM_ROWS rows by one block of DOT_LANES
+# columns, over the inner dimension _GEMM_PAIRS pairs at a time: that slice of B (32 KB) stays
+# in L1 while every row group of the item passes over it.
+_GEMM_ROWS = 256
+_GEMM_PAIRS = 256
+
+
+@njit(parallel=True, cache=True)
+def _gemm_bf16_kernel(a, b, out, groups):
+    """``out = a . b`` for every block of columns: ``a [M, groups * P]`` (M a multiple of
+    DOT_ROWS), ``b [blocks, P, DOT_LANES]``, ``out [M, blocks * DOT_LANES]`` float32.
+
+    The blocks split evenly into ``groups``; block j belongs to group ``g = j // (blocks /
+    groups)`` and reads the pairs ``g*P .. (g+1)*P`` of A (the grouped projection). Every
+    output is summed whole by one work item, in p order: the result does not depend on the
+    thread count.
+    """
+    M = a.shape[0]
+    n_blocks, P = b.shape[0], b.shape[1]
+    per_group = n_blocks // groups
+    n_row_chunks = (M + _GEMM_ROWS - 1) // _GEMM_ROWS
+    for item in prange(n_row_chunks * n_blocks):
+        i, j = item // n_blocks, item % n_blocks
+        g = j // per_group
+        r0, r1 = i * _GEMM_ROWS, min(M, (i + 1) * _GEMM_ROWS)
+        o = out[r0:r1, j * DOT_LANES:(j + 1) * DOT_LANES]
+        o[:] = 0
+        a_rows = a[r0:r1, g * P:(g + 1) * P]
+        for k0 in range(0, P, _GEMM_PAIRS):
+            b_panel = b[j, k0:k0 + _GEMM_PAIRS]
+            for r in range(0, r1 - r0, DOT_ROWS):
+                _bf16_dot_tile(a_rows[r:r + DOT_ROWS, k0:k0 + _GEMM_PAIRS], b_panel,
+                               o[r:r + DOT_ROWS])
 
 
 @njit(cache=True)
@@ -884,6 +813,159 @@ def pack_bf16_pairs(x: np.ndarray, out: np.ndarray | None = None, first: int = 0
     if _blocked_pairs_kernel(bits, out, first):
         raise ValueError("pack_bf16_pairs: x must hold bf16 values (round it to bfloat16 first)")
     return out
+
+# ----------------------------------------------------------------------------------------------
+# bf16 weights as bits, for matrix-vector products
+# ----------------------------------------------------------------------------------------------
+
+# A decode step multiplies one row by every weight: it is bound by reading the weights, so it
+# reads them as bf16 bits. Output rows are packed in blocks of _MV_BLOCK laid out [in, block], so
+# each block streams contiguously and the inner loop runs across the block's outputs (SIMD lanes
+# without reassociating any sum: every output still adds its products in input order).
+_MV_BLOCK = 64
+#: At most this many input rows take the fused bf16-bits kernel; more go through BLAS.
+MATVEC_MAX_ROWS = 8
+# Smaller weights are cheap to read whatever their format: BLAS, without a parallel launch.
+_MATVEC_MIN_SIZE = 1 << 20
+
+
+@njit(cache=True)
+def _widen(bits):
+    """A bf16 bit pattern (uint16) as the f32 it stands for."""
+    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+
+
+@njit(parallel=True, cache=True)
+def _matvec_bf16_kernel(x, bits, out, groups):
+    """``out = bf16(x @ W.T)`` for W packed as bf16 bits ``[blocks, in, _MV_BLOCK]``.
+
+    The blocks split evenly into ``groups``; block b belongs to group ``g = b // (blocks /
+    groups)``, reads inputs ``x[:, g*in : (g+1)*in]`` and writes outputs ``g*rank + ...``
+    (``rank = out.shape[1] / groups``); padding rows of a group's last block are dropped. Each
+    output adds its products in input order; 4 inputs per pass keep the accumulator in a register
+    (measured faster here than 2 or 8: enough work per load of the accumulators, few enough
+    weight rows in flight).
+    """
+    m = x.shape[0]
+    k_in = bits.shape[1]
+    per_group = bits.shape[0] // groups
+    rank = out.shape[1] // groups
+    k4 = k_in - k_in % 4
+    for b in prange(bits.shape[0]):
+        g = b // per_group
+        x0_col = g * k_in
+        acc = np.zeros((m, _MV_BLOCK), np.float32)
+        for i in range(m):
+            xi = x[i, x0_col:x0_col + k_in]
+            for k in range(0, k4, 4):
+                x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
+                for j in range(_MV_BLOCK):
+                    a = acc[i, j]
+                    a += x0 * _widen(bits[b, k, j])
+                    a += x1 * _widen(bits[b, k + 1, j])
+                    a += x2 * _widen(bits[b, k + 2, j])
+                    a += x3 * _widen(bits[b, k + 3, j])
+                    acc[i, j] = a
+            for k in range(k4, k_in):
+                for j in range(_MV_BLOCK):
+                    acc[i, j] += xi[k] * _widen(bits[b, k, j])
+        first = (b - g * per_group) * _MV_BLOCK
+        for i in range(m):
+            for j in range(min(_MV_BLOCK, rank - first)):
+                out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
+
+
+class Bf16Matrix:
+    """A bf16-valued weight: f32 for BLAS, and bf16 bits for matrix-vector products.
+
+    ``w [out, in]``. With ``groups = G > 1`` it is the reference's grouped projection (``wo_a``):
+    the input splits into G equal parts and part g goes through rows ``g*out/G .. (g+1)*out/G``
+    only, so ``in_features = G * in``. The f32 array is kept as given (no copy when already
+    C-contiguous float32); the packed bits are built on the first matrix-vector product, the
+    AVX512-BF16 operand on the first product of many rows (each half the f32 weight's size).
+    Treat the weight as read-only once wrapped.
+    """
+
+    __slots__ = ("f32", "groups", "_bits", "_pairs")
+
+    def __init__(self, w, groups: int = 1):
+        w = np.ascontiguousarray(_as_f32_array(w, "Bf16Matrix"))
+        if w.ndim != 2:
+            raise ValueError(f"Bf16Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
+        if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 \
+                or w.shape[0] % groups:
+            raise ValueError(f"Bf16Matrix: groups must be a positive divisor of out "
+                             f"({w.shape[0]}), got {groups!r}")
+        self.f32 = w
+        self.groups = int(groups)
+        self._bits = None
+        self._pairs = None
+
+    @property
+    def shape(self):
+        return self.f32.shape
+
+    @property
+    def in_features(self):
+        return self.f32.shape[1] * self.groups
+
+    def _packed(self):
+        if self._bits is None:
+            n_out, k_in = self.f32.shape
+            rank = n_out // self.groups
+            nb = -(-rank // _MV_BLOCK)
+            hi = np.zeros((self.groups, nb * _MV_BLOCK, k_in), np.uint16)
+            hi[:, :rank] = (self.f32.view(np.uint32) >> 16).reshape(self.groups, rank, k_in)
+            blocks = hi.reshape(self.groups * nb, _MV_BLOCK, k_in)
+            self._bits = np.ascontiguousarray(blocks.transpose(0, 2, 1))
+        return self._bits
+
+    def _packed_pairs(self):
+        if self._pairs is None:
+            n_out, k_in = self.f32.shape
+            rank = n_out // self.groups
+            nb = -(-rank // DOT_LANES)
+            self._pairs = np.zeros((self.groups * nb, k_in // 2, DOT_LANES), np.uint32)
+            for g in range(self.groups):
+                pack_bf16_pairs(self.f32[g * rank:(g + 1) * rank], self._pairs[g * nb:(g + 1) * nb])
+        return self._pairs
+
+    def dot_bf16(self, x, out) -> bool:
+        """``out = x @ w.T`` in f32 (not rounded) on AVX512-BF16, for rows ``x [m, in_features]``
+        of bf16 values: the products are exact and each output sums them in input order, as
+        BLAS would, at nearly twice the f32 rate. Returns False, leaving ``out`` alone, where it
+        cannot run (no AVX512-BF16, an odd input width, x not bf16-valued): then use BLAS.
+
+        The weight is packed on the first call (a second copy, half the f32 weight's size).
+        """
+        k_in = self.f32.shape[1]
+        if not BF16_DOT or k_in % 2:
+            return False
+        m, n_out = x.shape[0], self.f32.shape[0]
+        rank = n_out // self.groups
+        rows = -(-m // DOT_ROWS) * DOT_ROWS
+        a = np.zeros((rows, x.shape[1] // 2), np.uint32) if rows != m else np.empty(
+            (rows, x.shape[1] // 2), np.uint32)
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        if _pairs_kernel(bits, a[:m]):
+            return False
+        b = self._packed_pairs()
+        aligned = rows == m and rank % DOT_LANES == 0 and out.flags.c_contiguous
+        y = out if aligned else np.empty((rows, b.shape[0] * DOT_LANES), np.float32)
+        _gemm_bf16_kernel(a, b, y, self.groups)
+        if not aligned:
+            padded = y[:m].reshape(m, self.groups, -1)[:, :, :rank]
+            out[...] = padded.reshape(m, n_out)
+        return True
+
+    def matvec(self, x):
+        """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the bf16 bits."""
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
+        out = np.empty((x2.shape[0], self.f32.shape[0]), np.float32)
+        _matvec_bf16_kernel(x2, self._packed(), out, self.groups)
+        return out.reshape(x.shape[:-1] + (self.f32.shape[0],))
+
+
 
 # torch's CPU sum of a contiguous f32 row (ATen SumKernel: ``vectorized_inner_sum`` / ``row_sum`` /
 # ``multi_row_sum``), the reduction inside the reference RMSNorm's ``x.square().mean(-1)``. The sum

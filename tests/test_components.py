@@ -561,7 +561,8 @@ def test_sparse_attn_kv_as_row_blocks_is_identical():
                                                (2, 8, 128, 2, 1024, 1024)])
 def test_output_projection_vs_naive(S, H, hd, G, rank, dim):
     """Grouped wo_a then wo_b. Few rows of a large weight take the bf16-bits matrix-vector
-    kernel (the last shape); many rows (the input repeated) always go through BLAS."""
+    kernel (the last shape); many rows (the input repeated) the many-row path (AVX512-BF16
+    for a Bf16Matrix where the CPU has it, else BLAS; BLAS for the plain array)."""
     rng = np.random.default_rng(S * 100 + G)
     o = bf16(rng, (S, H * hd))
     wo_a = bf16(rng, (G * rank, H * hd // G), (H * hd // G) ** -0.5)
@@ -570,10 +571,10 @@ def test_output_projection_vs_naive(S, H, hd, G, rank, dim):
     grouped = Bf16Matrix(wo_a, groups=G)
     got = output_projection(o, grouped, Bf16Matrix(wo_b))
     many = np.repeat(o, 3, axis=0)
-    got_blas = output_projection(many, grouped, wo_b)
-    assert got.shape == (S, dim) and got_blas.shape == (3 * S, dim)
+    got_many = output_projection(many, grouped, wo_b)
+    assert got.shape == (S, dim) and got_many.shape == (3 * S, dim)
     assert_bf16_close(got, want, "output_projection (few rows)")
-    assert_bf16_close(got_blas, np.repeat(want, 3, axis=0), "output_projection (BLAS)")
+    assert_bf16_close(got_many, np.repeat(want, 3, axis=0), "output_projection (many rows)")
 
 
 def test_output_buffers_take_the_result_and_refuse_a_bad_buffer():

@@ -463,15 +463,17 @@ def _dot_all(a, b, out):
         nm._bf16_dot_tile(a, b[k], out[k])
 
 
-def _dot(a_rows, b_rows, a_stride=0, out_stride=0):
-    """``a_rows [DOT_ROWS, d] . b_rows [n, d]^T`` via the kernel; A's and the output's rows sit
-    ``a_stride`` / ``out_stride`` elements further apart than their length."""
+def _dot(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0):
+    """``start + a_rows [DOT_ROWS, d] . b_rows [n, d]^T`` via the kernel (which adds to its
+    output); A's and the output's rows sit ``a_stride`` / ``out_stride`` elements further apart
+    than their length."""
     R, L = nm.DOT_ROWS, nm.DOT_LANES
     pairs = nm.bf16_pairs(a_rows)
     a = np.zeros((R, pairs.shape[1] + a_stride), np.uint32)[:, :pairs.shape[1]]
     a[:] = pairs
     b = nm.pack_bf16_pairs(b_rows)
     out = np.full((b.shape[0], R, L + out_stride), np.nan, F32)[:, :, :L]
+    out[:] = start
     _dot_all(a, b, out)
     return out.transpose(1, 0, 2).reshape(R, -1)[:, :b_rows.shape[0]]
 
@@ -484,8 +486,10 @@ def test_bf16_dot_exact_on_fp4_values(d, a_stride, out_stride):
     rng = np.random.default_rng(40 + d)
     a = nm.fp4_quant_e8m0_inplace(rng.standard_normal((nm.DOT_ROWS, 160)).astype(F32))[:, :d].copy()
     b = nm.fp4_quant_e8m0_inplace(rng.standard_normal((75, 160)).astype(F32))[:, :d].copy()
-    got = _dot(a, b, a_stride, out_stride)
-    assert_same_bits(got, (a.astype(np.float64) @ b.T.astype(np.float64)).astype(F32))
+    exact = a.astype(np.float64) @ b.T.astype(np.float64)
+    assert_same_bits(_dot(a, b, a_stride, out_stride), exact.astype(F32))
+    # The kernel continues the sum already in its output.
+    assert_same_bits(_dot(a, b, a_stride, out_stride, start=0.75), (exact + 0.75).astype(F32))
 
 
 @needs_bf16_dot
@@ -512,6 +516,51 @@ def test_bf16_dot_special_values():
     got = np.diag(_dot(a, b))
     assert np.isnan(got[0]) and got[1] == np.inf and np.isnan(got[2]) and got[3] == 0.0
 
+
+
+@pytest.mark.parametrize("m, k, n, groups", [(9, 96, 40, 1), (64, 256, 64, 1), (13, 64, 40, 2),
+                                             (16, 128, 128, 4), (300, 1100, 96, 1)])
+def test_linear_bf16_many_rows_of_a_bf16_matrix(m, k, n, groups):
+    """More rows than a matrix-vector product: the AVX512-BF16 product where the CPU has it (the
+    last shape spans several row chunks and inner-dimension panels), else BLAS. Either way at
+    most one bf16 step from the exact dot products, and independent of the thread count."""
+    rng = np.random.default_rng(m + k)
+    x = naive.naive_bf16(rng.standard_normal((m, groups * k)).astype(F32))
+    w = naive.naive_bf16((rng.standard_normal((n, k)) / np.sqrt(k)).astype(F32))
+    rank = n // groups
+    want = np.concatenate([naive.naive_linear_bf16(x[:, g * k:(g + 1) * k], w[g * rank:(g + 1) * rank])
+                           for g in range(groups)], axis=1)
+    mat = nm.Bf16Matrix(w, groups=groups)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = nm.linear_bf16(x, mat)
+    finally:
+        numba.set_num_threads(before)
+    got = nm.linear_bf16(x, mat)
+    assert_same_bits(got, one)
+    assert got.shape == (m, n) and nm.is_bf16_valued(got)
+    assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 1e-30)
+    assert np.mean(got == want) > 0.95
+
+
+@needs_bf16_dot
+def test_bf16_matrix_product_is_f32_accurate_and_falls_back_where_it_cannot_run():
+    rng = np.random.default_rng(43)
+    x = naive.naive_bf16(rng.standard_normal((20, 512)).astype(F32))
+    w = naive.naive_bf16(rng.standard_normal((64, 512)).astype(F32))
+    y = np.full((20, 64), np.nan, F32)
+    assert nm.Bf16Matrix(w).dot_bf16(x, y)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
+    assert np.max(np.abs(y - exact) / scale) < 8 * 2.0 ** -24
+    # x not bf16-valued, or an odd input width: the caller's BLAS path runs instead.
+    off = x + F32(2.0 ** -12)
+    assert not nm.Bf16Matrix(w).dot_bf16(off, y)
+    assert_same_bits(nm.linear_bf16(off, nm.Bf16Matrix(w)), naive.naive_bf16(off @ w.T))
+    assert not nm.Bf16Matrix(w[:, :511]).dot_bf16(x[:, :511], y)
+    assert_same_bits(nm.linear_bf16(x[:, :511], nm.Bf16Matrix(w[:, :511])),
+                     naive.naive_bf16(x[:, :511] @ w[:, :511].T))
 
 def test_bf16_pair_layouts():
     rng = np.random.default_rng(42)
