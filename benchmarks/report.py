@@ -357,7 +357,8 @@ def _table_head(w, title: str, header: str):
 def print_text(s: dict, meta: dict):
     w = print
     w(f"ds41numba benchmark report  ({meta['when']}, {meta['cpus']} CPUs, numba threads "
-      f"{meta['numba_threads']}, BLAS {meta['blas']}, load average {meta['load_before']} -> "
+      f"{meta['numba_threads']}, BLAS {meta['blas']}, AVX512-BF16 products {meta['bf16_dot']}, "
+      f"load average {meta['load_before']} -> "
       f"{meta['load_after']})")
     w(f"numpy f32 matmul 2048x2048x2048 in this process: {s['matmul_gflops_parent']:.1f} GFLOP/s "
       f"(median; samples {', '.join(f'{v:.0f}' for v in s['matmul_samples_parent'])})")
@@ -449,8 +450,11 @@ def _meta() -> dict:
                          if i.get("user_api") == "blas") or "?"
     except ImportError:
         blas = "?"
+    from ds41numba.numerics import BF16_DOT
+
     return {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "numba_threads": numba.get_num_threads(), "blas": blas,
+            "bf16_dot": "on" if BF16_DOT else "off",
             "python": platform.python_version(),
             "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg())}
 
