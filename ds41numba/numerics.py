@@ -932,30 +932,40 @@ class Bf16Matrix:
 
     def dot_bf16(self, x, out) -> bool:
         """``out = x @ w.T`` in f32 (not rounded) on AVX512-BF16, for rows ``x [m, in_features]``
-        of bf16 values: the products are exact and each output sums them in input order, as
-        BLAS would, at nearly twice the f32 rate. Returns False, leaving ``out`` alone, where it
-        cannot run (no AVX512-BF16, an odd input width, x not bf16-valued): then use BLAS.
+        of bf16 values (float32 or ``ml_dtypes.bfloat16``): the products are exact and each output
+        sums them in input order, as BLAS would, at nearly twice the f32 rate. Returns False where
+        it cannot run (no AVX512-BF16, an odd input width, x not bf16-valued; ``out`` may then be
+        partly written): use BLAS instead.
 
-        The weight is packed on the first call (a second copy, half the f32 weight's size).
+        Rows run ``_WIDEN_ROWS`` at a time, so the operand copy of a long input stays small. The
+        weight is packed on the first call (a second copy, half the f32 weight's size).
         """
         k_in = self.f32.shape[1]
         if not BF16_DOT or k_in % 2:
             return False
+        x = np.ascontiguousarray(x)
         m, n_out = x.shape[0], self.f32.shape[0]
         rank = n_out // self.groups
-        rows = -(-m // DOT_ROWS) * DOT_ROWS
-        a = np.zeros((rows, x.shape[1] // 2), np.uint32) if rows != m else np.empty(
-            (rows, x.shape[1] // 2), np.uint32)
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        if _pairs_kernel(bits, a[:m]):
-            return False
         b = self._packed_pairs()
-        aligned = rows == m and rank % DOT_LANES == 0 and out.flags.c_contiguous
-        y = out if aligned else np.empty((rows, b.shape[0] * DOT_LANES), np.float32)
-        _gemm_bf16_kernel(a, b, y, self.groups)
-        if not aligned:
-            padded = y[:m].reshape(m, self.groups, -1)[:, :, :rank]
-            out[...] = padded.reshape(m, n_out)
+        for r0 in range(0, m, _WIDEN_ROWS):
+            chunk = x[r0:r0 + _WIDEN_ROWS]
+            n = chunk.shape[0]
+            rows = -(-n // DOT_ROWS) * DOT_ROWS
+            if x.dtype.name == "bfloat16":          # already pairs of bf16, in memory order
+                a = chunk.view(np.uint32)
+                if rows != n:
+                    a = np.concatenate([a, np.zeros((rows - n, a.shape[1]), np.uint32)])
+            else:
+                a = (np.zeros if rows != n else np.empty)((rows, x.shape[1] // 2), np.uint32)
+                if _pairs_kernel(np.ascontiguousarray(chunk, np.float32).view(np.uint32), a[:n]):
+                    return False
+            y = out[r0:r0 + n]
+            if rows == n and rank % DOT_LANES == 0 and y.flags.c_contiguous:
+                _gemm_bf16_kernel(a, b, y, self.groups)
+            else:
+                padded = np.empty((rows, b.shape[0] * DOT_LANES), np.float32)
+                _gemm_bf16_kernel(a, b, padded, self.groups)
+                y[...] = padded[:n].reshape(n, self.groups, -1)[:, :, :rank].reshape(n, n_out)
         return True
 
     def matvec(self, x):

@@ -519,11 +519,13 @@ def test_bf16_dot_special_values():
 
 
 @pytest.mark.parametrize("m, k, n, groups", [(9, 96, 40, 1), (64, 256, 64, 1), (13, 64, 40, 2),
-                                             (16, 128, 128, 4), (300, 1100, 96, 1)])
-def test_linear_bf16_many_rows_of_a_bf16_matrix(m, k, n, groups):
+                                             (16, 128, 128, 4), (300, 1100, 96, 1), (61, 64, 64, 1)])
+def test_linear_bf16_many_rows_of_a_bf16_matrix(monkeypatch, m, k, n, groups):
     """More rows than a matrix-vector product: the AVX512-BF16 product where the CPU has it (the
-    last shape spans several row chunks and inner-dimension panels), else BLAS. Either way at
-    most one bf16 step from the exact dot products, and independent of the thread count."""
+    last shapes span several work items, inner-dimension panels, and input chunks of 16 rows),
+    else BLAS. Either way at most one bf16 step from the exact dot products, and independent of
+    the thread count."""
+    monkeypatch.setattr(nm, "_WIDEN_ROWS", 16 if m == 61 else nm._WIDEN_ROWS)
     rng = np.random.default_rng(m + k)
     x = naive.naive_bf16(rng.standard_normal((m, groups * k)).astype(F32))
     w = naive.naive_bf16((rng.standard_normal((n, k)) / np.sqrt(k)).astype(F32))
@@ -554,6 +556,10 @@ def test_bf16_matrix_product_is_f32_accurate_and_falls_back_where_it_cannot_run(
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
     assert np.max(np.abs(y - exact) / scale) < 8 * 2.0 ** -24
+    # An ml_dtypes bfloat16 input is read as it is, with the same result.
+    y16 = np.full((20, 64), np.nan, F32)
+    assert nm.Bf16Matrix(w).dot_bf16(x.astype(ml_dtypes.bfloat16), y16)
+    assert_same_bits(y16, y)
     # x not bf16-valued, or an odd input width: the caller's BLAS path runs instead.
     off = x + F32(2.0 ** -12)
     assert not nm.Bf16Matrix(w).dot_bf16(off, y)
