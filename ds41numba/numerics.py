@@ -614,19 +614,6 @@ def _bf16_dot_supported() -> bool:
 BF16_DOT = _bf16_dot_supported()
 
 
-class _BFloat(ir.Type):
-    """LLVM's ``bfloat`` (llvmlite's IR builder has no type for it)."""
-
-    def _to_string(self):
-        return "bfloat"
-
-    def __eq__(self, other):
-        return isinstance(other, _BFloat)
-
-    def __hash__(self):
-        return hash("bfloat")
-
-
 @intrinsic
 def _bf16_dot_tile(typingctx, a, b, out):
     """``out[m, j] += sum_p a[m, p] . b[p, j]`` for ``m < DOT_ROWS``, ``j < DOT_LANES``.
@@ -642,8 +629,9 @@ def _bf16_dot_tile(typingctx, a, b, out):
     def codegen(context, builder, signature, args):
         i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
         v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
-        v32b = ir.VectorType(_BFloat(), 32)
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32b, v32b]),
+        # The bf16 pairs as <16 x i32>: the intrinsic's original type, which LLVMs that have
+        # since typed it <32 x bfloat> upgrade as they read the IR (llvmlite has no bfloat type).
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16i, v16i]),
                                              "llvm.x86.avx512bf16.dpbf16ps.512")
         arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
         (a_base, a_row), (b_base, b_row), (o_base, o_row) = [
@@ -673,13 +661,12 @@ def _bf16_dot_tile(typingctx, a, b, out):
         for m in range(DOT_ROWS):
             for v in range(nvec):
                 acc[m][v].add_incoming(start[m][v], entry)
-        bv = [builder.bitcast(builder.load(at(b_base, b_row, p, const(64 * v), v16i), align=4), v32b)
-              for v in range(nvec)]
+        bv = [builder.load(at(b_base, b_row, p, const(64 * v), v16i), align=4) for v in range(nvec)]
         new = []
         for m in range(DOT_ROWS):
             pair = builder.load(at(a_base, a_row, const(m), builder.mul(p, const(4)), i32), align=4)
             splat = builder.insert_element(ir.Constant(v16i, ir.Undefined), pair, ir.Constant(i32, 0))
-            splat = builder.bitcast(builder.shuffle_vector(splat, splat, ir.Constant(v16i, None)), v32b)
+            splat = builder.shuffle_vector(splat, splat, ir.Constant(v16i, None))
             new.append([builder.call(dot, [acc[m][v], bv[v], splat]) for v in range(nvec)])
         p_next = builder.add(p, const(1))
         p.add_incoming(p_next, loop)
