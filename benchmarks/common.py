@@ -454,9 +454,8 @@ def _projection_case(tokens=1024):
         from ds41numba.numerics import Bf16Matrix
 
         w = Bf16Matrix(weight_subset(20, ["wq_b.weight"])["wq_b.weight"])
-        st = {"x": _normal((tokens, k_in), 21), "w": w,
-              "out": np.empty((tokens, n_out), np.float32)}
-        return st
+        return {"x": _normal((tokens, k_in), 21), "w": w,
+                "out": np.empty((tokens, n_out), np.float32)}
 
     def run(st):
         from ds41numba.numerics import linear_bf16

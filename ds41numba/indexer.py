@@ -252,6 +252,11 @@ def _scores_bf16_kernel(qp, w, keys, clen, n_blocks, workers, out):
             _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
 
 
+def _query_pairs_size(T: int, ih: int, idim: int) -> int:
+    """uint32 elements of a tile's query heads as bf16 pairs, rows padded to DOT_ROWS."""
+    return -(-T * ih // DOT_ROWS) * DOT_ROWS * (idim // 2)
+
+
 def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                       width: int, out: np.ndarray | None = None,
                       qbuf: np.ndarray | None = None) -> np.ndarray:
@@ -260,10 +265,10 @@ def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.
     T, ih, idim = iq.shape
     out = _output(out, (T, width), "_tile_scores_bf16")
     out.fill(-np.inf)
-    rows = -(-T * ih // DOT_ROWS) * DOT_ROWS
-    if qbuf is None or qbuf.size < rows * (idim // 2):
-        qbuf = np.empty(rows * (idim // 2), np.uint32)
-    qp = qbuf[:rows * (idim // 2)].reshape(rows, idim // 2)
+    size = _query_pairs_size(T, ih, idim)
+    if qbuf is None or qbuf.size < size:
+        qbuf = np.empty(size, np.uint32)
+    qp = qbuf[:size].reshape(-1, idim // 2)
     bf16_pairs(iq.reshape(T * ih, idim), out=qp[:T * ih])
     qp[T * ih:] = 0
     n_vis = int(clen.max(initial=0))
@@ -466,8 +471,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
                 key_blocks = pack_bf16_pairs(keys)
             except ValueError:
                 raise ValueError("indexer: index_k must hold bf16 values (the fp4-quantised keys)") from None
-        qbuf = np.empty(-(-min(tile, seqlen) * cfg.n_heads // DOT_ROWS) * DOT_ROWS
-                        * (cfg.head_dim // 2), np.uint32)
+        qbuf = np.empty(_query_pairs_size(min(tile, seqlen), cfg.n_heads, cfg.head_dim), np.uint32)
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
         if s0 % proj_rows == 0:
