@@ -256,12 +256,14 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     return round_bf16_inplace(o)
 
 
-def output_projection(o: np.ndarray, wo_a, wo_b, out=None, mid=None) -> np.ndarray:
+def output_projection(o: np.ndarray, wo_a, wo_b, out=None, mid=None,
+                      ref_rows: int | None = None) -> np.ndarray:
     """Grouped low-rank output projection: ``o [S, H*hd]`` through ``wo_a``, a grouped
     :class:`Bf16Matrix` (head group g through its own block of rows), then through ``wo_b``.
     ``out`` and ``mid`` optionally take the result and the low-rank intermediate (buffers a
-    tiled loop reuses)."""
-    return linear_bf16(linear_bf16(o, wo_a, mid), wo_b, out)
+    tiled loop reuses); ``ref_rows`` is the step's length when ``o`` is one tile of it (the
+    reference's summation order depends on it, see ``linear_bf16``)."""
+    return linear_bf16(linear_bf16(o, wo_a, mid, ref_rows), wo_b, out, ref_rows)
 
 
 def _default_tile(seqlen: int) -> int:
@@ -382,7 +384,7 @@ def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capt
     for s0 in range(0, seqlen, step):
         s1 = min(seqlen, s0 + step)
         n = s1 - s0
-        q = linear_bf16(qr[s0:s1], weights.wq_b, out=q_buf[:n]).reshape(n, H, hd)
+        q = linear_bf16(qr[s0:s1], weights.wq_b, out=q_buf[:n], ref_rows=seqlen).reshape(n, H, hd)
         q = apply_rotary(q, positions[s0:s1], table, inplace=True)
         o = sparse_attn(q, kv_rows, idx[s0:s1], weights.attn_sink, hd ** -0.5, out=o_buf[:n])
         if capture:
@@ -390,7 +392,7 @@ def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capt
             o_cap[s0:s1] = o
         o = apply_rotary(o, positions[s0:s1], table, inverse=True, inplace=True)
         output_projection(o.reshape(n, H * hd), weights.wo_a, weights.wo_b, out=out[s0:s1],
-                          mid=mid_buf[:n])
+                          mid=mid_buf[:n], ref_rows=seqlen)
     if not capture:
         return CompAttnRun(out=out)
     return CompAttnRun(out=out, q=q_cap, kv_rows=np.concatenate(kv_rows), idx=idx,

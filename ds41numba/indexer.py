@@ -476,7 +476,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         s1 = min(seqlen, s0 + tile)
         if s0 % proj_rows == 0:
             p1 = min(seqlen, s0 + proj_rows)
-            iq_rows = linear_bf16(qr[s0:p1], weights.wq_b, out=iq_buf[:p1 - s0])
+            iq_rows = linear_bf16(qr[s0:p1], weights.wq_b, out=iq_buf[:p1 - s0], ref_rows=seqlen)
             iq_rows = iq_rows.reshape(p1 - s0, cfg.n_heads, cfg.head_dim)
             iq_rows = fp4_quant_e8m0_inplace(apply_rotary(iq_rows, positions[s0:p1], table, inplace=True))
         iq = iq_rows[s0 % proj_rows:s0 % proj_rows + s1 - s0]

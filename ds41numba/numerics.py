@@ -48,6 +48,7 @@ __all__ = [
     "linear_f32",
     "Bf16Matrix",
     "MATVEC_MAX_ROWS",
+    "bf16_k_block",
     "rms_norm",
     "torch_sum_f32",
     "SUM_LANES",
@@ -499,14 +500,17 @@ def linear_f32(x, w, out=None):
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
-def linear_bf16(x, w, out=None):
+def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     """bf16 linear: ``x @ w.T`` (w holds bf16 values) summed in f32, rounded to bf16 once.
 
     x is ``[..., in]``; w is ``[out, in]``, a float32 array or a :class:`Bf16Matrix` (which may
-    be grouped: see there). A large :class:`Bf16Matrix` times at most ``MATVEC_MAX_ROWS`` rows (a
-    decode step) goes through the fused kernel that reads the weight as bf16 bits, half the
-    bytes; more rows of bf16 values go through the AVX512-BF16 kernel where the CPU has it
-    (:attr:`Bf16Matrix.dot_bf16`), else through numpy's f32 BLAS, as does a plain float32 ``w``.
+    be grouped: see there). With a :class:`Bf16Matrix` the sums follow the reference's order
+    (:func:`bf16_k_block`) for a call of ``ref_rows`` rows (default: the rows of x; a tiled
+    loop passes the length of the whole step): at most ``MATVEC_MAX_ROWS`` rows (a decode step)
+    through the kernel that reads the weight as bf16 bits, more rows of bf16 values through the
+    AVX512-BF16 kernel where the CPU has it (:attr:`Bf16Matrix.dot_bf16`). Elsewhere, and for a
+    plain float32 ``w``, numpy's f32 BLAS sums in its own order: exact to the reference for
+    K <= 512 only up to the last bit, approximate beyond (README, "How exact").
     Returns ``[..., out]``, written into ``out`` (a C-contiguous float32 buffer) when given.
     """
     if not isinstance(w, Bf16Matrix):
@@ -517,15 +521,15 @@ def linear_bf16(x, w, out=None):
                          f"{w.in_features} inputs")
     rows = x.size // max(x.shape[-1], 1)
     shape = x.shape[:-1] + (w.f32.shape[0],)
-    if 0 < rows <= MATVEC_MAX_ROWS and w.f32.size >= _MATVEC_MIN_SIZE:
+    if 0 < rows <= MATVEC_MAX_ROWS:
         if out is None:
-            return w.matvec(x)
+            return w.matvec(x, ref_rows)
         y = _output(out, shape, "linear_bf16")
-        y[...] = w.matvec(x)
+        y[...] = w.matvec(x, ref_rows)
         return y
-    if BF16_DOT and rows > MATVEC_MAX_ROWS:
+    if BF16_DOT:
         y = _output(out, (rows, w.f32.shape[0]), "linear_bf16")
-        if w.dot_bf16(x.reshape(rows, w.in_features), y):
+        if w.dot_bf16(x.reshape(rows, w.in_features), y, ref_rows):
             return round_bf16_inplace(y).reshape(shape)
     if w.groups == 1:
         return round_bf16_inplace(linear_f32(x, w.f32, out))
@@ -684,6 +688,21 @@ def _bf16_dot_tile(typingctx, a, b, out):
     return sig, codegen
 
 
+def bf16_k_block(ref_rows: int, k: int) -> int:
+    """How many inner-dimension elements the reference's bf16 linear sums in one run.
+
+    torch's CPU bf16 linear (oneDNN's brgemm on AVX512-BF16) splits K into runs, sums each
+    from zero with ``vdpbf16ps`` (each pair as ``(acc + p[2i+1]) + p[2i]``) and adds the run
+    sums in order (../shared/orders/README.md, measured on the reference's machine):
+    K <= 512 one run; one row (every decode step) runs of 512; two or more rows runs of 512 up
+    to K = 1024 and of 1024 above. ``ref_rows`` is the number of rows the *reference* multiplies
+    in that call (a prefill's length, 1 at decode), not the rows of a tile of ours.
+    """
+    if k <= 512:
+        return k
+    return 512 if ref_rows == 1 or k <= 1024 else 1024
+
+
 # A product of many rows runs in work items of _GEMM_ROWS rows by one block of DOT_LANES
 # columns, over the inner dimension _GEMM_PAIRS pairs at a time: that slice of B (32 KB) stays
 # in L1 while every row group of the item passes over it.
@@ -692,14 +711,16 @@ _GEMM_PAIRS = 256
 
 
 @njit(parallel=True, cache=True)
-def _gemm_bf16_kernel(a, b, out, groups):
+def _gemm_bf16_kernel(a, b, out, groups, block_pairs):
     """``out = a . b`` for every block of columns: ``a [M, groups * P]`` (M a multiple of
     DOT_ROWS), ``b [blocks, P, DOT_LANES]``, ``out [M, blocks * DOT_LANES]`` float32.
 
     The blocks split evenly into ``groups``; block j belongs to group ``g = j // (blocks /
-    groups)`` and reads the pairs ``g*P .. (g+1)*P`` of A (the grouped projection). Every
-    output is summed whole by one work item, in p order: the result does not depend on the
-    thread count.
+    groups)`` and reads the pairs ``g*P .. (g+1)*P`` of A (the grouped projection). The inner
+    dimension is summed in the reference's order (:func:`bf16_k_block`): runs of
+    ``block_pairs`` pairs (a multiple of ``_GEMM_PAIRS``, or >= P for one run), each from zero,
+    added to the output in order. Every output is summed whole by one work item: the result
+    does not depend on the thread count.
     """
     M = a.shape[0]
     n_blocks, P = b.shape[0], b.shape[1]
@@ -711,12 +732,22 @@ def _gemm_bf16_kernel(a, b, out, groups):
         r0, r1 = i * _GEMM_ROWS, min(M, (i + 1) * _GEMM_ROWS)
         o = out[r0:r1, j * DOT_LANES:(j + 1) * DOT_LANES]
         o[:] = 0
+        # The first run sums straight into the output; later runs into a tile of their own.
+        run = np.empty((r1 - r0 if P > block_pairs else 0, DOT_LANES), np.float32)
         a_rows = a[r0:r1, g * P:(g + 1) * P]
         for k0 in range(0, P, _GEMM_PAIRS):
-            b_panel = b[j, k0:k0 + _GEMM_PAIRS]
+            k1 = min(P, k0 + _GEMM_PAIRS)
+            later = k0 >= block_pairs
+            starts = later and k0 % block_pairs == 0
+            ends = later and (k1 == P or k1 % block_pairs == 0)
+            b_panel = b[j, k0:k1]
             for r in range(0, r1 - r0, DOT_ROWS):
-                _bf16_dot_tile(a_rows[r:r + DOT_ROWS, k0:k0 + _GEMM_PAIRS], b_panel,
-                               o[r:r + DOT_ROWS])
+                t = run[r:r + DOT_ROWS] if later else o[r:r + DOT_ROWS]
+                if starts:
+                    t[:] = 0
+                _bf16_dot_tile(a_rows[r:r + DOT_ROWS, k0:k1], b_panel, t)
+                if ends:
+                    o[r:r + DOT_ROWS] += t
 
 
 @njit(cache=True)
@@ -812,8 +843,6 @@ def pack_bf16_pairs(x: np.ndarray, out: np.ndarray | None = None, first: int = 0
 _MV_BLOCK = 64
 #: At most this many input rows take the fused bf16-bits kernel; more go through BLAS.
 MATVEC_MAX_ROWS = 8
-# Smaller weights are cheap to read whatever their format: BLAS, without a parallel launch.
-_MATVEC_MIN_SIZE = 1 << 20
 
 
 @njit(cache=True)
@@ -823,43 +852,65 @@ def _widen(bits):
 
 
 @njit(parallel=True, cache=True)
-def _matvec_bf16_kernel(x, bits, out, groups):
+def _matvec_bf16_kernel(x, bits, out, groups, block):
     """``out = bf16(x @ W.T)`` for W packed as bf16 bits ``[blocks, in, _MV_BLOCK]``.
 
     The blocks split evenly into ``groups``; block b belongs to group ``g = b // (blocks /
     groups)``, reads inputs ``x[:, g*in : (g+1)*in]`` and writes outputs ``g*rank + ...``
     (``rank = out.shape[1] / groups``); padding rows of a group's last block are dropped. Each
-    output adds its products in input order; 4 inputs per pass keep the accumulator in a register
-    (measured faster here than 2 or 8: enough work per load of the accumulators, few enough
-    weight rows in flight).
+    output adds its products in the reference's order: runs of ``block`` inputs (even, see
+    :func:`bf16_k_block`) each from zero, every pair as ``(acc + p[2i+1]) + p[2i]``, run sums
+    added in order. Two pairs per pass keep the accumulator in a register (measured faster
+    here than one or four: enough work per load of the accumulators, few enough weight rows
+    in flight).
     """
     m = x.shape[0]
     k_in = bits.shape[1]
     per_group = bits.shape[0] // groups
     rank = out.shape[1] // groups
-    k4 = k_in - k_in % 4
     for b in prange(bits.shape[0]):
         g = b // per_group
         x0_col = g * k_in
         acc = np.zeros((m, _MV_BLOCK), np.float32)
+        part = np.empty(_MV_BLOCK, np.float32)
         for i in range(m):
             xi = x[i, x0_col:x0_col + k_in]
-            for k in range(0, k4, 4):
-                x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
-                for j in range(_MV_BLOCK):
-                    a = acc[i, j]
-                    a += x0 * _widen(bits[b, k, j])
-                    a += x1 * _widen(bits[b, k + 1, j])
-                    a += x2 * _widen(bits[b, k + 2, j])
-                    a += x3 * _widen(bits[b, k + 3, j])
-                    acc[i, j] = a
-            for k in range(k4, k_in):
-                for j in range(_MV_BLOCK):
-                    acc[i, j] += xi[k] * _widen(bits[b, k, j])
+            for k0 in range(0, k_in, block):
+                k1 = min(k_in, k0 + block)
+                # The first run sums straight into the output row, later ones from zero apart.
+                run = acc[i] if k0 == 0 else part
+                if k0:
+                    run[:] = 0
+                k4 = k0 + (k1 - k0) // 4 * 4
+                for k in range(k0, k4, 4):
+                    x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
+                    for j in range(_MV_BLOCK):
+                        a = run[j]
+                        a = (a + x1 * _widen(bits[b, k + 1, j])) + x0 * _widen(bits[b, k, j])
+                        a = (a + x3 * _widen(bits[b, k + 3, j])) + x2 * _widen(bits[b, k + 2, j])
+                        run[j] = a
+                if k1 - k4 >= 2:
+                    x0, x1 = xi[k4], xi[k4 + 1]
+                    for j in range(_MV_BLOCK):
+                        run[j] = (run[j] + x1 * _widen(bits[b, k4 + 1, j])) + x0 * _widen(bits[b, k4, j])
+                if (k1 - k4) % 2:
+                    for j in range(_MV_BLOCK):
+                        run[j] += xi[k1 - 1] * _widen(bits[b, k1 - 1, j])
+                if k0:
+                    for j in range(_MV_BLOCK):
+                        acc[i, j] += part[j]
         first = (b - g * per_group) * _MV_BLOCK
         for i in range(m):
             for j in range(min(_MV_BLOCK, rank - first)):
                 out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
+
+
+def _even_width(x):
+    """``x [n, d]`` with a zero column appended when d is odd: the kernels take pairs, and a last
+    pair ``(p, 0)`` adds ``p`` alone, which is the reference's order for an odd K."""
+    if x.shape[1] % 2 == 0:
+        return x
+    return np.concatenate([x, np.zeros((x.shape[0], 1), x.dtype)], axis=1)
 
 
 class Bf16Matrix:
@@ -912,30 +963,33 @@ class Bf16Matrix:
             n_out, k_in = self.f32.shape
             rank = n_out // self.groups
             nb = -(-rank // DOT_LANES)
-            self._pairs = np.zeros((self.groups * nb, k_in // 2, DOT_LANES), np.uint32)
+            self._pairs = np.zeros((self.groups * nb, -(-k_in // 2), DOT_LANES), np.uint32)
             for g in range(self.groups):
-                pack_bf16_pairs(self.f32[g * rank:(g + 1) * rank], self._pairs[g * nb:(g + 1) * nb])
+                pack_bf16_pairs(_even_width(self.f32[g * rank:(g + 1) * rank]),
+                                self._pairs[g * nb:(g + 1) * nb])
         return self._pairs
 
-    def dot_bf16(self, x, out) -> bool:
+    def dot_bf16(self, x, out, ref_rows: int | None = None) -> bool:
         """``out = x @ w.T`` in f32 (not rounded) on AVX512-BF16, for rows ``x [m, in_features]``
         of bf16 values (float32 or ``ml_dtypes.bfloat16``): the products are exact and each output
-        sums them in input order, as BLAS would, at nearly twice the f32 rate. Returns False where
-        it cannot run (no AVX512-BF16, an odd input width, x not bf16-valued; ``out`` may then be
-        partly written): use BLAS instead.
+        sums them in the reference's order for a call of ``ref_rows`` rows (default ``m``; see
+        :func:`bf16_k_block`), at nearly twice the f32 rate. Returns False where it cannot run
+        (no AVX512-BF16, x not bf16-valued; ``out`` may then be partly
+        written): use BLAS instead.
 
         Rows run ``_WIDEN_ROWS`` at a time, so the operand copy of a long input stays small. The
         weight is packed on the first call (a second copy, half the f32 weight's size).
         """
         k_in = self.f32.shape[1]
-        if not BF16_DOT or k_in % 2:
+        if not BF16_DOT:
             return False
         x = np.ascontiguousarray(x)
         m, n_out = x.shape[0], self.f32.shape[0]
         rank = n_out // self.groups
         b = self._packed_pairs()
+        block_pairs = bf16_k_block(m if ref_rows is None else ref_rows, k_in) // 2
         for r0 in range(0, m, _WIDEN_ROWS):
-            chunk = x[r0:r0 + _WIDEN_ROWS]
+            chunk = _even_width(x[r0:r0 + _WIDEN_ROWS])
             n = chunk.shape[0]
             rows = -(-n // DOT_ROWS) * DOT_ROWS
             if x.dtype.name == "bfloat16":          # already pairs of bf16, in memory order
@@ -943,23 +997,26 @@ class Bf16Matrix:
                 if rows != n:
                     a = np.concatenate([a, np.zeros((rows - n, a.shape[1]), np.uint32)])
             else:
-                a = (np.zeros if rows != n else np.empty)((rows, x.shape[1] // 2), np.uint32)
+                a = (np.zeros if rows != n else np.empty)((rows, chunk.shape[1] // 2), np.uint32)
                 if _pairs_kernel(np.ascontiguousarray(chunk, np.float32).view(np.uint32), a[:n]):
                     return False
             y = out[r0:r0 + n]
             if rows == n and rank % DOT_LANES == 0 and y.flags.c_contiguous:
-                _gemm_bf16_kernel(a, b, y, self.groups)
+                _gemm_bf16_kernel(a, b, y, self.groups, block_pairs)
             else:
                 padded = np.empty((rows, b.shape[0] * DOT_LANES), np.float32)
-                _gemm_bf16_kernel(a, b, padded, self.groups)
+                _gemm_bf16_kernel(a, b, padded, self.groups, block_pairs)
                 y[...] = padded[:n].reshape(n, self.groups, -1)[:, :, :rank].reshape(n, n_out)
         return True
 
-    def matvec(self, x):
-        """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the bf16 bits."""
+    def matvec(self, x, ref_rows: int | None = None):
+        """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the bf16 bits, summed
+        in the reference's order for a call of ``ref_rows`` rows (default: the rows of x)."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
         out = np.empty((x2.shape[0], self.f32.shape[0]), np.float32)
-        _matvec_bf16_kernel(x2, self._packed(), out, self.groups)
+        k_in = self.f32.shape[1]
+        block = bf16_k_block(x2.shape[0] if ref_rows is None else ref_rows, k_in)
+        _matvec_bf16_kernel(x2, self._packed(), out, self.groups, block + block % 2)
         return out.reshape(x.shape[:-1] + (self.f32.shape[0],))
 
 

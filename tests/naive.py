@@ -748,3 +748,33 @@ def naive_output_projection(o, wo_a, wo_b, groups):
                                        wo_a[g * rank:(g + 1) * rank]))
         out.append(_ac_linear_bf16(_ac_np.array(mid, _ac_f32), wo_b))
     return _ac_np.array(out, _ac_f32).reshape(S, wo_b.shape[0])
+
+
+# ---------------------------------------------------------------------- the reference's bf16 order
+
+def naive_bf16_k_block(ref_rows, k):
+    """The reference's run length over K (../shared/orders/README.md, Q2)."""
+    if k <= 512:
+        return k
+    return 512 if ref_rows == 1 or k <= 1024 else 1024
+
+
+def naive_linear_bf16_ordered(x, w, ref_rows=None):
+    """bf16 linear summed as torch's CPU bf16 linear does: K in runs (naive_bf16_k_block), each
+    run from zero taking pair i as ``(acc + p[2i+1]) + p[2i]`` (a last odd product alone), run
+    sums added in order, then one bf16 rounding. Literal and slow: one f32 add at a time."""
+    x = _nr_np.asarray(x, _nr_f32).reshape(-1, _nr_np.shape(w)[1])
+    w = _nr_np.asarray(w, _nr_f32)
+    k = x.shape[1]
+    p = x[:, None, :] * w[None, :, :]               # exact: a bf16 x bf16 product fits in f32
+    run = naive_bf16_k_block(x.shape[0] if ref_rows is None else ref_rows, k)
+    total = None
+    for a in range(0, k, run):
+        acc = _nr_np.zeros(p.shape[:2], _nr_f32)
+        b = min(k, a + run)
+        for i in range(a, b - 1, 2):
+            acc = (acc + p[:, :, i + 1]) + p[:, :, i]
+        if (b - a) % 2:
+            acc = acc + p[:, :, b - 1]
+        total = acc if total is None else total + acc
+    return naive_bf16(total)

@@ -560,13 +560,67 @@ def test_bf16_matrix_product_is_f32_accurate_and_falls_back_where_it_cannot_run(
     y16 = np.full((20, 64), np.nan, F32)
     assert nm.Bf16Matrix(w).dot_bf16(x.astype(ml_dtypes.bfloat16), y16)
     assert_same_bits(y16, y)
-    # x not bf16-valued, or an odd input width: the caller's BLAS path runs instead.
+    # x not bf16-valued: the caller's BLAS path runs instead.
     off = x + F32(2.0 ** -12)
     assert not nm.Bf16Matrix(w).dot_bf16(off, y)
     assert_same_bits(nm.linear_bf16(off, nm.Bf16Matrix(w)), naive.naive_bf16(off @ w.T))
-    assert not nm.Bf16Matrix(w[:, :511]).dot_bf16(x[:, :511], y)
-    assert_same_bits(nm.linear_bf16(x[:, :511], nm.Bf16Matrix(w[:, :511])),
-                     naive.naive_bf16(x[:, :511] @ w[:, :511].T))
+    # An odd input width runs too, its last product added alone.
+    assert nm.Bf16Matrix(w[:, :511]).dot_bf16(x[:, :511], y)
+    assert_same_bits(naive.naive_bf16(y), naive.naive_linear_bf16_ordered(x[:, :511], w[:, :511]))
+
+
+# ------------------------------------------------------------- the reference's bf16 summation order
+
+LINEAR_CASES = os.path.join(os.path.dirname(__file__), "data", "linear_cases.npz")
+
+
+def _linear_cases(kind):
+    data = np.load(LINEAR_CASES)
+    for name in data["cases"]:
+        if name.startswith(kind + "."):
+            m, k, n = (int(v[1:]) for v in name.split(".")[1:])
+            yield str(name), data["x"][:m, :k], data["w"][:n, :k], data[name]
+
+
+def test_bf16_k_block_is_the_measured_rule():
+    assert [nm.bf16_k_block(1, k) for k in (128, 512, 513, 1024, 5120)] == [128, 512, 512, 512, 512]
+    assert [nm.bf16_k_block(2, k) for k in (512, 513, 1024, 1025, 8192)] == [512, 512, 512, 1024, 1024]
+    for m, k in [(1, 4096), (7, 640), (300, 8192), (2, 1280)]:
+        assert nm.bf16_k_block(m, k) == naive.naive_bf16_k_block(m, k)
+
+
+def test_every_bf16_linear_case_of_the_reference_is_bit_exact():
+    """Every ``y.*`` case of the reference's bf16 F.linear at production inner dimensions (K up to
+    8192, with 513): bit for bit. Rows up to MATVEC_MAX_ROWS take the bf16-bits kernel on every
+    CPU; more rows need the AVX512-BF16 kernel (on BLAS they are approximate, README)."""
+    checked = 0
+    for name, x, w, want in _linear_cases("y"):
+        if x.shape[0] > nm.MATVEC_MAX_ROWS and not nm.BF16_DOT:
+            continue
+        got = nm.linear_bf16(x, nm.Bf16Matrix(np.ascontiguousarray(w)))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+        checked += 1
+    assert checked == (100 if nm.BF16_DOT else 60)
+
+
+@pytest.mark.parametrize("m, k, n, groups, ref_rows", [
+    (1, 1280, 70, 1, None), (3, 1025, 64, 1, None), (1, 2048, 64, 2, None), (5, 3000, 40, 1, 2048),
+    (20, 1536, 64, 1, None), (20, 2050, 96, 2, None), (9, 1100, 64, 1, 1), (40, 777, 64, 1, None)])
+def test_linear_bf16_follows_the_reference_order(m, k, n, groups, ref_rows):
+    """Against the literal emulation, for both kernels (few rows / many rows), grouped, odd K, and
+    a tile of rows summed in the order of a call of ``ref_rows`` rows (a tiled prefill)."""
+    rng = np.random.default_rng(m * k + n)
+    x = naive.naive_bf16(rng.standard_normal((m, groups * k)).astype(F32))
+    w = naive.naive_bf16((rng.standard_normal((n, k)) / np.sqrt(k)).astype(F32))
+    rank = n // groups
+    want = np.concatenate([naive.naive_linear_bf16_ordered(
+        x[:, g * k:(g + 1) * k], w[g * rank:(g + 1) * rank], ref_rows or m) for g in range(groups)], axis=1)
+    got = nm.linear_bf16(x, nm.Bf16Matrix(w, groups=groups), ref_rows=ref_rows)
+    if m > nm.MATVEC_MAX_ROWS and not nm.BF16_DOT:
+        assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 1e-30)
+    else:
+        assert_same_bits(got, want)
+
 
 def test_bf16_pair_layouts():
     rng = np.random.default_rng(42)
@@ -654,7 +708,7 @@ def test_rms_norm_validation():
 
 
 def golden_files():
-    return sorted(p for p in glob.glob(os.path.join(DATA, "*.npz")) if "topk" not in p)
+    return sorted(p for p in glob.glob(os.path.join(DATA, "*.npz")) if "topk" not in p and "linear" not in p)
 
 
 @pytest.mark.parametrize("path", golden_files(), ids=os.path.basename)
