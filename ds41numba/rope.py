@@ -90,9 +90,11 @@ def _table_rows(freqs, cos, sin, lo, hi):
         fp = np.float32(p)
         for k in range(freqs.shape[0]):
             a = fp * freqs[k]  # the f32 angle
-            # cos/sin of the f32 angle evaluated in float64 and rounded once to f32.
-            cos[p, k] = np.float32(np.cos(np.float64(a)))
-            sin[p, k] = np.float32(np.sin(np.float64(a)))
+            # The reference's torch.polar calls the C library's single-precision cosf/sinf, which
+            # are not correctly rounded (glibc's are off by one ulp in ~2% of this table, e.g.
+            # position 1228 of the v41-flash table): math.cos of an f32 calls the same cosf.
+            cos[p, k] = math.cos(a)
+            sin[p, k] = math.sin(a)
 
 
 @njit(parallel=True, cache=True)

@@ -205,6 +205,8 @@ def topk_value_multiset(vals, k):
 # written after the reference's torch code, the rotation in explicit f32 real arithmetic. (numpy's own
 # complex64 product fuses a*c - b*d into an FMA, which the reference's complex multiply does not.)
 
+import ctypes as _nr_ctypes
+import ctypes.util as _nr_ctypes_util
 import math as _nr_math
 
 import ml_dtypes as _nr_md
@@ -349,8 +351,19 @@ def naive_yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast,
         freqs = freqs / f32(factor) * (f32(1) - smooth) + freqs * smooth
     angle = _nr_np.outer(_nr_np.arange(seqlen).astype(f32), freqs)
     assert angle.dtype == f32
-    return (_nr_np.cos(angle.astype(_nr_np.float64)).astype(f32),
-            _nr_np.sin(angle.astype(_nr_np.float64)).astype(f32))
+    # torch.polar: the C library's cosf / sinf of each f32 angle, called one by one.
+    cosf, sinf = naive_libm_cosf_sinf()
+    flat = angle.reshape(-1).tolist()
+    return (_nr_np.array([cosf(a) for a in flat], f32).reshape(angle.shape),
+            _nr_np.array([sinf(a) for a in flat], f32).reshape(angle.shape))
+
+
+def naive_libm_cosf_sinf():
+    """The C library's single-precision cosf and sinf, through ctypes."""
+    libm = _nr_ctypes.CDLL(_nr_ctypes_util.find_library("m") or "libm.so.6")
+    for fn in (libm.cosf, libm.sinf):
+        fn.argtypes, fn.restype = [_nr_ctypes.c_float], _nr_ctypes.c_float
+    return libm.cosf, libm.sinf
 
 
 def naive_fma_f32(a, b, c):

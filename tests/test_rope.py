@@ -45,6 +45,19 @@ def test_table_matches_naive(case):
     assert same_bits(cos, ncos) and same_bits(sin, nsin)
 
 
+def test_table_is_the_c_librarys_cosf_not_the_correctly_rounded_cosine():
+    """The reference's table (torch.polar) holds cosf/sinf of the f32 angles, which differ from
+    the correctly rounded values by an ulp here and there: v41-flash's table at position 1228,
+    frequency 2, is one of them, and it decides bits of layer 20's output (README, "How exact")."""
+    cos, sin = rope.yarn_freqs_cis(64, 2048, 65536, 160000.0, 16.0, 32, 1)
+    cosf, sinf = naive.naive_libm_cosf_sinf()
+    freqs = rope._inv_freqs(64, 65536, 160000.0, 16.0, 32, 1)
+    a = F32(F32(1228) * freqs[2])
+    assert cos[1228, 2] == F32(cosf(float(a))) and sin[1228, 2] == F32(sinf(float(a)))
+    rounded = (F32(np.cos(np.float64(a))), F32(np.sin(np.float64(a))))
+    assert (cos[1228, 2], sin[1228, 2]) != rounded
+
+
 def test_table_rows_do_not_depend_on_length():
     long = rope.yarn_freqs_cis(64, 50_000, 65536, 160000.0, 16.0, 32, 1)
     short = rope.yarn_freqs_cis(64, 37, 65536, 160000.0, 16.0, 32, 1)
