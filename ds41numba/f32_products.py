@@ -609,6 +609,7 @@ def matmul_nn_f32_ordered(x, v, out=None):
     v = _as_f32(v, f"{name}: v")
     if v.ndim != 2:
         raise ValueError(f"{name}: v must be 2-D [K, N], got shape {v.shape}")
+    v = _rows_contiguous(v)
     k, n = v.shape
     x2 = _check_x(x, k, name)
     m = x2.shape[0]
