@@ -50,15 +50,16 @@ __all__ = [
 
 #: The reference's block of the inner dimension in its main kernel.
 KC = 192
-#: Rows of x one micro-kernel call multiplies: 8 x 2 vector accumulators, 16 of the 32 zmm
-#: registers (12 rows spilled: LLVM hoists all the broadcasts of a step).
-TILE_ROWS = 8
+#: Rows of x one micro-kernel call multiplies: 10 x 2 vector accumulators, the two vectors of w
+#: and the 10 broadcasts of x fill the 32 zmm registers (12 rows spilled accumulators: LLVM
+#: hoists all of a step's broadcasts).
+TILE_ROWS = 10
 #: Output columns one micro-kernel call multiplies: two 16-lane vectors.
 TILE_LANES = 32
 _NV = TILE_LANES // 16
 
-# Rows of one work item of the blocked kernel: its x block of KC columns (48 KB) and the output
-# rows it updates (128 KB for 512 columns) stay in L2 while the item passes over all of w's
+# Rows of one work item of the blocked kernel: its x block of KC columns (60 KB) and the output
+# rows it updates (160 KB for 512 columns) stay in L2 while the item passes over all of w's
 # panels; a panel's block (24 KB) stays in L1 while the item's rows pass over it.
 _CHUNK_ROWS = 8 * TILE_ROWS
 # Below this many row chunks, the blocked kernel's work items also split the columns.
@@ -328,87 +329,124 @@ def _tiles(x, panel, o, k0, k1, first):
         _fma_tile(x[r:r1, k0:k1], panel, o[r:r1], first)
 
 
-@njit(parallel=True, cache=True)
-def _blocked_kernel(x, wp, out, rows, n_out, col_groups):
-    """``out[:rows] = x[:rows] . w.T`` in the blocked kernel's order; ``wp`` is w packed by
-    :func:`pack_columns`, ``out [>= rows, n_out]``. Work items are chunks of rows by groups of
-    column panels; each output is summed whole by one item."""
+@njit(cache=True)
+def _blocked_item(x, wp, out, rows, n_out, col_groups, item):
+    """Work item ``item`` of ``out[:rows] = x[:rows] . w.T`` in the blocked kernel's order: a
+    chunk of rows by a group of column panels (``wp`` is w packed by :func:`pack_columns`,
+    ``out [>= rows, n_out]``). Every output is summed whole by one item."""
     n_panels, K = wp.shape[0], wp.shape[1]
     per_group = (n_panels + col_groups - 1) // col_groups
-    n_chunks = (rows + _CHUNK_ROWS - 1) // _CHUNK_ROWS
-    for item in prange(n_chunks * col_groups):
-        i, g = item // col_groups, item % col_groups
-        r0, r1 = i * _CHUNK_ROWS, min(rows, (i + 1) * _CHUNK_ROWS)
-        j0, j1 = g * per_group, min(n_panels, (g + 1) * per_group)
-        xs = x[r0:r1]
-        ragged = j1 * TILE_LANES > n_out     # this item holds the last, partial panel
-        scratch = np.empty((r1 - r0, TILE_LANES), np.float32)
-        for k0 in range(0, K, KC):
-            k1 = min(K, k0 + KC)
-            first = k0 == 0
-            for j in range(j0, j1):
-                panel = wp[j, k0:k1]
-                c0 = j * TILE_LANES
-                if c0 + TILE_LANES <= n_out:
-                    _tiles(xs, panel, out[r0:r1, c0:c0 + TILE_LANES], k0, k1, first)
-                else:
-                    _tiles(xs, panel, scratch, k0, k1, first)
-        if ragged:
-            c0 = (j1 - 1) * TILE_LANES
-            out[r0:r1, c0:n_out] = scratch[:, :n_out - c0]
+    i, g = item // col_groups, item % col_groups
+    r0, r1 = i * _CHUNK_ROWS, min(rows, (i + 1) * _CHUNK_ROWS)
+    j0, j1 = g * per_group, min(n_panels, (g + 1) * per_group)
+    xs = x[r0:r1]
+    ragged = j1 * TILE_LANES > n_out     # this item holds the last, partial panel
+    scratch = np.empty((r1 - r0, TILE_LANES), np.float32)
+    for k0 in range(0, K, KC):
+        k1 = min(K, k0 + KC)
+        first = k0 == 0
+        for j in range(j0, j1):
+            panel = wp[j, k0:k1]
+            c0 = j * TILE_LANES
+            if c0 + TILE_LANES <= n_out:
+                _tiles(xs, panel, out[r0:r1, c0:c0 + TILE_LANES], k0, k1, first)
+            else:
+                _tiles(xs, panel, scratch, k0, k1, first)
+    if ragged:
+        c0 = (j1 - 1) * TILE_LANES
+        out[r0:r1, c0:n_out] = scratch[:, :n_out - c0]
 
 
-@njit(parallel=True, cache=True)
-def _small_kernel(x, wp, out, first_row, peels, n_out):
-    """Rows ``first_row ..`` of ``out = x . w.T`` in the small kernel's order (products rounded,
-    no FMA), row r with ``peels[r - first_row]``; ``wp`` packed by :func:`pack_columns`."""
-    n_panels, K = wp.shape[0], wp.shape[1]
-    for j in prange(n_panels):
-        panel = wp[j]
-        c0 = j * TILE_LANES
-        nc = min(TILE_LANES, n_out - c0)
-        lane0 = np.empty(TILE_LANES, np.float32)
-        res = np.empty(TILE_LANES, np.float32)
-        for r in range(first_row, x.shape[0]):
-            xr = x[r]
-            peel = min(peels[r - first_row], K)
-            lane0[:] = 0
-            for k in range(peel):
-                xk = xr[k]
-                for t in range(TILE_LANES):
-                    lane0[t] += xk * panel[k, t]
-            k1 = peel + 4 * ((K - peel) // 4)
-            _lanes_tile(xr[peel:k1], panel[peel:k1], lane0, res)
-            for k in range(k1, K):
-                xk = xr[k]
-                for t in range(TILE_LANES):
-                    res[t] += xk * panel[k, t]
-            out[r, c0:c0 + nc] = res[:nc]
+@njit(cache=True)
+def _small_item(x, wp, out, first_row, peels, n_out, j):
+    """Panel j of rows ``first_row ..`` of ``out = x . w.T`` in the small kernel's order
+    (products rounded, no FMA), row r with ``peels[r - first_row]``."""
+    K = wp.shape[1]
+    panel = wp[j]
+    c0 = j * TILE_LANES
+    nc = min(TILE_LANES, n_out - c0)
+    lane0 = np.empty(TILE_LANES, np.float32)
+    res = np.empty(TILE_LANES, np.float32)
+    for r in range(first_row, x.shape[0]):
+        xr = x[r]
+        peel = min(peels[r - first_row], K)
+        lane0[:] = 0
+        for k in range(peel):
+            xk = xr[k]
+            for t in range(TILE_LANES):
+                lane0[t] += xk * panel[k, t]
+        k1 = peel + 4 * ((K - peel) // 4)
+        _lanes_tile(xr[peel:k1], panel[peel:k1], lane0, res)
+        for k in range(k1, K):
+            xk = xr[k]
+            for t in range(TILE_LANES):
+                res[t] += xk * panel[k, t]
+        out[r, c0:c0 + nc] = res[:nc]
 
 
-@njit(parallel=True, cache=True)
-def _chain_kernel(x, v, out, first_row):
-    """Rows ``first_row ..`` of ``out = x . v`` (``v [K, N]``) as one sequential chain over K
-    per output, products rounded (no FMA)."""
+@njit(cache=True)
+def _chain_item(x, v, out, first_row, j):
+    """Columns ``j*_CHAIN_LANES ..`` of rows ``first_row ..`` of ``out = x . v`` (``v [K, N]``):
+    one sequential chain over K per output, products rounded (no FMA)."""
     K, N = v.shape
     rows = x.shape[0]
-    n_items = (N + _CHAIN_LANES - 1) // _CHAIN_LANES
+    c0 = j * _CHAIN_LANES
+    c1 = min(N, c0 + _CHAIN_LANES)
+    if c1 - c0 == _CHAIN_LANES:
+        for r in range(first_row, rows, _CHAIN_ROWS):
+            r1 = min(rows, r + _CHAIN_ROWS)
+            _chain_tile(x[r:r1], v[:, c0:c1], out[r:r1, c0:c1])
+    else:
+        acc = np.empty(c1 - c0, np.float32)
+        for r in range(first_row, rows):
+            acc[:] = 0
+            for k in range(K):
+                xk = x[r, k]
+                for t in range(c1 - c0):
+                    acc[t] += xk * v[k, c0 + t]
+            out[r, c0:c1] = acc
+
+
+# Each kernel has a parallel and a serial driver over the same work items: below
+# _PARALLEL_MIN_MACS multiply-adds, waking numba's workers costs more than the work (tens of us,
+# more on a busy machine). The items do not depend on which thread runs them.
+_PARALLEL_MIN_MACS = 1 << 18
+
+
+@njit(parallel=True, cache=True)
+def _blocked_parallel(x, wp, out, rows, n_out, col_groups, n_items):
+    for item in prange(n_items):
+        _blocked_item(x, wp, out, rows, n_out, col_groups, item)
+
+
+@njit(cache=True)
+def _blocked_serial(x, wp, out, rows, n_out, col_groups, n_items):
+    for item in range(n_items):
+        _blocked_item(x, wp, out, rows, n_out, col_groups, item)
+
+
+@njit(parallel=True, cache=True)
+def _small_parallel(x, wp, out, first_row, peels, n_out):
+    for j in prange(wp.shape[0]):
+        _small_item(x, wp, out, first_row, peels, n_out, j)
+
+
+@njit(cache=True)
+def _small_serial(x, wp, out, first_row, peels, n_out):
+    for j in range(wp.shape[0]):
+        _small_item(x, wp, out, first_row, peels, n_out, j)
+
+
+@njit(parallel=True, cache=True)
+def _chain_parallel(x, v, out, first_row, n_items):
     for j in prange(n_items):
-        c0 = j * _CHAIN_LANES
-        c1 = min(N, c0 + _CHAIN_LANES)
-        if c1 - c0 == _CHAIN_LANES:
-            for r in range(first_row, rows, _CHAIN_ROWS):
-                r1 = min(rows, r + _CHAIN_ROWS)
-                _chain_tile(x[r:r1], v[:, c0:c1], out[r:r1, c0:c1])
-        else:
-            acc = np.empty(c1 - c0, np.float32)
-            for r in range(first_row, rows):
-                acc[:] = 0
-                for k in range(K):
-                    xk = x[r, k]
-                    for t in range(c1 - c0):
-                        acc[t] += xk * v[k, c0 + t]
-                out[r, c0:c1] = acc
+        _chain_item(x, v, out, first_row, j)
+
+
+@njit(cache=True)
+def _chain_serial(x, v, out, first_row, n_items):
+    for j in range(n_items):
+        _chain_item(x, v, out, first_row, j)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,21 +454,33 @@ def _chain_kernel(x, v, out, first_row):
 # ----------------------------------------------------------------------------------------------
 
 
-@njit(parallel=True, cache=True)
-def _pack_kernel(w, out, transposed):
-    """``out[j, k, t] = w[j*TILE_LANES + t, k]`` (``transposed``: ``w[k, j*TILE_LANES + t]``),
-    zero past the last column."""
-    n_panels, K = out.shape[0], out.shape[1]
+@njit(cache=True)
+def _pack_item(w, out, transposed, j):
+    """Panel j: ``out[j, k, t] = w[j*TILE_LANES + t, k]`` (``transposed``: ``w[k, j*TILE_LANES +
+    t]``), zero past the last column."""
+    K = out.shape[1]
     n = w.shape[1] if transposed else w.shape[0]
-    for j in prange(n_panels):
+    for k in range(K):
         for t in range(TILE_LANES):
             c = j * TILE_LANES + t
-            if c < n:
-                for k in range(K):
-                    out[j, k, t] = w[k, c] if transposed else w[c, k]
+            if c >= n:
+                out[j, k, t] = 0.0
+            elif transposed:
+                out[j, k, t] = w[k, c]
             else:
-                for k in range(K):
-                    out[j, k, t] = 0.0
+                out[j, k, t] = w[c, k]
+
+
+@njit(parallel=True, cache=True)
+def _pack_parallel(w, out, transposed):
+    for j in prange(out.shape[0]):
+        _pack_item(w, out, transposed, j)
+
+
+@njit(cache=True)
+def _pack_serial(w, out, transposed):
+    for j in range(out.shape[0]):
+        _pack_item(w, out, transposed, j)
 
 
 def _aligned_empty(shape):
@@ -446,7 +496,7 @@ def _pack(w, transposed):
     n = w.shape[1] if transposed else w.shape[0]
     k = w.shape[0] if transposed else w.shape[1]
     out = _aligned_empty((-(-n // TILE_LANES), k, TILE_LANES))
-    _pack_kernel(w, out, transposed)
+    (_pack_parallel if out.size >= _PARALLEL_MIN_MACS else _pack_serial)(w, out, transposed)
     return out
 
 
@@ -556,8 +606,11 @@ def _col_groups(rows, n_panels):
 
 
 def _run_blocked(x2, wp, y, nb, n):
-    if nb and x2.shape[1]:
-        _blocked_kernel(x2, wp, y, nb, n, _col_groups(nb, wp.shape[0]))
+    if nb:
+        groups = _col_groups(nb, wp.shape[0])
+        n_items = -(-nb // _CHUNK_ROWS) * groups
+        big = nb * x2.shape[1] * n >= _PARALLEL_MIN_MACS
+        (_blocked_parallel if big else _blocked_serial)(x2, wp, y, nb, n, groups, n_items)
 
 
 def linear_f32_ordered(x, w, out=None):
@@ -567,7 +620,9 @@ def linear_f32_ordered(x, w, out=None):
     and kept: pass one for a weight used more than once). Returns float32 ``[..., N]``, written
     into ``out`` (a C-contiguous float32 buffer of that many elements) when given. The M rows of
     x (all leading dimensions folded) pick the kernels as the reference's do; the small kernel's
-    peel comes from x's leading dimension, the gemv's from w's.
+    peel comes from x's leading dimension, the gemv's from w's. A row of the blocked kernel does
+    not depend on the others: x may go through in pieces of 4, 8 or at least 12 rows with the
+    same result; a piece of another size would take the small kernels' order for some rows.
     """
     name = "linear_f32_ordered"
     if isinstance(w, F32Matrix):
@@ -593,7 +648,8 @@ def linear_f32_ordered(x, w, out=None):
                 else:
                     ldx = _lead(x2)
                     peels = (-(np.arange(nb, m, dtype=np.int64) * ldx)) % 4
-                _small_kernel(x2, wm.packed, y, nb, peels, n)
+                big = (m - nb) * k * n >= _PARALLEL_MIN_MACS
+                (_small_parallel if big else _small_serial)(x2, wm.packed, y, nb, peels, n)
     return y.reshape(np.shape(x)[:-1] + (n,))
 
 
@@ -622,5 +678,7 @@ def matmul_nn_f32_ordered(x, v, out=None):
             if nb:
                 _run_blocked(x2, _pack(v, True), y, nb, n)
             if nb < m:
-                _chain_kernel(x2, v, y, nb)
+                big = (m - nb) * k * n >= _PARALLEL_MIN_MACS
+                n_items = -(-n // _CHAIN_LANES)
+                (_chain_parallel if big else _chain_serial)(x2, v, y, nb, n_items)
     return y.reshape(np.shape(x)[:-1] + (n,))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import naive
+from ds41numba import f32_products as fp
 from ds41numba.f32_products import (KC, TILE_LANES, F32Matrix, blocked_rows, linear_f32_ordered,
                                     matmul_nn_f32_ordered, pack_columns)
 
@@ -144,22 +145,24 @@ def test_batch_dims_out_and_packed_weight():
 
 
 @pytest.mark.parametrize("m", [1, 3, 7, 200])
-def test_results_do_not_depend_on_the_thread_count(m):
+def test_results_do_not_depend_on_the_thread_count(m, monkeypatch):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs two numba threads")
     rng = np.random.default_rng(m)
-    x, w = order_sensitive(rng, (m, 700)), order_sensitive(rng, (100, 700))
-    v = order_sensitive(rng, (700, 150))
+    x, w = order_sensitive(rng, (m, 900)), order_sensitive(rng, (150, 900))
+    v = order_sensitive(rng, (900, 150))
     before = numba.get_num_threads()
     got = []
     try:
-        for threads in (1, 2):
+        for threads, parallel_min in [(1, 0), (2, 0), (2, 1 << 62)]:   # parallel, then serial
+            monkeypatch.setattr(fp, "_PARALLEL_MIN_MACS", parallel_min)
             numba.set_num_threads(threads)
             got.append((linear_f32_ordered(x, w), matmul_nn_f32_ordered(x, v)))
     finally:
         numba.set_num_threads(before)
-    assert_same_bits(got[0][0], got[1][0])
-    assert_same_bits(got[0][1], got[1][1])
+    for other in got[1:]:
+        assert_same_bits(got[0][0], other[0])
+        assert_same_bits(got[0][1], other[1])
 
 
 def test_validation_errors():
