@@ -791,3 +791,61 @@ def naive_linear_bf16_ordered(x, w, ref_rows=None):
             acc = acc + p[:, :, b - 1]
         total = acc if total is None else total + acc
     return naive_bf16(total)
+
+
+# --- f32 products ---
+# The reference's f32 linears and NN matmuls in the summation order measured for its MKL sgemm
+# (shared/orders/README.md, Q1), written out row by row: numpy f32 arithmetic over all output
+# columns at once, the fused multiply-add through naive_fma_f32 above.
+
+import numpy as _fp_np
+
+_fp_f32 = _fp_np.float32
+
+
+def naive_linear_f32_mkl(x, w, nn=False):
+    """``F.linear(x, w)`` (``w [N, K]``), or ``x @ w`` with ``nn=True`` (``w [K, N]``), for
+    ``x [M, K]``, as the reference's two-thread MKL sums it. Rows ``m < nb`` (nb = M for M >= 12,
+    else 4 * (M // 4)) take the blocked kernel: FMA chains from 0 over blocks of 192 k, block sums
+    added in order. The other rows: for nn, one chain of rounded products over all k; else four
+    lanes of rounded products after a peel (M = 1: from w's leading dimension, 4 - (-ldw mod 4);
+    otherwise from x's, (-m * ldx) mod 4), reduced (l0 + l2) + (l1 + l3), then the leftovers."""
+    x = _fp_np.asarray(x, _fp_f32)
+    w = _fp_np.asarray(w, _fp_f32)
+    wt = w.T if nn else w                       # [N, K]: wt[:, k] is the column of products' k
+    M, K = x.shape
+    N = wt.shape[0]
+    ldx = x.strides[0] // 4 if M > 1 else K
+    ldw = w.strides[0] // 4 if w.shape[0] > 1 else w.shape[1]
+    nb = M if M >= 12 else 4 * (M // 4)
+    out = _fp_np.zeros((M, N), _fp_f32)
+    if nb:
+        total = _fp_np.zeros((nb, N), _fp_f32)
+        for k0 in range(0, K, 192):
+            acc = _fp_np.zeros((nb, N), _fp_f32)
+            for k in range(k0, min(K, k0 + 192)):
+                acc = naive_fma_f32(x[:nb, k:k + 1], wt[None, :, k], acc)
+            total = acc if k0 == 0 else total + acc
+        out[:nb] = total
+    for m in range(nb, M):
+        products = x[m][None, :] * wt               # [N, K], each rounded to f32
+        if nn:
+            acc = _fp_np.zeros(N, _fp_f32)
+            for k in range(K):
+                acc = acc + products[:, k]
+            out[m] = acc
+            continue
+        peel = 4 - (-ldw) % 4 if M == 1 else (-m * ldx) % 4
+        peel = min(peel, K)
+        lanes = [_fp_np.zeros(N, _fp_f32) for _ in range(4)]
+        for k in range(peel):
+            lanes[0] = lanes[0] + products[:, k]
+        n_q = (K - peel) // 4
+        for q in range(n_q):
+            for lane in range(4):
+                lanes[lane] = lanes[lane] + products[:, peel + 4 * q + lane]
+        r = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+        for k in range(peel + 4 * n_q, K):
+            r = r + products[:, k]
+        out[m] = r
+    return out

@@ -1,0 +1,684 @@
+"""f32 matrix products summed in the order of the reference's CPU BLAS (torch 2.13, MKL sgemm).
+
+The ratio > 1 compressor keeps its kv and gate projections in f32 and feeds them to a softmax
+and a pooled sum, so an f32 product that rounds differently from the reference's moves the
+compressed keys, and the index selections built on them. A BLAS of our own (OpenBLAS here) adds
+the products in its own order; this module adds them in the order measured for the reference's
+MKL (SGEMM 'T','N' for ``F.linear`` / ``x @ w.t()``, 'N','N' for ``x @ v``). Which of three
+kernels computes an output row depends on the number of rows M:
+
+* **blocked** (the main kernel, M >= 4): the inner dimension in blocks of ``KC = 192`` (the last
+  block the rest); within a block one fused multiply-add chain from 0 in k order; the block sums
+  added in order in f32.
+* **small** (M = 2..3 of a linear): products rounded to f32 (no FMA); the first ``peel`` of them
+  summed in order into lane 0, then four lanes (lane l takes k = peel + 4q + l), reduced as
+  ``(l0 + l2) + (l1 + l3)``, then the leftover products one by one. ``peel`` aligns the x row
+  to 16 bytes: 0 for rows at multiples of 4 elements from an aligned base.
+* **gemv** (M = 1 of a linear): the small kernel with the peel taken from the weight's leading
+  dimension instead (4 when it is a multiple of 4).
+* an NN product (``x @ v``) of M <= 3 rows: one sequential chain over all of K, no FMA.
+
+The reference ran on two threads, and two-thread MKL splits an M of 5..11 that is not a multiple
+of 4: rows ``[0, 4 * (M // 4))`` go to the blocked kernel, the last ``M % 4`` to the small one
+(the NN chain for ``x @ v``). This module always follows that two-thread rule: its results never
+depend on numba's or BLAS's thread count, since each output is summed whole by one work item.
+
+The fused multiply-add is LLVM's ``llvm.fma`` (one rounding on every x86-64 CPU; ``vfmadd`` where
+the CPU has FMA). Nothing here is compiled with fastmath, which would reorder and fuse the sums.
+The orders were measured on aligned tensors; a leading dimension here stands for the reference
+tensor's, its base taken as 64-byte aligned (torch's allocations are).
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+import numpy as np
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = [
+    "KC",
+    "TILE_ROWS",
+    "TILE_LANES",
+    "F32Matrix",
+    "blocked_rows",
+    "linear_f32_ordered",
+    "matmul_nn_f32_ordered",
+    "pack_columns",
+]
+
+#: The reference's block of the inner dimension in its main kernel.
+KC = 192
+#: Rows of x one micro-kernel call multiplies: 10 x 2 vector accumulators, the two vectors of w
+#: and the 10 broadcasts of x fill the 32 zmm registers (12 rows spilled accumulators: LLVM
+#: hoists all of a step's broadcasts).
+TILE_ROWS = 10
+#: Output columns one micro-kernel call multiplies: two 16-lane vectors.
+TILE_LANES = 32
+_NV = TILE_LANES // 16
+
+# Rows of one work item of the blocked kernel: its x block of KC columns (60 KB) and the output
+# rows it updates (160 KB for 512 columns) stay in L2 while the item passes over all of w's
+# panels; a panel's block (24 KB) stays in L1 while the item's rows pass over it.
+_CHUNK_ROWS = 8 * TILE_ROWS
+# Below this many row chunks, the blocked kernel's work items also split the columns.
+_MIN_ITEMS = 8
+
+
+def blocked_rows(m: int) -> int:
+    """How many leading rows of an M-row product the reference's two-thread MKL sends to its
+    blocked kernel (the rest go to the small kernel, or the NN chain)."""
+    if m <= 3:
+        return 0
+    if 4 < m < 12 and m % 4:
+        return 4 * (m // 4)
+    return m
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-kernels in LLVM IR (numba has no vector types)
+# ----------------------------------------------------------------------------------------------
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_V16 = ir.VectorType(_F32, 16)
+
+
+class _Emit:
+    """Small helpers over an llvmlite builder: integer addresses, typed loads and stores, splats
+    and a counted loop carrying values."""
+
+    def __init__(self, context, builder, signature, args):
+        self.b = builder
+        self.arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else v
+                       for t, v in zip(signature.args, args)]
+        self.ndims = [getattr(t, "ndim", 0) for t in signature.args]
+
+    def const(self, v):
+        return ir.Constant(_I64, v)
+
+    def base(self, i):
+        return self.b.ptrtoint(self.arrays[i].data, _I64)
+
+    def shape(self, i, d):
+        return cgutils.unpack_tuple(self.b, self.arrays[i].shape, self.ndims[i])[d]
+
+    def stride(self, i, d):
+        return cgutils.unpack_tuple(self.b, self.arrays[i].strides, self.ndims[i])[d]
+
+    def addr(self, *terms):
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = self.b.add(acc, self.const(t) if isinstance(t, int) else t)
+        return acc
+
+    def load(self, addr, ty):
+        return self.b.load(self.b.inttoptr(addr, ty.as_pointer()), align=4)
+
+    def store(self, value, addr):
+        self.b.store(value, self.b.inttoptr(addr, value.type.as_pointer()), align=4)
+
+    def splat(self, scalar):
+        v = self.b.insert_element(ir.Constant(_V16, ir.Undefined), scalar, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), None))
+
+    def clamped_rows(self, base, stride, rows, n):
+        """Addresses of rows 0..n-1, those past ``rows`` repeating the last row."""
+        last = self.b.sub(rows, self.const(1))
+        return [self.b.add(base, self.b.mul(
+            self.b.select(self.b.icmp_signed("<", self.const(m), rows), self.const(m), last), stride))
+            for m in range(n)]
+
+    def loop(self, n, inits, body):
+        """``for i in range(n): vals = body(i, vals)``; returns the final vals (inits when n <= 0).
+        ``body`` emits straight-line code."""
+        b = self.b
+        pre = b.basic_block
+        loop = b.append_basic_block("loop")
+        done = b.append_basic_block("loop.done")
+        b.cbranch(b.icmp_signed(">", n, self.const(0)), loop, done)
+        b.position_at_end(loop)
+        i = b.phi(_I64)
+        i.add_incoming(self.const(0), pre)
+        phis = [b.phi(v.type) for v in inits]
+        for p, v in zip(phis, inits):
+            p.add_incoming(v, pre)
+        new = body(i, phis)
+        end = b.basic_block
+        i_next = b.add(i, self.const(1))
+        i.add_incoming(i_next, end)
+        for p, v in zip(phis, new):
+            p.add_incoming(v, end)
+        b.cbranch(b.icmp_signed("<", i_next, n), loop, done)
+        b.position_at_end(done)
+        outs = []
+        for v, w in zip(inits, new):
+            p = b.phi(v.type)
+            p.add_incoming(v, pre)
+            p.add_incoming(w, end)
+            outs.append(p)
+        return outs
+
+    def for_rows(self, rows, n, store):
+        """``store(m)`` for each m < min(rows, n); row 0 is always stored."""
+        for m in range(n):
+            if m == 0:
+                store(m)
+            else:
+                with self.b.if_then(self.b.icmp_signed("<", self.const(m), rows)):
+                    store(m)
+
+
+def _fma_vec(builder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3),
+                                          "llvm.fma.v16f32")
+
+
+@intrinsic
+def _fma_tile(typingctx, x, w, out, first):
+    """One block of the inner dimension for ``TILE_ROWS`` rows by ``TILE_LANES`` columns:
+    ``acc[m, j] = fma(x[m, k], w[k, j], acc[m, j])`` for k in order from ``acc = 0``, then
+    ``out[m, j] = acc`` when ``first``, else ``out[m, j] = out[m, j] + acc``.
+
+    ``x`` float32 ``[rows, kb]`` (1 <= rows <= TILE_ROWS, rows contiguous), ``w`` float32
+    ``[kb, TILE_LANES]`` (kb >= 1, rows contiguous), ``out`` float32 ``[rows, TILE_LANES]`` (rows
+    contiguous). Rows past ``rows`` repeat the last row and are not stored. The caller checks the
+    shapes.
+    """
+    sig = types.void(x, w, out, first)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder, signature, args)
+        fma = _fma_vec(builder)
+        is_first = builder.icmp_unsigned("!=", args[3], ir.Constant(args[3].type, 0))
+        rows = e.shape(0, 0)
+        x_rows = e.clamped_rows(e.base(0), e.stride(0, 0), rows, TILE_ROWS)
+        w_base, w_stride = e.base(1), e.stride(1, 0)
+        o_base, o_stride = e.base(2), e.stride(2, 0)
+
+        def body(k, acc):
+            w_row = e.addr(w_base, builder.mul(k, w_stride))
+            wv = [e.load(e.addr(w_row, 64 * v), _V16) for v in range(_NV)]
+            k4 = builder.mul(k, e.const(4))
+            new = []
+            for m in range(TILE_ROWS):
+                xs = e.splat(e.load(e.addr(x_rows[m], k4), _F32))
+                new += [builder.call(fma, [xs, wv[v], acc[m * _NV + v]]) for v in range(_NV)]
+            return new
+
+        acc = e.loop(e.shape(1, 0), [ir.Constant(_V16, None)] * (TILE_ROWS * _NV), body)
+
+        def store(m):
+            o_row = e.addr(o_base, builder.mul(e.const(m), o_stride))
+            with builder.if_else(is_first) as (then, otherwise):
+                with then:
+                    for v in range(_NV):
+                        e.store(acc[m * _NV + v], e.addr(o_row, 64 * v))
+                with otherwise:
+                    for v in range(_NV):
+                        a = e.addr(o_row, 64 * v)
+                        e.store(builder.fadd(e.load(a, _V16), acc[m * _NV + v]), a)
+
+        e.for_rows(rows, TILE_ROWS, store)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _lanes_tile(typingctx, x, w, lane0, out):
+    """The small kernel's four lanes for one x row and ``TILE_LANES`` columns: lane l sums
+    ``round(x[4q + l] * w[4q + l, j])`` in q order (lane 0 from ``lane0[j]``, the others from 0),
+    then ``out[j] = (l0 + l2) + (l1 + l3)``.
+
+    ``x`` float32 1-D ``[4 nq]`` (contiguous), ``w`` float32 ``[4 nq, TILE_LANES]`` (rows
+    contiguous), ``lane0`` and ``out`` float32 1-D ``[TILE_LANES]`` contiguous; nq >= 0.
+    """
+    sig = types.void(x, w, lane0, out)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder, signature, args)
+        x_base = e.base(0)
+        w_base, w_stride = e.base(1), e.stride(1, 0)
+        n_q = builder.sdiv(e.shape(1, 0), e.const(4))
+        zero = ir.Constant(_V16, None)
+        inits = [e.load(e.addr(e.base(2), 64 * v), _V16) for v in range(_NV)] + [zero] * (3 * _NV)
+
+        def body(q, acc):
+            new = []
+            for lane in range(4):
+                k = builder.add(builder.mul(q, e.const(4)), e.const(lane))
+                xs = e.splat(e.load(e.addr(x_base, builder.mul(k, e.const(4))), _F32))
+                w_row = e.addr(w_base, builder.mul(k, w_stride))
+                new += [builder.fadd(acc[lane * _NV + v],
+                                     builder.fmul(xs, e.load(e.addr(w_row, 64 * v), _V16)))
+                        for v in range(_NV)]
+            return new
+
+        acc = e.loop(n_q, inits, body)
+        o_base = e.base(3)
+        for v in range(_NV):
+            lane = [acc[i * _NV + v] for i in range(4)]
+            r = builder.fadd(builder.fadd(lane[0], lane[2]), builder.fadd(lane[1], lane[3]))
+            e.store(r, e.addr(o_base, 64 * v))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+#: Rows and 16-lane vectors of the NN chain's micro-kernel (24 of the 32 zmm registers).
+_CHAIN_ROWS = 3
+_CHAIN_NV = 8
+_CHAIN_LANES = 16 * _CHAIN_NV
+
+
+@intrinsic
+def _chain_tile(typingctx, x, v, out):
+    """The NN layout's small-M order for ``_CHAIN_ROWS`` rows by ``_CHAIN_LANES`` columns: one
+    chain over all of k, ``acc = acc + round(x[m, k] * v[k, j])`` from 0, stored to ``out``.
+
+    ``x`` float32 ``[rows, K]`` (1 <= rows <= _CHAIN_ROWS, rows contiguous), ``v`` float32
+    ``[K, _CHAIN_LANES]`` (K >= 0, rows contiguous), ``out`` ``[rows, _CHAIN_LANES]``.
+    """
+    sig = types.void(x, v, out)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder, signature, args)
+        rows = e.shape(0, 0)
+        x_rows = e.clamped_rows(e.base(0), e.stride(0, 0), rows, _CHAIN_ROWS)
+        v_base, v_stride = e.base(1), e.stride(1, 0)
+
+        def body(k, acc):
+            v_row = e.addr(v_base, builder.mul(k, v_stride))
+            vv = [e.load(e.addr(v_row, 64 * i), _V16) for i in range(_CHAIN_NV)]
+            k4 = builder.mul(k, e.const(4))
+            new = []
+            for m in range(_CHAIN_ROWS):
+                xs = e.splat(e.load(e.addr(x_rows[m], k4), _F32))
+                new += [builder.fadd(acc[m * _CHAIN_NV + i], builder.fmul(xs, vv[i]))
+                        for i in range(_CHAIN_NV)]
+            return new
+
+        acc = e.loop(e.shape(1, 0), [ir.Constant(_V16, None)] * (_CHAIN_ROWS * _CHAIN_NV), body)
+        o_base, o_stride = e.base(2), e.stride(2, 0)
+
+        def store(m):
+            o_row = e.addr(o_base, builder.mul(e.const(m), o_stride))
+            for i in range(_CHAIN_NV):
+                e.store(acc[m * _CHAIN_NV + i], e.addr(o_row, 64 * i))
+
+        e.for_rows(rows, _CHAIN_ROWS, store)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _tiles(x, panel, o, k0, k1, first):
+    """The micro-kernel over all rows of ``x`` (``o`` the same rows) for the block k0..k1."""
+    rows = x.shape[0]
+    for r in range(0, rows, TILE_ROWS):
+        r1 = min(rows, r + TILE_ROWS)
+        _fma_tile(x[r:r1, k0:k1], panel, o[r:r1], first)
+
+
+@njit(cache=True)
+def _blocked_item(x, wp, out, rows, n_out, col_groups, item):
+    """Work item ``item`` of ``out[:rows] = x[:rows] . w.T`` in the blocked kernel's order: a
+    chunk of rows by a group of column panels (``wp`` is w packed by :func:`pack_columns`,
+    ``out [>= rows, n_out]``). Every output is summed whole by one item."""
+    n_panels, K = wp.shape[0], wp.shape[1]
+    per_group = (n_panels + col_groups - 1) // col_groups
+    i, g = item // col_groups, item % col_groups
+    r0, r1 = i * _CHUNK_ROWS, min(rows, (i + 1) * _CHUNK_ROWS)
+    j0, j1 = g * per_group, min(n_panels, (g + 1) * per_group)
+    xs = x[r0:r1]
+    ragged = j1 * TILE_LANES > n_out     # this item holds the last, partial panel
+    scratch = np.empty((r1 - r0, TILE_LANES), np.float32)
+    for k0 in range(0, K, KC):
+        k1 = min(K, k0 + KC)
+        first = k0 == 0
+        for j in range(j0, j1):
+            panel = wp[j, k0:k1]
+            c0 = j * TILE_LANES
+            if c0 + TILE_LANES <= n_out:
+                _tiles(xs, panel, out[r0:r1, c0:c0 + TILE_LANES], k0, k1, first)
+            else:
+                _tiles(xs, panel, scratch, k0, k1, first)
+    if ragged:
+        c0 = (j1 - 1) * TILE_LANES
+        out[r0:r1, c0:n_out] = scratch[:, :n_out - c0]
+
+
+@njit(cache=True)
+def _small_item(x, wp, out, first_row, peels, n_out, j):
+    """Panel j of rows ``first_row ..`` of ``out = x . w.T`` in the small kernel's order
+    (products rounded, no FMA), row r with ``peels[r - first_row]``."""
+    K = wp.shape[1]
+    panel = wp[j]
+    c0 = j * TILE_LANES
+    nc = min(TILE_LANES, n_out - c0)
+    lane0 = np.empty(TILE_LANES, np.float32)
+    res = np.empty(TILE_LANES, np.float32)
+    for r in range(first_row, x.shape[0]):
+        xr = x[r]
+        peel = min(peels[r - first_row], K)
+        lane0[:] = 0
+        for k in range(peel):
+            xk = xr[k]
+            for t in range(TILE_LANES):
+                lane0[t] += xk * panel[k, t]
+        k1 = peel + 4 * ((K - peel) // 4)
+        _lanes_tile(xr[peel:k1], panel[peel:k1], lane0, res)
+        for k in range(k1, K):
+            xk = xr[k]
+            for t in range(TILE_LANES):
+                res[t] += xk * panel[k, t]
+        out[r, c0:c0 + nc] = res[:nc]
+
+
+@njit(cache=True)
+def _chain_item(x, v, out, first_row, j):
+    """Columns ``j*_CHAIN_LANES ..`` of rows ``first_row ..`` of ``out = x . v`` (``v [K, N]``):
+    one sequential chain over K per output, products rounded (no FMA)."""
+    K, N = v.shape
+    rows = x.shape[0]
+    c0 = j * _CHAIN_LANES
+    c1 = min(N, c0 + _CHAIN_LANES)
+    if c1 - c0 == _CHAIN_LANES:
+        for r in range(first_row, rows, _CHAIN_ROWS):
+            r1 = min(rows, r + _CHAIN_ROWS)
+            _chain_tile(x[r:r1], v[:, c0:c1], out[r:r1, c0:c1])
+    else:
+        acc = np.empty(c1 - c0, np.float32)
+        for r in range(first_row, rows):
+            acc[:] = 0
+            for k in range(K):
+                xk = x[r, k]
+                for t in range(c1 - c0):
+                    acc[t] += xk * v[k, c0 + t]
+            out[r, c0:c1] = acc
+
+
+# Each kernel has a parallel and a serial driver over the same work items: below
+# _PARALLEL_MIN_MACS multiply-adds, waking numba's workers costs more than the work (tens of us,
+# more on a busy machine). The items do not depend on which thread runs them.
+_PARALLEL_MIN_MACS = 1 << 18
+
+
+@njit(parallel=True, cache=True)
+def _blocked_parallel(x, wp, out, rows, n_out, col_groups, n_items):
+    for item in prange(n_items):
+        _blocked_item(x, wp, out, rows, n_out, col_groups, item)
+
+
+@njit(cache=True)
+def _blocked_serial(x, wp, out, rows, n_out, col_groups, n_items):
+    for item in range(n_items):
+        _blocked_item(x, wp, out, rows, n_out, col_groups, item)
+
+
+@njit(parallel=True, cache=True)
+def _small_parallel(x, wp, out, first_row, peels, n_out):
+    for j in prange(wp.shape[0]):
+        _small_item(x, wp, out, first_row, peels, n_out, j)
+
+
+@njit(cache=True)
+def _small_serial(x, wp, out, first_row, peels, n_out):
+    for j in range(wp.shape[0]):
+        _small_item(x, wp, out, first_row, peels, n_out, j)
+
+
+@njit(parallel=True, cache=True)
+def _chain_parallel(x, v, out, first_row, n_items):
+    for j in prange(n_items):
+        _chain_item(x, v, out, first_row, j)
+
+
+@njit(cache=True)
+def _chain_serial(x, v, out, first_row, n_items):
+    for j in range(n_items):
+        _chain_item(x, v, out, first_row, j)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+# ----------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _pack_item(w, out, transposed, j):
+    """Panel j: ``out[j, k, t] = w[j*TILE_LANES + t, k]`` (``transposed``: ``w[k, j*TILE_LANES +
+    t]``), zero past the last column."""
+    K = out.shape[1]
+    n = w.shape[1] if transposed else w.shape[0]
+    for k in range(K):
+        for t in range(TILE_LANES):
+            c = j * TILE_LANES + t
+            if c >= n:
+                out[j, k, t] = 0.0
+            elif transposed:
+                out[j, k, t] = w[k, c]
+            else:
+                out[j, k, t] = w[c, k]
+
+
+@njit(parallel=True, cache=True)
+def _pack_parallel(w, out, transposed):
+    for j in prange(out.shape[0]):
+        _pack_item(w, out, transposed, j)
+
+
+@njit(cache=True)
+def _pack_serial(w, out, transposed):
+    for j in range(out.shape[0]):
+        _pack_item(w, out, transposed, j)
+
+
+def _aligned_empty(shape):
+    """A float32 array whose data starts on a 64-byte boundary (the micro-kernel's loads of a
+    panel row then never cross a cache line)."""
+    n = int(np.prod(shape))
+    raw = np.empty(n + 16, np.float32)
+    start = (-(raw.ctypes.data // 4)) % 16
+    return raw[start:start + n].reshape(shape)
+
+
+def _pack(w, transposed):
+    n = w.shape[1] if transposed else w.shape[0]
+    k = w.shape[0] if transposed else w.shape[1]
+    out = _aligned_empty((-(-n // TILE_LANES), k, TILE_LANES))
+    (_pack_parallel if out.size >= _PARALLEL_MIN_MACS else _pack_serial)(w, out, transposed)
+    return out
+
+
+def pack_columns(w: np.ndarray) -> np.ndarray:
+    """w ``[N, K]`` float32 as the kernels' operand ``[ceil(N / TILE_LANES), K, TILE_LANES]``:
+    panel j holds output columns ``j*TILE_LANES ..`` side by side for each k (zero padded), so
+    one vector load gives one k of a whole panel."""
+    w = _as_f32(w, "pack_columns: w")
+    if w.ndim != 2:
+        raise ValueError(f"pack_columns: w must be 2-D [N, K], got shape {w.shape}")
+    return _pack(_rows_contiguous(w), False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_f32(a, name):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy float32 array, got {type(a).__name__}")
+    if a.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, got {a.dtype}")
+    return a
+
+
+def _rows_contiguous(a):
+    """``a`` itself when its rows are contiguous (keeping its leading dimension, which decides
+    the reference's peel), else a C-contiguous copy."""
+    if a.shape[-1] > 1 and a.strides[-1] != 4:
+        return np.ascontiguousarray(a)
+    return a
+
+
+def _lead(a):
+    """The leading dimension (elements) of a 2-D array with contiguous rows."""
+    return a.strides[0] // 4 if a.shape[0] > 1 else a.shape[1]
+
+
+class F32Matrix:
+    """An f32 weight ``w [out, in]`` for :func:`linear_f32_ordered`, with its packed copy.
+
+    The packed operand (:func:`pack_columns`, the same size as w) is built on the first product
+    and kept, so a projection applied at every decode step packs once. The array is kept as given
+    when its rows are contiguous (its leading dimension picks the reference's gemv peel). Treat
+    the weight as read-only once wrapped.
+    """
+
+    __slots__ = ("f32", "_packed")
+
+    def __init__(self, w):
+        w = _as_f32(w, "F32Matrix: w")
+        if w.ndim != 2:
+            raise ValueError(f"F32Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
+        self.f32 = _rows_contiguous(w)
+        self._packed = None
+
+    @property
+    def shape(self):
+        return self.f32.shape
+
+    @property
+    def out_features(self):
+        return self.f32.shape[0]
+
+    @property
+    def in_features(self):
+        return self.f32.shape[1]
+
+    @property
+    def packed(self) -> np.ndarray:
+        if self._packed is None:
+            self._packed = _pack(self.f32, False)
+        return self._packed
+
+    @property
+    def gemv_peel(self) -> int:
+        """The reference's gemv peel for this weight: ``4 - (-ldw mod 4)``, 4 for a leading
+        dimension that is a multiple of 4."""
+        return 4 - (-_lead(self.f32)) % 4
+
+
+def _check_x(x, k, name):
+    x = _as_f32(x, f"{name}: x")
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"{name}: x of shape {x.shape} does not match an inner dimension of {k}")
+    x2 = x.reshape(-1, k) if x.ndim != 2 else x
+    return _rows_contiguous(x2)
+
+
+def _check_out(out, shape, name):
+    if out is None:
+        return np.empty(shape, np.float32)
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.writeable
+            or not out.flags.c_contiguous or out.size != int(np.prod(shape))):
+        raise ValueError(f"{name}: out must be a writeable C-contiguous float32 array of "
+                         f"{int(np.prod(shape))} elements ({list(shape)}), got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+    return out.reshape(shape)
+
+
+def _col_groups(rows, n_panels):
+    """Column groups per row chunk: all panels in one item when there are enough row chunks
+    (each item's x rows then come from memory once), else one panel per item."""
+    n_chunks = -(-rows // _CHUNK_ROWS)
+    return 1 if n_chunks >= _MIN_ITEMS else n_panels
+
+
+def _run_blocked(x2, wp, y, nb, n):
+    if nb:
+        groups = _col_groups(nb, wp.shape[0])
+        n_items = -(-nb // _CHUNK_ROWS) * groups
+        big = nb * x2.shape[1] * n >= _PARALLEL_MIN_MACS
+        (_blocked_parallel if big else _blocked_serial)(x2, wp, y, nb, n, groups, n_items)
+
+
+def linear_f32_ordered(x, w, out=None):
+    """``x @ w.T`` in f32, summed as the reference's ``F.linear`` (MKL sgemm 'T','N', two threads).
+
+    x is float32 ``[..., K]``; w is float32 ``[N, K]`` or an :class:`F32Matrix` (packed once
+    and kept: pass one for a weight used more than once). Returns float32 ``[..., N]``, written
+    into ``out`` (a C-contiguous float32 buffer of that many elements) when given. The M rows of
+    x (all leading dimensions folded) pick the kernels as the reference's do; the small kernel's
+    peel comes from x's leading dimension, the gemv's from w's. A row of the blocked kernel does
+    not depend on the others: x may go through in pieces of 4, 8 or at least 12 rows with the
+    same result; a piece of another size would take the small kernels' order for some rows.
+    """
+    name = "linear_f32_ordered"
+    if isinstance(w, F32Matrix):
+        wm = w
+    else:
+        w = _as_f32(w, f"{name}: w")
+        if w.ndim != 2:
+            raise ValueError(f"{name}: w must be 2-D [N, K], got shape {w.shape}")
+        wm = F32Matrix(w)
+    n, k = wm.shape
+    x2 = _check_x(x, k, name)
+    m = x2.shape[0]
+    y = _check_out(out, (m, n), name)
+    if m and n:
+        if k == 0:
+            y[...] = 0
+        else:
+            nb = blocked_rows(m)
+            _run_blocked(x2, wm.packed, y, nb, n)
+            if nb < m:
+                if m == 1:
+                    peels = np.array([wm.gemv_peel], np.int64)
+                else:
+                    ldx = _lead(x2)
+                    peels = (-(np.arange(nb, m, dtype=np.int64) * ldx)) % 4
+                big = (m - nb) * k * n >= _PARALLEL_MIN_MACS
+                (_small_parallel if big else _small_serial)(x2, wm.packed, y, nb, peels, n)
+    return y.reshape(np.shape(x)[:-1] + (n,))
+
+
+def matmul_nn_f32_ordered(x, v, out=None):
+    """``x @ v`` in f32 with ``v [K, N]``, summed as the reference's ``torch.matmul`` of two
+    row-major operands (MKL sgemm 'N','N', two threads): the blocked kernel for the rows the
+    two-thread rule gives it, one sequential chain without FMA over all of K for the others.
+
+    x is float32 ``[..., K]``, v float32 ``[K, N]``; returns float32 ``[..., N]`` (into ``out``
+    when given). v is packed for each call that has blocked rows (its size, once).
+    """
+    name = "matmul_nn_f32_ordered"
+    v = _as_f32(v, f"{name}: v")
+    if v.ndim != 2:
+        raise ValueError(f"{name}: v must be 2-D [K, N], got shape {v.shape}")
+    v = _rows_contiguous(v)
+    k, n = v.shape
+    x2 = _check_x(x, k, name)
+    m = x2.shape[0]
+    y = _check_out(out, (m, n), name)
+    if m and n:
+        if k == 0:
+            y[...] = 0
+        else:
+            nb = blocked_rows(m)
+            if nb:
+                _run_blocked(x2, _pack(v, True), y, nb, n)
+            if nb < m:
+                big = (m - nb) * k * n >= _PARALLEL_MIN_MACS
+                n_items = -(-n // _CHAIN_LANES)
+                (_chain_parallel if big else _chain_serial)(x2, v, y, nb, n_items)
+    return y.reshape(np.shape(x)[:-1] + (n,))
