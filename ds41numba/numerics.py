@@ -25,6 +25,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from threadpoolctl import ThreadpoolController
 
+from .f32_products import F32Matrix, linear_f32_ordered
+
 __all__ = [
     "FP4_BLOCK",
     "LATENT_BLOCK",
@@ -485,20 +487,36 @@ def _output(out, shape, name, dtype=np.float32):
 
 
 def linear_f32(x, w, out=None):
-    """``x @ w.T`` with numpy's f32 BLAS, f32 result (the ratio > 1 compressor's projections).
+    """``x @ w.T`` in f32, f32 result (the ratio > 1 compressor's projections).
 
+    With w an :class:`~ds41numba.f32_products.F32Matrix` the sums follow the reference's own
+    order (its MKL sgemm, :func:`~ds41numba.f32_products.linear_f32_ordered`) for a call of
+    x's rows; a plain float32 ``w [out, in]`` goes through numpy's f32 BLAS, in BLAS's order.
     x is ``[..., in]``, float32 or ``ml_dtypes.bfloat16`` (widened exactly, a block of rows at a
-    time), w ``[out, in]``; returns ``[..., out]`` float32, written into ``out`` when given.
+    time); returns ``[..., out]`` float32, written into ``out`` when given.
     """
-    x, w = _check_linear(x, w, "linear_f32")
-    x2 = x.reshape(-1, w.shape[1])
-    y = _output(out, (x2.shape[0], w.shape[0]), "linear_f32")
+    ordered = isinstance(w, F32Matrix)
+    x, w32 = _check_linear(x, w.f32 if ordered else w, "linear_f32")
+    x2 = x.reshape(-1, w32.shape[1])
+    y = _output(out, (x2.shape[0], w32.shape[0]), "linear_f32")
+    product = ((lambda a, b: linear_f32_ordered(a, w, out=b)) if ordered
+               else (lambda a, b: np.matmul(a, w32.T, out=b)))
     if x.dtype == np.float32:
-        np.matmul(x2, w.T, out=y)
+        product(x2, y)
     else:
-        for a in range(0, x2.shape[0], _WIDEN_ROWS):
-            np.matmul(x2[a:a + _WIDEN_ROWS].astype(np.float32), w.T, out=y[a:a + _WIDEN_ROWS])
-    return y.reshape(x.shape[:-1] + (w.shape[0],))
+        for a, b in _row_blocks(x2.shape[0], _WIDEN_ROWS):
+            product(x2[a:b].astype(np.float32), y[a:b])
+    return y.reshape(x.shape[:-1] + (w32.shape[0],))
+
+
+def _row_blocks(m: int, size: int) -> list[tuple[int, int]]:
+    """``0 .. m`` in blocks of ``size`` rows, a short remainder (under 12 rows) joined to the block
+    before it: the reference's f32 kernels are chosen by row count, and an M of at least 12
+    (or the whole call) keeps every row on the kernel the whole call's M gives it."""
+    cuts = list(range(0, m, size)) + [m]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] < 12:
+        del cuts[-2]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def linear_bf16(x, w, out=None, ref_rows: int | None = None):

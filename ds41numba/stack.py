@@ -20,6 +20,7 @@ from .attention import CompAttnRun, attention_any
 from .compressor import CompressorState, CompressorWeights
 from .config import AttnConfig
 from .indexer import IndexerWeights, PackedIndexKeys, candidate_mask
+from .f32_products import F32Matrix
 from .numerics import BF16_DOT, Bf16Matrix, is_bf16_valued
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "weight_specs",
@@ -97,9 +98,10 @@ class AttnWeights:
             name = full[len(prefix):]
             got[name] = _checked_weight(full, weights.get(full), shape, kind)
             kinds[name] = kind
-        # Projections with bf16 weights become Bf16Matrix (BLAS for many rows, bf16 bits for
-        # a decode step); wo_a is grouped: o_groups independent projections.
-        proj = {name: Bf16Matrix(a) if a.ndim == 2 and kinds[name] == "bf16" else a
+        # Projections become Bf16Matrix (bf16 weights) or F32Matrix (the ratio > 1 compressor's
+        # f32 weights), which sum in the reference's order; wo_a is grouped: o_groups
+        # independent projections.
+        proj = {name: (Bf16Matrix if kinds[name] == "bf16" else F32Matrix)(a) if a.ndim == 2 else a
                 for name, a in got.items()}
         comp = idx = None
         if "compressor.norm.weight" in proj:
