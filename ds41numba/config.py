@@ -4,6 +4,9 @@ A config describes a whole stack: one ``compress_ratios`` entry per layer and th
 roles (which layers own a compressed KV cache, which run the indexer, which publishes the
 candidate blocks). Everything the layers later assume about each other is checked here once,
 so that a bad topology is a clear ``ValueError`` at construction instead of a wrong answer later.
+The layer-role graph (which layers a layer reads, :meth:`AttnConfig.sources_of`, and whether a
+subset of layers is closed under it, :meth:`AttnConfig.missing_sources`) lives here too: the
+stack and the golden runs both ask it.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from dataclasses import dataclass, field
 
 from .numerics import FP4_BLOCK, LATENT_BLOCK
 
-__all__ = ["AttnConfig", "PRESETS", "preset"]
+__all__ = ["AttnConfig", "PRESETS", "preset", "FALLBACK_KEY_OWNER"]
 
 _INT_MAX = 2**31 - 1
+
+#: The role :meth:`AttnConfig.sources_of` gives a key owner that a layer reads only on a step
+#: where it writes no index keys itself (:meth:`AttnConfig.fallback_key_owners`).
+FALLBACK_KEY_OWNER = "key owner it may score against"
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,7 @@ class AttnConfig:
     def replace(self, **changes) -> "AttnConfig":
         return dataclasses.replace(self, **changes)
 
-    # ------------------------------------------------------------------ roles
+    # ------------------------------------------------------------------ the layer-role graph
     @property
     def n_layers(self) -> int:
         return len(self.compress_ratios)
@@ -201,6 +208,54 @@ class AttnConfig:
     def key_owner_of(self, layer_id: int) -> int:
         """The key owner whose index keys this index source scores against."""
         return max(s for s in self.kv_source_layers if s <= layer_id and self.is_index_source(s))
+
+    def fallback_key_owners(self, layer_id: int) -> list[int]:
+        """Key owners whose index keys index source ``layer_id`` may score against on a decode
+        step where no key owner at or before it of its own ratio writes keys.
+
+        The shared ``index_k`` slot then holds whatever key owner wrote last, of any ratio (the
+        reference's behaviour, which the goldens record), so the result depends on those layers
+        having run. A ratio-1 index source always has fresh keys of its own ratio; an owner
+        before this layer whose ratio is a multiple of this layer's never writes last (this
+        layer's own key owner writes after it at every step it writes).
+        """
+        r = self.ratio(layer_id)
+        if not self.is_index_source(layer_id) or r <= 1:
+            return []
+        owners = [j for j in self.kv_source_layers if self.is_index_source(j) and j != layer_id]
+        return sorted(j for j in owners if j > layer_id or self.ratio(j) % r)
+
+    def sources_of(self, layer_id: int) -> list[tuple[int, str]]:
+        """``(layer, role)`` of every other layer whose published slots layer ``layer_id`` reads.
+
+        Within a step: its kv source, index source, index-key owner and candidate source, in
+        that order (:meth:`step_sources`); then the key owners it may score against on a step
+        where it writes no index keys, with the role :data:`FALLBACK_KEY_OWNER`. A ratio-0 layer
+        reads none.
+        """
+        if self.ratio(layer_id) == 0:
+            return []
+        found = [(self.kv_source_of(layer_id), "kv source"),
+                 (self.index_source_of(layer_id), "index source")]
+        if self.is_index_source(layer_id):
+            found.append((self.key_owner_of(layer_id), "index-key owner"))
+        if self.uses_candidates(layer_id):
+            found.append((self.candidate_source_layer, "candidate source"))
+        found += [(j, FALLBACK_KEY_OWNER) for j in self.fallback_key_owners(layer_id)]
+        return [(src, role) for src, role in found if src != layer_id]
+
+    def step_sources(self, layer_id: int) -> list[int]:
+        """The layers whose published slots layer ``layer_id`` reads within a step, ascending:
+        they must have run this step before it, and no later layer since."""
+        return sorted({src for src, role in self.sources_of(layer_id) if role != FALLBACK_KEY_OWNER})
+
+    def missing_sources(self, layers) -> list[tuple[int, int, str]]:
+        """Whether a subset of layers is closed under :meth:`sources_of`: ``(layer, source,
+        role)`` for every source a member reads that is not a member (members in increasing
+        order), empty when the subset can run on its own."""
+        members = set(layers)
+        return [(i, src, role) for i in sorted(members) for src, role in self.sources_of(i)
+                if src not in members]
 
     # ------------------------------------------------------------------ validation
     def _validate(self):

@@ -246,30 +246,11 @@ def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
     return tuple(sorted(layers))
 
 
-def _layer_sources(config: AttnConfig, layer_id: int) -> list[tuple[int, str]]:
-    """``(layer, role)`` of every other layer whose published slots this layer reads."""
-    c = config
-    if c.ratio(layer_id) == 0:
-        return []
-    found = [(c.kv_source_of(layer_id), "kv source"), (c.index_source_of(layer_id), "index source")]
-    if c.is_index_source(layer_id):
-        found.append((c.key_owner_of(layer_id), "index-key owner"))
-    if c.uses_candidates(layer_id):
-        found.append((c.candidate_source_layer, "candidate source"))
-    from .stack import fallback_key_owners   # the key owners its index keys may come from
-    found += [(src, "key owner it may score against") for src in fallback_key_owners(c, layer_id)]
-    return [(src, role) for src, role in found if src != layer_id]
-
-
 def missing_sources(config: AttnConfig, layers) -> list[str]:
-    """One message per source a member of ``layers`` reads but that is not a member."""
-    members = set(layers)
-    missing = []
-    for i in sorted(members):
-        for src, role in _layer_sources(config, i):
-            if src not in members:
-                missing.append(f"layer {i} needs layer {src} (its {role})")
-    return list(dict.fromkeys(missing))
+    """One message per source a member of ``layers`` reads but that is not a member
+    (:meth:`AttnConfig.missing_sources`)."""
+    return list(dict.fromkeys(f"layer {i} needs layer {src} (its {role})"
+                              for i, src, role in config.missing_sources(layers)))
 
 
 # =========================================================================== captures

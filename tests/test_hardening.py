@@ -20,7 +20,7 @@ import pytest
 import naive
 from ds41numba import AttentionStack, AttnConfig, preset
 from ds41numba.golden import GoldenError, GoldenPlan, make_weights
-from ds41numba.stack import fallback_key_owners, weight_specs
+from ds41numba.stack import weight_specs
 
 TINY = preset("tiny")       # ratios 0,0,2,2,1,1; kv 2,4; index 2,4,5; candidate source 4
 
@@ -132,7 +132,7 @@ def test_rerunning_a_consumer_after_later_layers_is_refused(tiny_weights):
 def test_an_index_source_needs_every_key_owner_it_may_fall_back_on(tiny_weights):
     """Layer 2 (ratio 2) writes no index keys on decode steps that complete no group; it then
     scores against the keys layer 4 (ratio 1) left, as the reference does (tiny golden)."""
-    assert fallback_key_owners(TINY, 2) == [4] and fallback_key_owners(TINY, 4) == []
+    assert TINY.fallback_key_owners(2) == [4] and TINY.fallback_key_owners(4) == []
     refused(lambda: AttentionStack(TINY, tiny_weights, layers=[2, 3]), ValueError,
             "layer 2 needs layer 4")
     with pytest.raises(GoldenError, match="layer 2 needs layer 4"):
