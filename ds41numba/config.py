@@ -12,6 +12,7 @@ stack and the golden runs both ask it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import numbers
@@ -20,9 +21,24 @@ from dataclasses import dataclass, field
 
 from .numerics import FP4_BLOCK, LATENT_BLOCK
 
-__all__ = ["AttnConfig", "PRESETS", "preset", "FALLBACK_KEY_OWNER"]
+__all__ = ["AttnConfig", "PRESETS", "preset", "IGNORED_KEYS", "FALLBACK_KEY_OWNER"]
 
 _INT_MAX = 2**31 - 1
+
+#: Keys :meth:`AttnConfig.from_dict` accepts and ignores (keeps in ``extra``): any other key
+#: that is not a field is refused, as the reference's ``ModelArgs(**config)`` refuses it.
+IGNORED_KEYS = frozenset({
+    # The reference's ModelArgs fields (DeepSeek V3 / V3.2 / V4 inference/model.py) that are not
+    # attention fields: batch and dtype, vocabulary and dense width, the MoE, the V3 MLA head
+    # split, YaRN's attention-scale knob, the V4 hyper-connections.
+    "max_batch_size", "dtype", "scale_fmt", "vocab_size", "inter_dim", "moe_inter_dim",
+    "n_layers", "n_dense_layers", "n_routed_experts", "n_shared_experts", "n_activated_experts",
+    "n_expert_groups", "n_limited_groups", "score_func", "route_scale", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mscale", "hc_mult",
+    # The run a reference golden's ``config`` entry records beside the attention fields (so
+    # that entry is a config file as it is, see README "--config").
+    "prefill", "decode", "seed",
+})
 
 #: The role :meth:`AttnConfig.sources_of` gives a key owner that a layer reads only on a step
 #: where it writes no index keys itself (:meth:`AttnConfig.fallback_key_owners`).
@@ -84,16 +100,24 @@ class AttnConfig:
 
     @classmethod
     def from_dict(cls, mapping: dict) -> "AttnConfig":
-        """Build from the reference's ModelArgs names; unknown keys are kept in ``extra``.
+        """Build from the reference's ModelArgs names.
 
-        A mapping that looks like a Hugging Face ``config.json`` (it has ``hidden_size``) is
-        translated first, see :meth:`from_hf_dict`.
+        The keys of :data:`IGNORED_KEYS` (the reference's non-attention fields, and the run a
+        reference golden's config records) are kept in ``extra``; any other unknown key is a
+        ``ValueError`` that names it and the closest field name. A mapping that looks like a
+        Hugging Face ``config.json`` (it has ``hidden_size``) is translated first, see
+        :meth:`from_hf_dict`.
         """
         if not isinstance(mapping, dict):
             raise ValueError(f"config: expected a mapping, got {type(mapping).__name__}")
         if "hidden_size" in mapping or "text_config" in mapping:
             return cls.from_hf_dict(mapping)
         names = cls.field_names()
+        for key in mapping:
+            if key not in names and key not in IGNORED_KEYS:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ValueError(f"config: unknown field {key!r}{hint}")
         known = {k: v for k, v in mapping.items() if k in names}
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -105,7 +129,10 @@ class AttnConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "AttnConfig":
-        """Translate a Hugging Face V4.1 ``config.json`` (its text config) to the reference names."""
+        """Translate a Hugging Face V4.1 ``config.json`` (its text config) to the reference names.
+
+        Only the attention keys are read; the others (vocabulary, experts, ...) are ignored.
+        """
         if "text_config" in hf and isinstance(hf["text_config"], dict):
             hf = {**hf, **hf["text_config"]}
         rename = {

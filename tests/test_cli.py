@@ -15,6 +15,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from helpers import hf_config
 from ds41numba import golden
 from ds41numba.cli import main
 from ds41numba.config import PRESETS, preset
@@ -126,25 +127,7 @@ def test_layer_subset(tmp_path):
 
 
 def test_hf_config_json(tmp_path):
-    t = PRESETS["tiny"]
-    hf = {
-        "architectures": ["DeepseekV4ForCausalLM"], "hidden_size": t["dim"],
-        "num_attention_heads": t["n_heads"], "head_dim": t["head_dim"],
-        "qk_rope_head_dim": t["rope_head_dim"], "q_lora_rank": t["q_lora_rank"],
-        "o_lora_rank": t["o_lora_rank"], "o_groups": t["o_groups"],
-        "sliding_window": t["window_size"], "compress_ratios": t["compress_ratios"],
-        "kv_source_layer_ids": t["kv_source_layers"], "index_source_layer_ids": t["index_source_layers"],
-        "candidate_source_layer_id": t["candidate_source_layer"],
-        "candidate_topk_blocks": t["candidate_topk_blocks"],
-        "candidate_block_size": t["candidate_block_size"],
-        "index_n_heads": t["index_n_heads"], "index_head_dim": t["index_head_dim"],
-        "index_topk": t["index_topk"], "compress_rope_theta": t["compress_rope_theta"],
-        "rope_theta": t["rope_theta"], "rms_norm_eps": t["norm_eps"],
-        "max_position_embeddings": t["max_seq_len"],
-        "rope_scaling": {"type": "yarn", "factor": t["rope_factor"],
-                         "original_max_position_embeddings": t["original_seq_len"],
-                         "beta_fast": t["beta_fast"], "beta_slow": t["beta_slow"]},
-    }
+    hf = hf_config(PRESETS["tiny"])
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(hf))
     path = _golden(tmp_path, "g.safetensors", "--config", str(cfg), "--prefill", "4", "--decode", "2")
