@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from helpers import hf_config
 from ds41numba import golden
-from ds41numba.cli import main
+from ds41numba.cli import main, parse_layers
 from ds41numba.config import PRESETS, preset
 from ds41numba.stack import AttentionStack
 
@@ -146,6 +146,19 @@ def test_default_output_name_for_a_config_file(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "ds41numba-golden-my-stack.safetensors").exists()
 
 
+# --------------------------------------------------------------------------- arguments
+
+
+def test_parse_layers():
+    assert parse_layers("20", 43) == (20,)
+    assert parse_layers("2,3,20-24", 43) == (2, 3, 20, 21, 22, 23, 24)
+    assert parse_layers(" 5 , 1-2,2", 6) == (1, 2, 5)
+    for bad, msg in [("a", "not a layer"), ("3-1", "backwards"), ("50", "not a layer of this config"),
+                     ("1,,2", "not a layer"), ("-1", "not a layer")]:
+        with pytest.raises(golden.GoldenError, match=msg):
+            parse_layers(bad, 43)
+
+
 # --------------------------------------------------------------------------- errors: exit 2, one line
 
 
@@ -197,7 +210,7 @@ def test_existing_output_needs_force(tmp_path, capsys):
 
 
 def test_run_that_cannot_fit_in_memory_exits_2(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(golden, "_available_bytes", lambda: 1000)
+    monkeypatch.setattr(golden.run, "_available_bytes", lambda: 1000)
     assert main(["golden", "--quiet", "--out", str(tmp_path / "g.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "needs at least" in err and len(err.strip().splitlines()) == 1

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from ds41numba import golden
 from ds41numba.config import preset
-from ds41numba.golden import GoldenError, GoldenPlan, compare_tensor
+from ds41numba.golden import GoldenError, GoldenPlan, compare_tensor, generator
 from ds41numba.stack import weight_specs
 
 DATA = Path(__file__).parent / "data"
@@ -55,7 +55,7 @@ def test_generator_matches_its_documented_algorithm(seed, bf16):
 
 def test_generator_is_independent_of_chunking_and_threads():
     name, shape = "step3.layers.1.x", (1100, 64)      # large enough for the parallel kernel
-    assert shape[0] * shape[1] >= golden._PARALLEL_FROM
+    assert shape[0] * shape[1] >= generator._PARALLEL_FROM
     whole = golden.make_input(name, shape, seed=11)
     flat = whole.reshape(-1)
     cuts = [0, 1, 4096, 14096, 50000, flat.size]        # small pieces take the serial kernel
@@ -114,17 +114,7 @@ def test_bad_seed_is_a_usage_error():
         golden.make_input("x", (2, 2), seed=-1)
 
 
-# --------------------------------------------------------------------------- layer selection
-
-
-def test_parse_layers():
-    assert golden.parse_layers("20", 43) == (20,)
-    assert golden.parse_layers("2,3,20-24", 43) == (2, 3, 20, 21, 22, 23, 24)
-    assert golden.parse_layers(" 5 , 1-2,2", 6) == (1, 2, 5)
-    for bad, msg in [("a", "not a layer"), ("3-1", "backwards"), ("50", "not a layer of this config"),
-                     ("1,,2", "not a layer"), ("-1", "not a layer")]:
-        with pytest.raises(GoldenError, match=msg):
-            golden.parse_layers(bad, 43)
+# --------------------------------------------------------------------------- layer sources
 
 
 def test_missing_sources_are_named():
