@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from numba import njit, prange
 
 import naive
-from ds41numba.topk import (_topk_scratch_len, _topk_set_into, torch_cpu_topk_rows,
+from ds41numba.topk import (topk_scratch_len, topk_set_into, torch_cpu_topk_rows,
                             torch_cpu_topk_set)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -292,11 +292,11 @@ def test_thread_count_independent():
 @njit(parallel=True)
 def _core_caller(mat, k, out):
     rows, n = mat.shape
-    need = _topk_scratch_len(n, k)
+    need = topk_scratch_len(n, k)
     for r in prange(rows):
         sv = np.empty(need, np.float32)
         si = np.empty(need, np.int64)
-        _topk_set_into(mat[r], k, out[r], sv, si)
+        topk_set_into(mat[r], k, out[r], sv, si)
 
 
 def test_core_callable_from_prange():
@@ -310,16 +310,16 @@ def test_core_callable_from_prange():
 
 
 def test_core_scratch_len_and_errors():
-    assert _topk_scratch_len(1000, 15) == 15
-    assert _topk_scratch_len(1000, 16) == 1000
-    assert _topk_scratch_len(64, 1) == 1
+    assert topk_scratch_len(1000, 15) == 15
+    assert topk_scratch_len(1000, 16) == 1000
+    assert topk_scratch_len(64, 1) == 1
     row = np.arange(100, dtype=np.float32)
     out = np.empty(10, np.int64)
     with pytest.raises(ValueError, match="scratch"):
-        _topk_set_into(row, 10, out, np.empty(10, np.float32), np.empty(10, np.int64))
+        topk_set_into(row, 10, out, np.empty(10, np.float32), np.empty(10, np.int64))
     with pytest.raises(ValueError, match="k must be"):
-        _topk_set_into(row, 101, out, np.empty(100, np.float32), np.empty(100, np.int64))
-    _topk_set_into(row, 1, out, np.empty(1, np.float32), np.empty(1, np.int64))
+        topk_set_into(row, 101, out, np.empty(100, np.float32), np.empty(100, np.int64))
+    topk_set_into(row, 1, out, np.empty(1, np.float32), np.empty(1, np.int64))
     assert out[0] == 99
 
 
