@@ -2,7 +2,7 @@
 
 The goldens (tests/data/topk_cases.npz, topk_nan_cases.npz, copied from shared/golden) are the sets
 torch 2.13's CPU topk returned on tie-heavy bf16 rows; every row must match exactly, through both the
-single-row and the batched form. ``naive.naive_topk_set`` is a slow line-by-line transcription of the
+single-row and the batched form. ``naive.torch_cpu_topk_set`` is a slow line-by-line transcription of the
 libstdc++ algorithms; the kernels must agree with it on random rows full of ties, NaN and infinities,
 in both branches (nth_element for k * 64 > n, partial_sort for k * 64 <= n) and on inputs built to
 drive introselect into its depth-limit heap-select fallback.
@@ -110,7 +110,7 @@ def test_naive_matches_goldens():
     """The transcription itself reproduces torch on golden rows (a subset, it is slow)."""
     for name in GOLDEN_BRANCH_COUNTS:
         for row, k, want, _ in load_cases(name)[::7]:
-            assert naive.naive_topk_set(row, k) == want.tolist()
+            assert naive.torch_cpu_topk_set(row, k) == want.tolist()
 
 
 # --------------------------------------------------------------------------- random vs naive
@@ -148,7 +148,7 @@ def topk_problem(draw, which):
 
 def check_against_naive(row, k):
     got = torch_cpu_topk_set(row, k)
-    assert got.tolist() == naive.naive_topk_set(row, k)
+    assert got.tolist() == naive.torch_cpu_topk_set(row, k)
     # Properties that hold whatever the tie rule: k distinct in-range indices, ascending, and the
     # kept values are exactly the top-k multiset (NaN first, then descending).
     assert len(got) == k and np.all(np.diff(got) > 0)
@@ -262,7 +262,7 @@ def test_million_row_partial_sort():
     want_vals = naive.topk_value_multiset(row, k)
     assert np.array_equal(np.sort(row[got]), np.sort(want_vals), equal_nan=True)
     # The tie rule too: the naive heap select is a Python loop, but linear (~1 s).
-    assert got.tolist() == naive.naive_topk_set(row, k)
+    assert got.tolist() == naive.torch_cpu_topk_set(row, k)
     # And the batched form at this length.
     out = torch_cpu_topk_rows(np.stack([row, row[::-1]]), np.array([k, 300]))
     assert np.array_equal(out[0], got)
