@@ -1,4 +1,5 @@
-"""The golden-file library: generator, layer selection, storage, atomic writing, comparison."""
+"""ds41numba.golden: the generator, a plan's layer sources, storage, atomic writing, reading,
+comparison, and files byte-identical whatever the thread count."""
 
 from __future__ import annotations
 

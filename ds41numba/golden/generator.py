@@ -1,7 +1,5 @@
 """The deterministic generator of every weight and input: ``ds41numba-splitmix64-v1``.
 
-Generator ``ds41numba-splitmix64-v1``
--------------------------------------
 Every weight and input is a function of (seed, tensor name, element index) only, so the values
 do not depend on thread count, chunking or the order tensors are made in. For a tensor NAME with
 shape S, the run's SEED (0 <= SEED < 2^64), all integer arithmetic modulo 2^64::
@@ -29,6 +27,10 @@ tensor                                        center  scale             why
 1-D ``*norm.weight``                          1       0.2               norm gains around 1
 2-D ``*.weight`` ``[out, in]``                0       sqrt(3 / in)      variance 1/in keeps
                                                                         activations O(1)
+============================================  ======  ================  =====================
+
+A tensor whose reference dtype is f32 (``attn_sink``, the ratio > 1 compressor's ``wkv`` and
+``wgate``) keeps the float32 value; every other one is rounded to bf16.
 """
 
 from __future__ import annotations
