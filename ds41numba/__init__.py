@@ -1,8 +1,36 @@
 """ds41numba: a fast, exact CPU reference for DeepSeek-V4.1 compressed attention.
 
 It reproduces DeepSeek's ``inference/model.py`` (bit for bit in its index selections, at bf16
-tolerance in its tensors) and runs at full length on multicore CPUs. The public names follow
-the reference's.
+tolerance in its tensors) and runs at full length on multicore CPUs.
+
+Names. The config's fields (:class:`AttnConfig`: the attention fields of the reference's
+``ModelArgs``), the parameter names (``layers.{i}.attn.NAME``, the reference's ``Attention``
+parameters) and the golden tensor names are the reference's, and so are ``sparse_attn`` (its
+sparse-attention kernel) and ``select_candidate_blocks``. The other public names say what they
+compute; where the reference has a function for it, it is:
+
+* ``act_quant_fp8_inplace``: the reference's ``act_quant`` (fp8 e4m3, block 32: the window KV);
+* ``fp4_quant_e8m0_inplace``: its ``fp4_act_quant`` with the default e8m0 scales (block 32,
+  ``FP4_BLOCK``: the indexer's queries and keys);
+* ``fp4_quant_e4m3_inplace``: its fp4 quantiser with e4m3 scales (block 16, ``LATENT_BLOCK``:
+  the compressed KV latents; SPEC.md "Quantisers");
+* ``linear_bf16``, ``linear_f32``: its linears (torch's ``F.linear``) on bf16 weights, and on the
+  f32 weights of the ratio > 1 compressor;
+* ``rms_norm``: the forward of its ``RMSNorm``;
+* ``yarn_freqs_cis``, ``apply_rotary``: its rotary table (with YaRN on compressed layers) and the
+  rotation of a vector's last ``rope_head_dim`` elements by it (SPEC.md "RoPE");
+* ``torch_cpu_topk_set``, ``torch_cpu_topk_rows``: the index set its ``torch.topk`` calls return on
+  the CPU, ties included;
+* ``compressor`` (with ``CompressorWeights``, ``CompressorState``) and ``indexer`` (with
+  ``IndexerWeights``, ``IndexerCfg``): the forwards of its ``Attention``'s ``compressor`` and
+  ``indexer`` submodules (the parameters ``layers.{i}.attn.compressor.*``, ``.indexer.*``);
+* ``attention_any``: the forward of its ``Attention`` for a layer of any compress ratio;
+  ``AttentionStack``: the layers' ``Attention`` forwards in the order the model runs them, with
+  the state they share (SPEC.md "The shared runtime and the layer stack").
+
+The rest (the roundings ``to_bf16_rne``, ``to_e4m3_rne``, ``to_e2m1_rne``, ``pow2ceil``,
+``is_bf16_valued``; ``window_index_rows``, ``output_projection``, ``PackedIndexKeys``, ...) are
+ds41numba's own names for what the reference does inline.
 """
 
 import os as _os

@@ -28,7 +28,7 @@ from .numerics import (MATVEC_MAX_ROWS, _output, act_quant_fp8_inplace, fp4_quan
                        single_threaded_blas, split_range)
 from .rope import apply_rotary, yarn_freqs_cis
 
-__all__ = ["CompAttnRun", "attention_any", "sparse_attn", "window_index_rows",
+__all__ = ["CompAttnRun", "attention_any", "sparse_attn", "window_index_rows", "index_rows",
            "output_projection", "layer_rope_table"]
 
 
@@ -91,6 +91,14 @@ def window_index_rows(start_pos: int, seqlen: int, window: int) -> np.ndarray:
     first = start_pos % window + 1
     slots = (np.arange(window) + first) % window
     return np.where(slots > start_pos, -1, slots).astype(np.int32)[None, :]
+
+
+def index_rows(start_pos: int, seqlen: int, window: int, compressed=None) -> np.ndarray:
+    """The index rows sparse attention receives, ``[seqlen, width]`` int32: the window entries
+    (:func:`window_index_rows`), then ``compressed``, the compressed entries (the shared
+    selection, offsets applied; None for a ratio-0 layer)."""
+    win = window_index_rows(start_pos, seqlen, window)
+    return win if compressed is None else np.concatenate([win, compressed], axis=1)
 
 
 # Queries whose attention runs as one batch of small products: enough to spread numpy's
@@ -272,7 +280,7 @@ def _default_tile(seqlen: int) -> int:
 
 
 def _window_rows(config, weights, state, x, start_pos, positions, table):
-    """This step's window: the KV rows attention reads, their index rows, and the offset.
+    """This step's window: the KV rows attention reads, and the offset.
 
     The new rows are normed, rotated and fp8-quantised. A prefill attends to all its new rows
     and the ring keeps the last ``window_size`` of them; a decode step writes its row into the
@@ -289,7 +297,7 @@ def _window_rows(config, weights, state, x, start_pos, positions, table):
     else:
         state.window_kv[start_pos % win] = kv[0]
         rows = state.window_kv.copy()
-    return rows, window_index_rows(start_pos, seqlen, win), len(rows)
+    return rows, len(rows)
 
 
 def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos, table, offset,
@@ -365,13 +373,13 @@ def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capt
     table = layer_rope_table(c, c.ratio(layer_id), start_pos + seqlen)
 
     qr = rms_norm(linear_bf16(x, weights.wq_a), weights.q_norm, c.norm_eps)
-    window, idx_window, offset = _window_rows(c, weights, state, x, start_pos, positions, table)
-    kv_rows, idx_comp, index_score = (window,), np.zeros((seqlen, 0), np.int32), None
+    window, offset = _window_rows(c, weights, state, x, start_pos, positions, table)
+    kv_rows, idx_comp, index_score = (window,), None, None
     if c.ratio(layer_id) > 0:
         comp, idx_comp, index_score = _compressed_rows(c, layer_id, weights, state, shared, x, qr,
                                                        start_pos, table, offset, capture)
         kv_rows = (window, comp)
-    idx = np.concatenate([idx_window, idx_comp], axis=1)
+    idx = index_rows(start_pos, seqlen, c.window_size, idx_comp)
 
     out = np.empty((seqlen, c.dim), np.float32)
     q_cap = np.empty((seqlen, H, hd), np.float32) if capture else None

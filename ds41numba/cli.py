@@ -1,4 +1,4 @@
-"""The ``ds41numba`` command: argument parsing and printing only (the work is in ``golden.py``).
+"""The ``ds41numba`` command: argument parsing and printing only (the work is in ``golden/``).
 
 Exit status: 0 success; 1 a replay or comparison that disagrees; 2 a bad argument, an unreadable
 config or file, or an output that exists without ``--force`` (always one line on stderr);
@@ -10,14 +10,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
 
+from tqdm import tqdm
+
 from . import golden
+from .config import AttnConfig, preset
 from .golden import CAPTURE_MODES, GoldenError
 
-__all__ = ["main"]
+__all__ = ["main", "parse_layers", "default_run", "load_config"]
 
 PROG = "ds41numba"
 _EPILOG = "Exit status: 0 ok, 1 disagreement, 2 bad usage or unreadable input, 130 interrupted."
@@ -128,8 +132,6 @@ def _progress(total: int, quiet: bool, desc: str):
     The bar shows itself only once a run has lasted two seconds, counts token-layers, and names
     the step and layer in progress (a long prefill is a single forward call).
     """
-    from tqdm import tqdm
-
     with tqdm(total=total, disable=quiet, delay=2.0, unit="tok", unit_scale=True, desc=desc,
               file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
         def report(n: int, where: str):
@@ -141,10 +143,10 @@ def _progress(total: int, quiet: bool, desc: str):
 
 
 def _golden(args) -> int:
-    config, preset_name = golden.load_config(args.preset, args.config)
-    layers = (golden.parse_layers(args.layers, config.n_layers) if args.layers is not None
+    config, preset_name = load_config(args.preset, args.config)
+    layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
               else tuple(range(config.n_layers)))
-    prefill, decode = golden.default_run(preset_name)
+    prefill, decode = default_run(preset_name)
     plan = golden.GoldenPlan(config=config, layers=layers,
                              prefill=prefill if args.prefill is None else args.prefill,
                              decode=decode if args.decode is None else args.decode,
@@ -181,6 +183,47 @@ def _compare(args) -> int:
     report = golden.compare_files(args.golden, args.candidate, subset=args.subset)
     print(report.to_json() if args.json else report.text())
     return 0 if report.ok else 1
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
+    """``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``; sorted, duplicates dropped."""
+    layers = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not m:
+            raise GoldenError(f"--layers: {part!r} is not a layer number or range "
+                              f"(write e.g. 20 or 2,3,20-24)")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise GoldenError(f"--layers: range {part!r} runs backwards")
+        for i in (lo, hi):
+            if i >= n_layers:
+                raise GoldenError(f"--layers: layer {i} is not a layer of this config "
+                                  f"(0..{n_layers - 1})")
+        layers.update(range(lo, hi + 1))
+    return tuple(sorted(layers))
+
+
+def default_run(preset_name: str | None) -> tuple[int, int]:
+    """``(prefill, decode)`` when not given: the reference goldens' runs for their presets."""
+    return {"tiny": (12, 40), "mixed": (203, 48)}.get(preset_name or "", (12, 40))
+
+
+def load_config(preset_name: str | None, config_path: str | None) -> tuple[AttnConfig, str]:
+    """The config of a run and the preset name for the metadata ("" for a config file)."""
+    try:
+        if config_path is not None:
+            return AttnConfig.from_json(config_path), ""
+        name = preset_name or "tiny"
+        return preset(name), name
+    except ValueError as e:
+        msg = str(e)
+        raise GoldenError(msg if msg.startswith(("config", "unknown preset")) else f"config: {msg}") from None
 
 
 def _ranges(ids) -> str:

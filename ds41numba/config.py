@@ -4,11 +4,15 @@ A config describes a whole stack: one ``compress_ratios`` entry per layer and th
 roles (which layers own a compressed KV cache, which run the indexer, which publishes the
 candidate blocks). Everything the layers later assume about each other is checked here once,
 so that a bad topology is a clear ``ValueError`` at construction instead of a wrong answer later.
+The layer-role graph (which layers a layer reads, :meth:`AttnConfig.sources_of`, and whether a
+subset of layers is closed under it, :meth:`AttnConfig.missing_sources`) lives here too: the
+stack and the golden runs both ask it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import numbers
@@ -17,9 +21,28 @@ from dataclasses import dataclass, field
 
 from .numerics import FP4_BLOCK, LATENT_BLOCK
 
-__all__ = ["AttnConfig", "PRESETS", "preset"]
+__all__ = ["AttnConfig", "PRESETS", "preset", "IGNORED_KEYS", "FALLBACK_KEY_OWNER"]
 
 _INT_MAX = 2**31 - 1
+
+#: Keys :meth:`AttnConfig.from_dict` accepts and ignores (keeps in ``extra``): any other key
+#: that is not a field is refused, as the reference's ``ModelArgs(**config)`` refuses it.
+IGNORED_KEYS = frozenset({
+    # The reference's ModelArgs fields (DeepSeek V3 / V3.2 / V4 inference/model.py) that are not
+    # attention fields: batch and dtype, vocabulary and dense width, the MoE, the V3 MLA head
+    # split, YaRN's attention-scale knob, the V4 hyper-connections.
+    "max_batch_size", "dtype", "scale_fmt", "vocab_size", "inter_dim", "moe_inter_dim",
+    "n_layers", "n_dense_layers", "n_routed_experts", "n_shared_experts", "n_activated_experts",
+    "n_expert_groups", "n_limited_groups", "score_func", "route_scale", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mscale", "hc_mult",
+    # The run a reference golden's ``config`` entry records beside the attention fields (so
+    # that entry is a config file as it is, see README "--config").
+    "prefill", "decode", "seed",
+})
+
+#: The role :meth:`AttnConfig.sources_of` gives a key owner that a layer reads only on a step
+#: where it writes no index keys itself (:meth:`AttnConfig.fallback_key_owners`).
+FALLBACK_KEY_OWNER = "key owner it may score against"
 
 
 @dataclass(frozen=True)
@@ -77,16 +100,24 @@ class AttnConfig:
 
     @classmethod
     def from_dict(cls, mapping: dict) -> "AttnConfig":
-        """Build from the reference's ModelArgs names; unknown keys are kept in ``extra``.
+        """Build from the reference's ModelArgs names.
 
-        A mapping that looks like a Hugging Face ``config.json`` (it has ``hidden_size``) is
-        translated first, see :meth:`from_hf_dict`.
+        The keys of :data:`IGNORED_KEYS` (the reference's non-attention fields, and the run a
+        reference golden's config records) are kept in ``extra``; any other unknown key is a
+        ``ValueError`` that names it and the closest field name. A mapping that looks like a
+        Hugging Face ``config.json`` (it has ``hidden_size``) is translated first, see
+        :meth:`from_hf_dict`.
         """
         if not isinstance(mapping, dict):
             raise ValueError(f"config: expected a mapping, got {type(mapping).__name__}")
         if "hidden_size" in mapping or "text_config" in mapping:
             return cls.from_hf_dict(mapping)
         names = cls.field_names()
+        for key in mapping:
+            if key not in names and key not in IGNORED_KEYS:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ValueError(f"config: unknown field {key!r}{hint}")
         known = {k: v for k, v in mapping.items() if k in names}
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -98,7 +129,10 @@ class AttnConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "AttnConfig":
-        """Translate a Hugging Face V4.1 ``config.json`` (its text config) to the reference names."""
+        """Translate a Hugging Face V4.1 ``config.json`` (its text config) to the reference names.
+
+        Only the attention keys are read; the others (vocabulary, experts, ...) are ignored.
+        """
         if "text_config" in hf and isinstance(hf["text_config"], dict):
             hf = {**hf, **hf["text_config"]}
         rename = {
@@ -166,7 +200,7 @@ class AttnConfig:
     def replace(self, **changes) -> "AttnConfig":
         return dataclasses.replace(self, **changes)
 
-    # ------------------------------------------------------------------ roles
+    # ------------------------------------------------------------------ the layer-role graph
     @property
     def n_layers(self) -> int:
         return len(self.compress_ratios)
@@ -201,6 +235,54 @@ class AttnConfig:
     def key_owner_of(self, layer_id: int) -> int:
         """The key owner whose index keys this index source scores against."""
         return max(s for s in self.kv_source_layers if s <= layer_id and self.is_index_source(s))
+
+    def fallback_key_owners(self, layer_id: int) -> list[int]:
+        """Key owners whose index keys index source ``layer_id`` may score against on a decode
+        step where no key owner at or before it of its own ratio writes keys.
+
+        The shared ``index_k`` slot then holds whatever key owner wrote last, of any ratio (the
+        reference's behaviour, which the goldens record), so the result depends on those layers
+        having run. A ratio-1 index source always has fresh keys of its own ratio; an owner
+        before this layer whose ratio is a multiple of this layer's never writes last (this
+        layer's own key owner writes after it at every step it writes).
+        """
+        r = self.ratio(layer_id)
+        if not self.is_index_source(layer_id) or r <= 1:
+            return []
+        owners = [j for j in self.kv_source_layers if self.is_index_source(j) and j != layer_id]
+        return sorted(j for j in owners if j > layer_id or self.ratio(j) % r)
+
+    def sources_of(self, layer_id: int) -> list[tuple[int, str]]:
+        """``(layer, role)`` of every other layer whose published slots layer ``layer_id`` reads.
+
+        Within a step: its kv source, index source, index-key owner and candidate source, in
+        that order (:meth:`step_sources`); then the key owners it may score against on a step
+        where it writes no index keys, with the role :data:`FALLBACK_KEY_OWNER`. A ratio-0 layer
+        reads none.
+        """
+        if self.ratio(layer_id) == 0:
+            return []
+        found = [(self.kv_source_of(layer_id), "kv source"),
+                 (self.index_source_of(layer_id), "index source")]
+        if self.is_index_source(layer_id):
+            found.append((self.key_owner_of(layer_id), "index-key owner"))
+        if self.uses_candidates(layer_id):
+            found.append((self.candidate_source_layer, "candidate source"))
+        found += [(j, FALLBACK_KEY_OWNER) for j in self.fallback_key_owners(layer_id)]
+        return [(src, role) for src, role in found if src != layer_id]
+
+    def step_sources(self, layer_id: int) -> list[int]:
+        """The layers whose published slots layer ``layer_id`` reads within a step, ascending:
+        they must have run this step before it, and no later layer since."""
+        return sorted({src for src, role in self.sources_of(layer_id) if role != FALLBACK_KEY_OWNER})
+
+    def missing_sources(self, layers) -> list[tuple[int, int, str]]:
+        """Whether a subset of layers is closed under :meth:`sources_of`: ``(layer, source,
+        role)`` for every source a member reads that is not a member (members in increasing
+        order), empty when the subset can run on its own."""
+        members = set(layers)
+        return [(i, src, role) for i in sorted(members) for src, role in self.sources_of(i)
+                if src not in members]
 
     # ------------------------------------------------------------------ validation
     def _validate(self):

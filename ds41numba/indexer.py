@@ -27,7 +27,7 @@ from .numerics import (BF16_DOT, DOT_LANES, DOT_ROWS, _bf16_dot_tile, _output, b
                        bf16_scalar, fp4_quant_e8m0_inplace, in_workers, linear_bf16, nan_max,
                        pack_bf16_pairs, rms_norm, split_range, to_bf16_rne)
 from .rope import apply_rotary
-from .topk import _partial_sort_set_into, _topk_set_into, torch_cpu_topk_rows
+from .topk import partial_sort_set_into, topk_set_into, torch_cpu_topk_rows
 
 __all__ = ["IndexerWeights", "IndexerCfg", "PackedIndexKeys", "indexer", "index_keys",
            "select_candidate_blocks", "candidate_mask", "visible_lengths"]
@@ -328,11 +328,11 @@ def _select_rows(scores, clen, k, out):
             n = min(width, max(k, clen[s]))
             sv = np.empty(k, np.float32)
             si = np.empty(k, np.int64)
-            _partial_sort_set_into(scores[s, :n], k, out[s], sv, si)
+            partial_sort_set_into(scores[s, :n], k, out[s], sv, si)
         else:
             sv = np.empty(width, np.float32)
             si = np.empty(width, np.int64)
-            _topk_set_into(scores[s], k, out[s], sv, si)
+            topk_set_into(scores[s], k, out[s], sv, si)
 
 
 def candidate_mask(packed_blocks: np.ndarray, width: int, block_size: int) -> np.ndarray:

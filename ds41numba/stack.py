@@ -6,8 +6,9 @@ publishes the top-k selection that the following layers reuse; a *key owner* (an
 that is also a kv source) writes the index keys the later index sources score against; the
 *candidate source* publishes block candidates that later index sources are restricted to.
 :class:`SharedRuntime` holds those four slots, :class:`LayerAttnState` what one layer carries
-from step to step, and :class:`AttentionStack` checks that a caller runs them in an order
-the reference could have run them in.
+from step to step, and :class:`AttentionStack` runs them, its :class:`StepOrder` checking that
+a caller runs them in an order the reference could have run them in. Which layers a layer reads
+is the config's (:meth:`AttnConfig.sources_of`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import numpy as np
 
 from .attention import CompAttnRun, attention_any
 from .compressor import CompressorState, CompressorWeights
-from .config import AttnConfig
+from .config import FALLBACK_KEY_OWNER, AttnConfig
 from .indexer import IndexerWeights, PackedIndexKeys, candidate_mask
 from .f32_products import F32Matrix
 from .numerics import BF16_DOT, Bf16Matrix, is_bf16_valued
 
-__all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "weight_specs",
-           "fallback_key_owners"]
+__all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "StepOrder",
+           "weight_specs"]
 
 
 def weight_specs(config: AttnConfig, layer_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -202,40 +203,12 @@ class AttentionStack:
                                  or tile < 1):
             raise ValueError(f"tile must be None or a positive integer, got {tile!r}")
         self.config = config
-        n = config.n_layers
-        if layers is not None:
-            if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-                raise TypeError(f"layers must be a list of layer ids, got {layers!r}")
-            for i in layers:
-                if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-                    raise TypeError(f"layers: {i!r} is not a layer id (an integer)")
-        self.layers = tuple(range(n)) if layers is None else tuple(sorted({int(i) for i in layers}))
-        for i in self.layers:
-            if not 0 <= i < n:
-                raise ValueError(f"layers: {i} is not a layer of this config (0..{n - 1})")
-        members = set(self.layers)
-        for i in self.layers:
-            for src in _sources(config, i):
-                if src not in members:
-                    raise ValueError(f"layers: layer {i} needs layer {src} (a source it reads), "
-                                     f"which is not in the stack")
-            for src in fallback_key_owners(config, i):
-                if src not in members:
-                    raise ValueError(f"layers: layer {i} needs layer {src} (a key owner whose index "
-                                     f"keys it scores against on steps it writes none itself, as "
-                                     f"the reference does), which is not in the stack")
+        self.layers = _checked_layers(config, layers)
         self.weights = {i: AttnWeights.from_mapping(config, i, weights) for i in self.layers}
         self.states = {i: LayerAttnState.fresh(config, i) for i in self.layers}
         self.shared = SharedRuntime()
         self.tile = None if tile is None else int(tile)
-        # Within a step the compressed layers must run in layer order, as in the reference: a
-        # later layer overwrites the shared slots an earlier one reads. ``_step`` is the step
-        # being run, the last compressed layer that ran in it and the tick it began at.
-        self._tick = 0
-        self._ticks: dict[int, int] = {}
-        self._step: tuple | None = None
-        self._index_k_writer: int | None = None
-        self._stale: set[int] = set()      # compressed layers whose prefill an earlier one redid
+        self._order = StepOrder(config, self.layers, self.states, self.shared)
 
     def forward(self, layer_id: int, x, start_pos: int, capture: bool = False) -> CompAttnRun:
         """Run layer ``layer_id`` on ``x [seqlen, dim]`` (bf16 values) at ``start_pos``.
@@ -244,79 +217,115 @@ class AttentionStack:
         is the decode of one token and must follow the layer's previous step.
         """
         c = self.config
-        if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)):
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-        layer_id = int(layer_id)
+        layer_id = _checked_int("layer_id", layer_id)
         if layer_id not in self.states:
             raise ValueError(f"layer {layer_id} is not in this stack (layers {list(self.layers)})")
-        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)):
-            raise TypeError(f"start_pos must be an int, got {type(start_pos).__name__}")
-        start_pos = int(start_pos)
+        start_pos = _checked_int("start_pos", start_pos)
         x = _checked_input(x, c.dim)
-        seqlen = x.shape[0]
         if start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {start_pos}")
-        if start_pos + seqlen > c.max_seq_len:
-            raise ValueError(f"positions {start_pos}..{start_pos + seqlen - 1} run past "
+        if start_pos + x.shape[0] > c.max_seq_len:
+            raise ValueError(f"positions {start_pos}..{start_pos + x.shape[0] - 1} run past "
                              f"max_seq_len {c.max_seq_len}")
-        state = self.states[layer_id]
+        self._order.admit(layer_id, start_pos, x.shape[0])   # refuses before anything changes
         if start_pos == 0:
-            state = LayerAttnState.fresh(c, layer_id)   # kept only once every check has passed
-        else:
-            if seqlen != 1:
-                raise ValueError(f"a step at start_pos {start_pos} > 0 must be one token (decode), "
-                                 f"got {seqlen}: the reference has no chunked prefill")
-            if state.last_step is None or state.end_pos != start_pos:
-                expect = "a prefill at start_pos 0" if state.last_step is None else f"start_pos {state.end_pos}"
-                raise ValueError(f"layer {layer_id}: decode at start_pos {start_pos} does not follow "
-                                 f"its last step (expected {expect})")
+            self.states[layer_id] = LayerAttnState.fresh(c, layer_id)
+        run = attention_any(c, layer_id, self.weights[layer_id], self.states[layer_id],
+                            self.shared, x, start_pos, capture=capture, tile=self.tile)
+        self._order.ran(layer_id, start_pos, x.shape[0])
+        return run
+
+
+class StepOrder:
+    """Checks that a stack's layers run in an order the reference could have run them in.
+
+    Within a step the compressed layers must run in layer order, as in the reference: a later
+    layer overwrites the shared slots an earlier one reads. ``current`` is the step being run,
+    the last compressed layer that ran in it and the tick it began at (a tick counts forwards);
+    ``ticks`` the tick each layer last ran at; ``stale`` the compressed layers whose prefill an
+    earlier layer redid (a new sequence from that layer) and that must prefill again.
+    """
+
+    def __init__(self, config: AttnConfig, layers: tuple[int, ...], states: dict,
+                 shared: SharedRuntime):
+        self.config = config
+        self.layers = layers
+        self.states = states           # the stack's LayerAttnState per layer
+        self.shared = shared
+        self.tick = 0
+        self.ticks: dict[int, int] = {}
+        self.current: tuple | None = None
+        self.index_k_writer: int | None = None
+        self.stale: set[int] = set()
+
+    def admit(self, layer_id: int, start_pos: int, seqlen: int):
+        """Refuse (``ValueError``) a step the reference could not have run; otherwise record
+        that it begins."""
+        c = self.config
         step = (start_pos, seqlen)
-        r = c.ratio(layer_id)
-        begin = cur_step = None
+        if start_pos > 0:
+            self._check_decode_follows(layer_id, start_pos, seqlen)
+        begin = current = None
         stale = set()
-        if r:
-            cur = self._step
-            if start_pos > 0 and layer_id in self._stale:
-                raise ValueError(f"layer {layer_id}: its prefill was run before an earlier layer "
-                                 f"restarted the sequence (start_pos 0 again), so the shared slots "
-                                 f"it left are not the reference's: prefill layer {layer_id} again")
-            if cur is not None and cur[0] == step and layer_id > cur[1]:
-                begin = cur[2]                       # the step goes on, in layer order
-            elif cur is not None and cur[0] == step and start_pos > 0:
-                raise ValueError(f"layer {layer_id}: layer {cur[1]} already ran this step (start_pos "
-                                 f"{start_pos}); within a step run the layers in increasing order, "
-                                 f"as the reference does")
-            else:
-                begin = self._tick                   # a new step (at start_pos 0: a new sequence)
-                if cur is not None and cur[0] == step:
-                    # A prefill again, from this layer: the later layers' prefills now predate it.
-                    stale = {j for j in self.layers if j > layer_id and c.ratio(j)
-                             and self.states[j].last_step == step}
-            cur_step = (step, layer_id, begin)
-        for src in _sources(c, layer_id):
-            if src != layer_id and self.states[src].last_step != step:
+        if c.ratio(layer_id):
+            begin, stale = self._check_layer_order(layer_id, step)
+            current = (step, layer_id, begin)
+        for src in c.step_sources(layer_id):
+            if self.states[src].last_step != step:
                 raise ValueError(f"layer {layer_id} reads what layer {src} publishes, but layer {src} "
                                  f"has not run this step (start_pos {start_pos}) yet: run sources first")
-            if src != layer_id and self._ticks.get(src, -1) < begin:
-                later = f"layer {self._step[1]}" if self._step else "a later layer"
+            if self.ticks.get(src, -1) < begin:
+                later = f"layer {self.current[1]}" if self.current else "a later layer"
                 raise ValueError(f"layer {layer_id} reads what layer {src} publishes, but {later} "
                                  f"ran this step after layer {src} and may have replaced it: run "
                                  f"layer {src} again first, then the layers after it in order")
-        if r and c.is_index_source(layer_id):
+        if c.ratio(layer_id) and c.is_index_source(layer_id):
             self._check_index_keys(layer_id, start_pos, seqlen, begin)
-        self.states[layer_id] = state
-        if cur_step is not None:
-            self._step = cur_step
-            self._stale = (self._stale | stale) - {layer_id}
-        run = attention_any(c, layer_id, self.weights[layer_id], state, self.shared,
-                            x, start_pos, capture=capture, tile=self.tile)
+        if current is not None:
+            self.current = current
+            self.stale = (self.stale | stale) - {layer_id}
+
+    def ran(self, layer_id: int, start_pos: int, seqlen: int):
+        """Record a step that ran: the layer's position and tick, and who wrote the index keys."""
+        state = self.states[layer_id]
         state.end_pos = start_pos + seqlen
-        state.last_step = step
-        self._ticks[layer_id] = self._tick
-        self._tick += 1
+        state.last_step = (start_pos, seqlen)
+        self.ticks[layer_id] = self.tick
+        self.tick += 1
         if state.index_cache is not None and self.shared.index_k is state.index_cache:
-            self._index_k_writer = layer_id
-        return run
+            self.index_k_writer = layer_id
+
+    def _check_decode_follows(self, layer_id: int, start_pos: int, seqlen: int):
+        state = self.states[layer_id]
+        if seqlen != 1:
+            raise ValueError(f"a step at start_pos {start_pos} > 0 must be one token (decode), "
+                             f"got {seqlen}: the reference has no chunked prefill")
+        if state.last_step is None or state.end_pos != start_pos:
+            expect = "a prefill at start_pos 0" if state.last_step is None else f"start_pos {state.end_pos}"
+            raise ValueError(f"layer {layer_id}: decode at start_pos {start_pos} does not follow "
+                             f"its last step (expected {expect})")
+
+    def _check_layer_order(self, layer_id: int, step: tuple[int, int]) -> tuple[int, set[int]]:
+        """A compressed layer's place in its step: the tick the step began at, and the layers
+        whose prefills a prefill restarted at this layer makes stale."""
+        start_pos = step[0]
+        cur = self.current
+        if start_pos > 0 and layer_id in self.stale:
+            raise ValueError(f"layer {layer_id}: its prefill was run before an earlier layer "
+                             f"restarted the sequence (start_pos 0 again), so the shared slots "
+                             f"it left are not the reference's: prefill layer {layer_id} again")
+        if cur is not None and cur[0] == step and layer_id > cur[1]:
+            return cur[2], set()                     # the step goes on, in layer order
+        if cur is not None and cur[0] == step and start_pos > 0:
+            raise ValueError(f"layer {layer_id}: layer {cur[1]} already ran this step (start_pos "
+                             f"{start_pos}); within a step run the layers in increasing order, "
+                             f"as the reference does")
+        stale = set()                                # a new step (at start_pos 0: a new sequence)
+        if cur is not None and cur[0] == step:
+            # A prefill again, from this layer: the later layers' prefills now predate it.
+            stale = {j for j in self.layers if j > layer_id and self.config.ratio(j)
+                     and self.states[j].last_step == step}
+        return self.tick, stale
 
     def _check_index_keys(self, layer_id: int, start_pos: int, seqlen: int, begin: int):
         """An index source that does not write keys this step scores against the shared index keys
@@ -331,13 +340,13 @@ class AttentionStack:
         if width == 0 or writes:
             return
         if start_pos > 0:
-            for j in fallback_key_owners(c, layer_id):
+            for j in c.fallback_key_owners(layer_id):
                 st = self.states[j]
-                if j < layer_id and (st.last_step != (start_pos, seqlen) or self._ticks.get(j, -1) < begin):
+                if j < layer_id and (st.last_step != (start_pos, seqlen) or self.ticks.get(j, -1) < begin):
                     raise ValueError(f"layer {layer_id} writes no index keys this step and scores "
                                      f"against the ones the key owners left, but key owner layer {j} "
                                      f"has not run this step (start_pos {start_pos}) yet: run it first")
-                if j > layer_id and (st.last_step is None or st.end_pos != start_pos or j in self._stale):
+                if j > layer_id and (st.last_step is None or st.end_pos != start_pos or j in self.stale):
                     raise ValueError(f"layer {layer_id} writes no index keys this step and scores "
                                      f"against the ones the key owners left, but key owner layer {j} "
                                      f"has not run the previous step (start_pos {start_pos - 1}): "
@@ -345,7 +354,7 @@ class AttentionStack:
         keys = self.shared.index_k
         if keys is not None and keys.shape[0] >= width:
             return
-        who = self._index_k_writer
+        who = self.index_k_writer
         owner = "no key owner" if keys is None else (
             f"layer {who} (ratio {c.ratio(who)})" if who is not None else "an earlier sequence")
         rows = 0 if keys is None else keys.shape[0]
@@ -354,36 +363,34 @@ class AttentionStack:
                          f"{rows} rows: the keys of another ratio's cache cannot cover this step")
 
 
-def fallback_key_owners(config: AttnConfig, layer_id: int) -> list[int]:
-    """Key owners whose index keys index source ``layer_id`` may score against on a decode step
-    where no key owner at or before it of its own ratio writes keys.
-
-    The shared ``index_k`` slot then holds whatever key owner wrote last, of any ratio (the
-    reference's behaviour, which the goldens record), so the result depends on those layers
-    having run. A ratio-1 index source always has fresh keys of its own ratio; an owner before
-    this layer whose ratio is a multiple of this layer's never writes last (this layer's own key
-    owner writes after it at every step it writes).
-    """
-    c = config
-    r = c.ratio(layer_id)
-    if not c.is_index_source(layer_id) or r <= 1:
-        return []
-    owners = [j for j in c.kv_source_layers if c.is_index_source(j) and j != layer_id]
-    return sorted(j for j in owners if j > layer_id or c.ratio(j) % r)
+def _checked_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
 
 
-def _sources(config: AttnConfig, layer_id: int) -> list[int]:
-    """The layers whose published slots layer ``layer_id`` reads within a step."""
-    c = config
-    if c.ratio(layer_id) == 0:
-        return []
-    srcs = {c.kv_source_of(layer_id), c.index_source_of(layer_id)}
-    if c.is_index_source(layer_id):
-        srcs.add(c.key_owner_of(layer_id))
-    if c.uses_candidates(layer_id):
-        srcs.add(c.candidate_source_layer)
-    srcs.discard(layer_id)
-    return sorted(srcs)
+def _checked_layers(config: AttnConfig, layers) -> tuple[int, ...]:
+    """The stack's layers, sorted: all of the config's by default; a subset must hold every
+    source its members read (:meth:`AttnConfig.missing_sources`)."""
+    n = config.n_layers
+    if layers is None:
+        return tuple(range(n))
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers must be a list of layer ids, got {layers!r}")
+    for i in layers:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"layers: {i!r} is not a layer id (an integer)")
+    ids = tuple(sorted({int(i) for i in layers}))
+    for i in ids:
+        if not 0 <= i < n:
+            raise ValueError(f"layers: {i} is not a layer of this config (0..{n - 1})")
+    missing = config.missing_sources(ids)
+    if missing:
+        i, src, role = missing[0]
+        why = ("a key owner whose index keys it scores against on steps it writes none itself, "
+               "as the reference does" if role == FALLBACK_KEY_OWNER else "a source it reads")
+        raise ValueError(f"layers: layer {i} needs layer {src} ({why}), which is not in the stack")
+    return ids
 
 
 def _checked_input(x, dim: int) -> np.ndarray:

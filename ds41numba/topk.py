@@ -14,8 +14,9 @@ the set is the first k pairs afterwards. To get the same set we replay libstdc++
 algorithms step by step (introselect, and the heap select that ``partial_sort`` starts with),
 including the exact shape of ``__adjust_heap``: a textbook heap or quickselect keeps different ties.
 
-Public functions validate at the Python boundary and call njit kernels. ``_topk_set_into`` is the
-allocation-free core other kernels call from inside their own ``prange`` loops.
+Public functions validate at the Python boundary and call njit kernels. ``topk_set_into`` (and its
+``partial_sort_set_into`` branch, with ``topk_scratch_len``) is the allocation-free core other
+kernels call from inside their own ``prange`` loops.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import numbers
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows"]
+__all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partial_sort_set_into",
+           "topk_scratch_len"]
 
 
 # --------------------------------------------------------------------------- comparator
@@ -266,15 +268,15 @@ def _sift_down_ints(a, root, end):
 
 
 @njit(cache=True)
-def _topk_scratch_len(n, k):
-    """Scratch entries ``_topk_set_into`` needs for a row of n values: n when ``k * 64 > n``, else k."""
+def topk_scratch_len(n, k):
+    """Scratch entries ``topk_set_into`` needs for a row of n values: n when ``k * 64 > n``, else k."""
     if k * 64 > n:
         return n
     return k
 
 
 @njit(cache=True)
-def _topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
+def topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     """Write torch's CPU ``topk(row_vals, k)`` index set, sorted ascending, into ``out_idx[:k]``.
 
     Signature (all arrays 1-D, any layout; nothing is allocated):
@@ -284,7 +286,7 @@ def _topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     * ``k``: int, ``0 <= k <= n``.
     * ``out_idx``: int64 (any integer dtype that holds n - 1) ``[>= k]``; only ``[:k]`` is written.
     * ``scratch_vals``: float32, ``scratch_idx``: int64, each of length at least
-      ``_topk_scratch_len(n, k)`` (n when ``k * 64 > n``, the nth_element branch, which permutes a
+      ``topk_scratch_len(n, k)`` (n when ``k * 64 > n``, the nth_element branch, which permutes a
       full copy of the row; k otherwise, the partial_sort branch, which only keeps a k-pair heap).
       Their contents on entry do not matter and are garbage on exit.
 
@@ -294,12 +296,12 @@ def _topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     """
     n = row_vals.shape[0]
     if k < 0 or k > n:
-        raise ValueError("_topk_set_into: k must be in [0, n]")
+        raise ValueError("topk_set_into: k must be in [0, n]")
     if k == 0:
         return
-    need = _topk_scratch_len(n, k)
+    need = topk_scratch_len(n, k)
     if scratch_vals.shape[0] < need or scratch_idx.shape[0] < need:
-        raise ValueError("_topk_set_into: scratch shorter than _topk_scratch_len(n, k)")
+        raise ValueError("topk_set_into: scratch shorter than topk_scratch_len(n, k)")
     if k * 64 > n:
         for j in range(n):
             scratch_vals[j] = row_vals[j]
@@ -317,12 +319,12 @@ def _topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
                 out_idx[m] = j
                 m += 1
     else:
-        _partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx)
+        partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx)
 
 
 @njit(cache=True)
-def _partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
-    """The ``k * 64 <= n`` branch of ``_topk_set_into`` (``std::partial_sort``), whatever n is.
+def partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
+    """The ``k * 64 <= n`` branch of ``topk_set_into`` (``std::partial_sort``), whatever n is.
 
     For callers that know the row continues with values that can never enter the heap (-inf
     past a visible length): they may pass only the prefix, the branch being decided by the full
@@ -339,7 +341,7 @@ def _partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
 
 @njit(parallel=True, cache=True)
 def _topk_rows_kernel(vals, ks, out):
-    """One ``_topk_set_into`` per row in parallel; each row allocates its own scratch.
+    """One ``topk_set_into`` per row in parallel; each row allocates its own scratch.
 
     A row's result depends only on that row, so the output does not depend on the thread count
     or on how rows are scheduled.
@@ -348,10 +350,10 @@ def _topk_rows_kernel(vals, ks, out):
     n = vals.shape[1]
     for r in prange(rows):
         k = ks[r]
-        need = _topk_scratch_len(n, k)
+        need = topk_scratch_len(n, k)
         sv = np.empty(need, dtype=np.float32)
         si = np.empty(need, dtype=np.int64)
-        _topk_set_into(vals[r], k, out[r], sv, si)
+        topk_set_into(vals[r], k, out[r], sv, si)
 
 
 # --------------------------------------------------------------------------- public API
@@ -401,8 +403,8 @@ def torch_cpu_topk_set(vals, k):
     out = np.empty(k, dtype=np.int64)
     if k == 0:
         return out
-    need = _topk_scratch_len(n, k)
-    _topk_set_into(row, k, out, np.empty(need, np.float32), np.empty(need, np.int64))
+    need = topk_scratch_len(n, k)
+    topk_set_into(row, k, out, np.empty(need, np.float32), np.empty(need, np.int64))
     return out
 
 

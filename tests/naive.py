@@ -1,26 +1,38 @@
 """Slow, obviously-correct pure-Python references the fast kernels are tested against.
 
-Each part of the package has its own section below, under a ``# --- name ---`` header.
+Each slow twin is named after the package function it mirrors: ``naive.sparse_attn`` is the twin
+of ``ds41numba.sparse_attn``, ``naive.tile_scores`` of the indexer's ``_tile_scores``. Where a
+twin returns a new array for a function that works in place (the quantisers) or covers a whole
+run (``compressor``), its docstring says so. The sections follow the package's modules.
 """
+
+import ctypes
+import ctypes.util
+import math
+
+import ml_dtypes
+import numpy as np
+
+import ds41numba as ds
+
+F32 = np.float32
+F64 = np.float64
+
 
 # --- topk ---
 # A line-by-line transcription of the libstdc++ algorithms torch's CPU topk calls
 # (std::nth_element for k * 64 > n, std::partial_sort otherwise), on a Python list of
 # (value, index) tuples with integer positions standing in for iterators. See SPEC.md,
-# "torch_cpu_topk_set(vals, k)".
-
-import math as _topk_math
-
-import numpy as _topk_np
+# "torch_cpu_topk_set(vals, k)". The std_* functions are named after their libstdc++ originals.
 
 # Incremented each time introselect hits its depth limit and falls back to heap select, so
 # tests can check that path is exercised.
 TOPK_STATS = {"introselect_heap_select": 0}
 
 
-def topk_before(a, b):
-    """torch's largest=True comparator on (value, index) pairs: NaN first, then larger value."""
-    return (_topk_math.isnan(a[0]) and not _topk_math.isnan(b[0])) or a[0] > b[0]
+def before(a, b):
+    """topk's ``_before``, torch's largest=True comparator on (value, index) pairs: NaN first, then larger value."""
+    return (math.isnan(a[0]) and not math.isnan(b[0])) or a[0] > b[0]
 
 
 def _std_push_heap(a, first, hole, top, value, comp):
@@ -175,9 +187,9 @@ def std_nth_element(a, nth, comp):
     _std_introselect(a, first, nth, last, _std_lg(last - first) * 2, comp)
 
 
-def naive_topk_set(vals, k):
+def torch_cpu_topk_set(vals, k):
     """The index set torch's CPU topk(vals, k) returns, sorted ascending (a list of ints)."""
-    row = _topk_np.asarray(vals, dtype=_topk_np.float32)
+    row = np.asarray(vals, dtype=np.float32)
     n = len(row)
     if not 0 <= k <= n:
         raise ValueError("k out of range")
@@ -185,98 +197,90 @@ def naive_topk_set(vals, k):
         return []
     pairs = [(float(v), i) for i, v in enumerate(row)]
     if k * 64 > n:
-        std_nth_element(pairs, k - 1, topk_before)
+        std_nth_element(pairs, k - 1, before)
     else:
-        std_partial_sort(pairs, k, topk_before)
+        std_partial_sort(pairs, k, before)
     return sorted(i for _, i in pairs[:k])
 
 
 def topk_value_multiset(vals, k):
     """The k values topk must keep, NaN first then descending (ties make the indices ambiguous,
     never the values): the sorted-by-order top k, returned as a float32 array."""
-    row = _topk_np.asarray(vals, dtype=_topk_np.float32)
-    nan = row[_topk_np.isnan(row)]
-    rest = _topk_np.sort(row[~_topk_np.isnan(row)])[::-1]
-    return _topk_np.concatenate([nan, rest])[:k]
+    row = np.asarray(vals, dtype=np.float32)
+    nan = row[np.isnan(row)]
+    rest = np.sort(row[~np.isnan(row)])[::-1]
+    return np.concatenate([nan, rest])[:k]
 
 
-# --- numerics and rope ---
-# Roundings through ml_dtypes casts, quantisers and RMSNorm as whole-array numpy, the rotary table
-# written after the reference's torch code, the rotation in explicit f32 real arithmetic. (numpy's own
-# complex64 product fuses a*c - b*d into an FMA, which the reference's complex multiply does not.)
-
-import ctypes as _nr_ctypes
-import ctypes.util as _nr_ctypes_util
-import math as _nr_math
-
-import ml_dtypes as _nr_md
-import numpy as _nr_np
-
-_nr_f32 = _nr_np.float32
+# --- numerics ---
+# Roundings through ml_dtypes casts, quantisers and RMSNorm as whole-array numpy.
 
 
-def naive_bf16(x):
-    with _nr_np.errstate(invalid="ignore", over="ignore"):
-        return _nr_np.asarray(x, _nr_f32).astype(_nr_md.bfloat16).astype(_nr_f32)
+def to_bf16_rne(x):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.asarray(x, F32).astype(ml_dtypes.bfloat16).astype(F32)
 
 
-def naive_e4m3(x):
-    with _nr_np.errstate(invalid="ignore", over="ignore"):
-        return _nr_np.asarray(x, _nr_f32).astype(_nr_md.float8_e4m3fn).astype(_nr_f32)
+def to_e4m3_rne(x):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.asarray(x, F32).astype(ml_dtypes.float8_e4m3fn).astype(F32)
 
 
-def naive_e2m1(x):
-    with _nr_np.errstate(invalid="ignore", over="ignore"):
-        return _nr_np.asarray(x, _nr_f32).astype(_nr_md.float4_e2m1fn).astype(_nr_f32)
+def to_e2m1_rne(x):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.asarray(x, F32).astype(ml_dtypes.float4_e2m1fn).astype(F32)
 
 
-def naive_pow2ceil(x):
+def pow2ceil(x):
     """Smallest power of two >= v for v > 0 (inf past 2^127); NaN for v <= 0 or NaN."""
-    with _nr_np.errstate(invalid="ignore"):
-        v = _nr_np.asarray(x, _nr_f32).astype(_nr_np.float64)
-    out = _nr_np.full(v.shape, _nr_np.nan)
+    with np.errstate(invalid="ignore"):
+        v = np.asarray(x, F32).astype(np.float64)
+    out = np.full(v.shape, np.nan)
     ok = v > 0
-    m, e = _nr_np.frexp(_nr_np.where(ok & _nr_np.isfinite(v), v, 1.0))  # v = m * 2^e, m in [0.5, 1)
-    p = _nr_np.ldexp(1.0, _nr_np.where(m == 0.5, e - 1, e))
+    m, e = np.frexp(np.where(ok & np.isfinite(v), v, 1.0))  # v = m * 2^e, m in [0.5, 1)
+    p = np.ldexp(1.0, np.where(m == 0.5, e - 1, e))
     out[ok] = p[ok]
-    out[_nr_np.isposinf(v)] = _nr_np.inf
-    with _nr_np.errstate(over="ignore"):
-        return out.astype(_nr_f32)
+    out[np.isposinf(v)] = np.inf
+    with np.errstate(over="ignore"):
+        return out.astype(F32)
 
 
-def _naive_quant(x, block, amax_floor, scale_fn, bound, cast):
-    x = _nr_np.asarray(x, _nr_f32)
+def _quant(x, block, amax_floor, scale_fn, bound, cast):
+    x = np.asarray(x, F32)
     b = x.reshape(-1, block)
-    with _nr_np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        amax = _nr_np.maximum(_nr_np.max(_nr_np.abs(b), axis=1), _nr_f32(amax_floor))
-        s = scale_fn(amax / _nr_f32(bound))[:, None]
-        y = _nr_np.clip(b / s, _nr_f32(-bound), _nr_f32(bound))
-        q = naive_bf16(cast(y) * s)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax = np.maximum(np.max(np.abs(b), axis=1), F32(amax_floor))
+        s = scale_fn(amax / F32(bound))[:, None]
+        y = np.clip(b / s, F32(-bound), F32(bound))
+        q = to_bf16_rne(cast(y) * s)
     return q.reshape(x.shape)
 
 
-def naive_act_quant_fp8(x, block=32):
-    return _naive_quant(x, block, 1e-4, naive_pow2ceil, 448.0, naive_e4m3)
+def act_quant_fp8_inplace(x, block=32):
+    """The quantised copy of ``x`` (a new array)."""
+    return _quant(x, block, 1e-4, pow2ceil, 448.0, to_e4m3_rne)
 
 
-def naive_fp4_quant_e8m0(x, block=32):
-    return _naive_quant(x, block, 6.0 * 2.0**-126, naive_pow2ceil, 6.0, naive_e2m1)
+def fp4_quant_e8m0_inplace(x, block=32):
+    """The quantised copy of ``x`` (a new array)."""
+    return _quant(x, block, 6.0 * 2.0**-126, pow2ceil, 6.0, to_e2m1_rne)
 
 
-def naive_fp4_quant_e4m3(x, block=16):
-    return _naive_quant(x, block, 6.0 * 2.0**-9, naive_e4m3, 6.0, naive_e2m1)
+def fp4_quant_e4m3_inplace(x, block=16):
+    """The quantised copy of ``x`` (a new array)."""
+    return _quant(x, block, 6.0 * 2.0**-9, to_e4m3_rne, 6.0, to_e2m1_rne)
 
 
-def naive_torch_sum_f32(row, lanes=8):
+def torch_sum_f32(row, lanes=8):
     """torch's CPU sum of one contiguous f32 row, transcribed from ATen's SumKernel.cpp
     (vectorized_inner_sum -> row_sum -> multi_row_sum) with numpy f32 vectors standing in for
     Vectorized<float>; below ``lanes`` values, its scalar_inner_sum (the same row_sum on scalars)."""
-    row = _nr_np.asarray(row, _nr_f32)
+    row = np.asarray(row, F32)
     n = row.shape[0]
     vectorized = n >= lanes
     width = lanes if vectorized else 1
     vecs = [row[i * width:(i + 1) * width] for i in range(n // width)]
-    zero = _nr_np.zeros(width, _nr_f32)
+    zero = np.zeros(width, F32)
 
     # row_sum(in, size=len(vecs)) with ilp_factor 4 -> multi_row_sum over size // 4 rows of 4
     ilp, levels = 4, 4
@@ -310,89 +314,123 @@ def naive_torch_sum_f32(row, lanes=8):
     for k in range(1, ilp):
         partial[0] = partial[0] + partial[k]
     if not vectorized:
-        return _nr_f32(partial[0][0])
-    total = _nr_f32(0.0)
+        return F32(partial[0][0])
+    total = F32(0.0)
     for v in row[len(vecs) * width:]:
-        total = _nr_f32(total + v)
+        total = F32(total + v)
     for v in partial[0]:
-        total = _nr_f32(total + v)
+        total = F32(total + v)
     return total
 
 
-def naive_rms_norm(x, w, eps):
-    x = _nr_np.asarray(x, _nr_f32)
+def rms_norm(x, w, eps):
+    x = np.asarray(x, F32)
     sq = x * x
-    ss = _nr_np.array([naive_torch_sum_f32(r) for r in sq.reshape(-1, x.shape[-1])], _nr_f32)
-    r = _nr_f32(1.0) / _nr_np.sqrt(ss.reshape(x.shape[:-1] + (1,)) / _nr_f32(x.shape[-1]) + _nr_f32(eps))
-    return naive_bf16((x * r) * _nr_np.asarray(w, _nr_f32))
+    ss = np.array([torch_sum_f32(r) for r in sq.reshape(-1, x.shape[-1])], F32)
+    r = F32(1.0) / np.sqrt(ss.reshape(x.shape[:-1] + (1,)) / F32(x.shape[-1]) + F32(eps))
+    return to_bf16_rne((x * r) * np.asarray(w, F32))
 
 
-def naive_linear_bf16(x, w):
+def linear_bf16(x, w):
     """The exact dot products (float64 holds each bf16 x bf16 product exactly), rounded to f32 and
     then to bf16: a summation-order-free reference, equal to an f32 accumulation within rounding."""
-    x = _nr_np.asarray(x, _nr_np.float64)
-    w = _nr_np.asarray(w, _nr_np.float64)
-    return naive_bf16((x @ w.T).astype(_nr_f32))
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    return to_bf16_rne((x @ w.T).astype(F32))
 
 
-def naive_yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow):
-    f32 = _nr_f32
-    freqs = f32(1.0) / (f32(base) ** (_nr_np.arange(0, dim, 2, dtype=f32) / f32(dim)).astype(
-        _nr_np.float64)).astype(f32)
+def bf16_k_block(ref_rows, k):
+    """numerics.bf16_k_block: the reference's run length over K (../shared/orders/README.md, Q2)."""
+    if k <= 512:
+        return k
+    return 512 if ref_rows == 1 or k <= 1024 else 1024
+
+
+def linear_bf16_ordered(x, w, ref_rows=None):
+    """linear_bf16 of a Bf16Matrix: summed as torch's CPU bf16 linear does. K in runs
+    (bf16_k_block), each run from zero taking pair i as ``(acc + p[2i+1]) + p[2i]`` (a last odd
+    product alone), run sums added in order, then one bf16 rounding. Literal and slow."""
+    x = np.asarray(x, F32).reshape(-1, np.shape(w)[1])
+    w = np.asarray(w, F32)
+    k = x.shape[1]
+    p = x[:, None, :] * w[None, :, :]               # exact: a bf16 x bf16 product fits in f32
+    run = bf16_k_block(x.shape[0] if ref_rows is None else ref_rows, k)
+    total = None
+    for a in range(0, k, run):
+        acc = np.zeros(p.shape[:2], F32)
+        b = min(k, a + run)
+        for i in range(a, b - 1, 2):
+            acc = (acc + p[:, :, i + 1]) + p[:, :, i]
+        if (b - a) % 2:
+            acc = acc + p[:, :, b - 1]
+        total = acc if total is None else total + acc
+    return to_bf16_rne(total)
+
+
+# --- rope ---
+# The rotary table written after the reference's torch code, the rotation in explicit f32 real
+# arithmetic. (numpy's own complex64 product fuses a*c - b*d into an FMA, which the reference's
+# complex multiply does not.)
+
+
+def yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow):
+    f32 = F32
+    freqs = f32(1.0) / (f32(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)).astype(
+        np.float64)).astype(f32)
     if original_seq_len > 0:
         def correction_dim(num_rotations):
-            return dim * _nr_math.log(original_seq_len / (num_rotations * 2 * _nr_math.pi)) / (
-                2 * _nr_math.log(base))
+            return dim * math.log(original_seq_len / (num_rotations * 2 * math.pi)) / (
+                2 * math.log(base))
 
-        low = max(_nr_math.floor(correction_dim(beta_fast)), 0)
-        high = min(_nr_math.ceil(correction_dim(beta_slow)), dim - 1)
-        linear = (_nr_np.arange(dim // 2, dtype=f32) - f32(low)) / f32(max(high - low, 0.001))
-        smooth = f32(1) - _nr_np.clip(linear, f32(0), f32(1))
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        linear = (np.arange(dim // 2, dtype=f32) - f32(low)) / f32(max(high - low, 0.001))
+        smooth = f32(1) - np.clip(linear, f32(0), f32(1))
         freqs = freqs / f32(factor) * (f32(1) - smooth) + freqs * smooth
-    angle = _nr_np.outer(_nr_np.arange(seqlen).astype(f32), freqs)
+    angle = np.outer(np.arange(seqlen).astype(f32), freqs)
     assert angle.dtype == f32
     # torch.polar: the C library's cosf / sinf of each f32 angle, called one by one.
-    cosf, sinf = naive_libm_cosf_sinf()
+    cosf, sinf = libm_cosf_sinf()
     flat = angle.reshape(-1).tolist()
-    return (_nr_np.array([cosf(a) for a in flat], f32).reshape(angle.shape),
-            _nr_np.array([sinf(a) for a in flat], f32).reshape(angle.shape))
+    return (np.array([cosf(a) for a in flat], f32).reshape(angle.shape),
+            np.array([sinf(a) for a in flat], f32).reshape(angle.shape))
 
 
-def naive_libm_cosf_sinf():
-    """The C library's single-precision cosf and sinf, through ctypes."""
-    libm = _nr_ctypes.CDLL(_nr_ctypes_util.find_library("m") or "libm.so.6")
+def libm_cosf_sinf():
+    """The C library's single-precision cosf and sinf (what torch.polar calls), through ctypes."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
     for fn in (libm.cosf, libm.sinf):
-        fn.argtypes, fn.restype = [_nr_ctypes.c_float], _nr_ctypes.c_float
+        fn.argtypes, fn.restype = [ctypes.c_float], ctypes.c_float
     return libm.cosf, libm.sinf
 
 
-def naive_fma_f32(a, b, c):
-    """Exact a * b + c rounded once to f32. The f32 product is exact in float64; the float64 sum's
+def fma_f32(a, b, c):
+    """rope's ``_fma_f32``: exact a * b + c rounded once to f32. The f32 product is exact in float64; the float64 sum's
     rounding error is recovered with TwoSum and decides the one case where rounding that sum to f32
     would round twice: a sum that lands exactly on a midpoint between two f32 values."""
-    f64 = _nr_np.float64
-    p = _nr_np.asarray(a, _nr_f32).astype(f64) * _nr_np.asarray(b, _nr_f32).astype(f64)
-    cc = _nr_np.asarray(c, _nr_f32).astype(f64)
+    f64 = np.float64
+    p = np.asarray(a, F32).astype(f64) * np.asarray(b, F32).astype(f64)
+    cc = np.asarray(c, F32).astype(f64)
     s = p + cc
     bb = s - p
     err = (p - (s - bb)) + (cc - bb)
-    r = s.astype(_nr_f32)
+    r = s.astype(F32)
     # The f32 neighbour of r on s's side, and whether s sits exactly halfway between the two.
-    toward = _nr_np.nextafter(r, _nr_np.where(s > r.astype(f64), _nr_f32(_nr_np.inf), _nr_f32(-_nr_np.inf)))
+    toward = np.nextafter(r, np.where(s > r.astype(f64), F32(np.inf), F32(-np.inf)))
     midpoint = (r.astype(f64) != s) & ((r.astype(f64) + toward.astype(f64)) / 2 == s)
     # On a midpoint the exact value lies on err's side of it.
-    lo = _nr_np.minimum(r, toward)
-    hi = _nr_np.maximum(r, toward)
-    r = _nr_np.where(midpoint & (err > 0), hi, _nr_np.where(midpoint & (err < 0), lo, r))
+    lo = np.minimum(r, toward)
+    hi = np.maximum(r, toward)
+    r = np.where(midpoint & (err > 0), hi, np.where(midpoint & (err < 0), lo, r))
     return r
 
 
-def naive_apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
+def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
     """Pair by pair, as torch's complex64 multiply (AVX2 build) runs the reference's broadcast
     product: inner loops of rd/2 pairs per vector (one loop over all n * rd/2 pairs when x has one
     vector per row), whole blocks of 8 pairs with rounded products, the rest with the compiler's FMA
     contraction of ``a*c - b*d`` and ``a*d + b*c`` (the first product of each kept exact)."""
-    x = _nr_np.array(x, dtype=_nr_f32)
+    x = np.array(x, dtype=F32)
     cos, sin = table
     w = cos.shape[1]
     n = x.shape[0]
@@ -405,29 +443,236 @@ def naive_apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
     for i in range(n):
         c = cos[positions[i]]
         s = -sin[positions[i]] if inverse else sin[positions[i]]
-        t = i * w + _nr_np.arange(w) if coalesce else _nr_np.arange(w)
+        t = i * w + np.arange(w) if coalesce else np.arange(w)
         vec = t < vec_end
         for h in range(heads):
             a = y[i, h, off::2].copy()
             b = y[i, h, off + 1::2].copy()
-            re = _nr_np.where(vec, a * c - b * s, naive_fma_f32(a, c, -(b * s)))
-            im = _nr_np.where(vec, a * s + b * c, naive_fma_f32(a, s, b * c))
-            y[i, h, off::2] = naive_bf16(re)
-            y[i, h, off + 1::2] = naive_bf16(im)
+            re = np.where(vec, a * c - b * s, fma_f32(a, c, -(b * s)))
+            im = np.where(vec, a * s + b * c, fma_f32(a, s, b * c))
+            y[i, h, off::2] = to_bf16_rne(re)
+            y[i, h, off + 1::2] = to_bf16_rne(im)
     return y.reshape(x.shape)
 
 
-# --- hardening ---
-# The structural invariants every AttentionStack step must satisfy, written from SPEC.md's prose
-# (not from the package): the window index rows, the ring of window KV rows, the compressed index
-# entries (in range or -1, sorted, as many as min(index_topk, positions)), the shapes. Used by
-# tests/test_fuzz.py and tests/test_hardening.py.
-
-import numpy as _hz_np
+# --- f32 products ---
+# The reference's f32 linears and NN matmuls in the summation order measured for its MKL sgemm
+# (shared/orders/README.md, Q1), written out row by row: numpy f32 arithmetic over all output
+# columns at once, the fused multiply-add through fma_f32 above.
 
 
-def hz_window_rows(start_pos, seqlen, win):
-    """SPEC "Window KV": prefill row t lists min(seqlen, win) entries max(0, t - win + 1) + j (-1 past
+def linear_f32_ordered(x, w, nn=False):
+    """``F.linear(x, w)`` (``w [N, K]``), or ``x @ w`` with ``nn=True`` (``w [K, N]``), for
+    ``x [M, K]``, as the reference's two-thread MKL sums it. Rows ``m < nb`` (nb = M for M >= 12,
+    else 4 * (M // 4)) take the blocked kernel: FMA chains from 0 over blocks of 192 k, block sums
+    added in order. The other rows: for nn, one chain of rounded products over all k; else four
+    lanes of rounded products after a peel (M = 1: from w's leading dimension, 4 - (-ldw mod 4);
+    otherwise from x's, (-m * ldx) mod 4), reduced (l0 + l2) + (l1 + l3), then the leftovers."""
+    x = np.asarray(x, F32)
+    w = np.asarray(w, F32)
+    wt = w.T if nn else w                       # [N, K]: wt[:, k] is the column of products' k
+    M, K = x.shape
+    N = wt.shape[0]
+    ldx = x.strides[0] // 4 if M > 1 else K
+    ldw = w.strides[0] // 4 if w.shape[0] > 1 else w.shape[1]
+    nb = M if M >= 12 else 4 * (M // 4)
+    out = np.zeros((M, N), F32)
+    if nb:
+        total = np.zeros((nb, N), F32)
+        for k0 in range(0, K, 192):
+            acc = np.zeros((nb, N), F32)
+            for k in range(k0, min(K, k0 + 192)):
+                acc = fma_f32(x[:nb, k:k + 1], wt[None, :, k], acc)
+            total = acc if k0 == 0 else total + acc
+        out[:nb] = total
+    for m in range(nb, M):
+        products = x[m][None, :] * wt               # [N, K], each rounded to f32
+        if nn:
+            acc = np.zeros(N, F32)
+            for k in range(K):
+                acc = acc + products[:, k]
+            out[m] = acc
+            continue
+        peel = 4 - (-ldw) % 4 if M == 1 else (-m * ldx) % 4
+        peel = min(peel, K)
+        lanes = [np.zeros(N, F32) for _ in range(4)]
+        for k in range(peel):
+            lanes[0] = lanes[0] + products[:, k]
+        n_q = (K - peel) // 4
+        for q in range(n_q):
+            for lane in range(4):
+                lanes[lane] = lanes[lane] + products[:, peel + 4 * q + lane]
+        r = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+        for k in range(peel + 4 * n_q, K):
+            r = r + products[:, k]
+        out[m] = r
+    return out
+
+
+# --- compressor, indexer, attention ---
+# The parts of one attention layer, written as plain loops from SPEC.md's prose: the compressor
+# (prefill groups, the partial-group state, decode), the indexer's scores, candidate blocks and
+# selection, the window index rows and ring, sparse attention with a sink and the grouped output
+# projection. Dot products are computed in float64 (every product of two f32 values is exact
+# there) and rounded once to f32: a summation-order-free f32 accumulation. bf16 rounding, RMSNorm
+# and top-k come from the package (``ds.``; tested on their own in test_numerics / test_topk).
+
+
+def _dot_f32(a, b):
+    """f32(sum_i a_i * b_i) of two f32 vectors, the sum taken in float64."""
+    return F32(np.dot(np.asarray(a, F64), np.asarray(b, F64)))
+
+
+def _linear_f32_row(x_row, w):
+    """One row through ``[out, in]`` weights: f32 results (the ratio > 1 compressor's kv / gate)."""
+    return np.array([_dot_f32(x_row, w[o]) for o in range(w.shape[0])], F32)
+
+
+def _linear_bf16_row(x_row, w):
+    """bf16 linear of one row: products summed (here exactly) to f32, rounded to bf16 once."""
+    return ds.to_bf16_rne(_linear_f32_row(x_row, w))
+
+
+def _pool_group(kv, score):
+    """One group's latent before rounding: per feature f, softmax over the group's r scores
+    (max-subtracted, exp in float64 rounded to f32, f32 sums in token order) and the f32 sum of
+    kv times those weights in token order. ``kv``, ``score`` ``[r, hd]`` f32."""
+    r, hd = kv.shape
+    out = np.zeros(hd, F32)
+    for f in range(hd):
+        m = max(float(score[j, f]) for j in range(r))
+        e = [F32(math.exp(float(F32(score[j, f] - F32(m))))) for j in range(r)]
+        denom = F32(0.0)
+        for j in range(r):
+            denom = F32(denom + e[j])
+        acc = F32(0.0)
+        for j in range(r):
+            acc = F32(acc + F32(kv[j, f]) * F32(e[j] / denom))
+        out[f] = acc
+    return out
+
+
+def compressor(x_steps, ratio, wkv, wgate, norm, eps):
+    """The twin of ``compressor`` over a whole run: replay a prefill (``x_steps[0]``, at start_pos 0) then one-token decode steps through a
+    ratio-``ratio`` compressor (SPEC step 4).
+
+    Returns ``(latents, positions, kv_state, score_state)``: per step the pre-RoPE latents
+    ``[groups, hd]`` (None when the step makes none) and their positions (a list), and the final
+    partial-group state ``[r, hd]`` (None for ratio 1).
+    """
+    wkv = np.asarray(wkv, F32)
+    hd = wkv.shape[0]
+    kv_state = score_state = None
+    if ratio > 1:
+        kv_state = np.zeros((ratio, hd), F32)
+        score_state = np.full((ratio, hd), -np.inf, F32)
+        wgate = np.asarray(wgate, F32)
+    all_latents, all_positions = [], []
+    start_pos = 0
+    for x in x_steps:
+        x = np.asarray(x, F32)
+        seqlen = x.shape[0]
+        if ratio == 1:
+            pre = np.array([_linear_bf16_row(x[t], wkv) for t in range(seqlen)], F32)
+            latents = ds.rms_norm(pre.reshape(seqlen, hd), norm, eps)
+            positions = [start_pos + t for t in range(seqlen)]
+        else:
+            kv = [_linear_f32_row(x[t], wkv) for t in range(seqlen)]
+            score = [_linear_f32_row(x[t], wgate) for t in range(seqlen)]
+            groups, positions = [], []
+            if start_pos == 0:
+                full = seqlen - seqlen % ratio
+                for j in range(seqlen - full):           # trailing tokens -> slots 0 .. P%r-1
+                    kv_state[j] = kv[full + j]
+                    score_state[j] = score[full + j]
+                for g in range(full // ratio):
+                    groups.append((np.array(kv[g * ratio:(g + 1) * ratio]),
+                                   np.array(score[g * ratio:(g + 1) * ratio])))
+                    positions.append(g * ratio)
+            else:
+                slot = start_pos % ratio
+                kv_state[slot] = kv[0]
+                score_state[slot] = score[0]
+                if (start_pos + 1) % ratio == 0:
+                    groups.append((kv_state.copy(), score_state.copy()))
+                    positions.append(start_pos + 1 - ratio)
+            if groups:
+                pooled = np.array([_pool_group(k, s) for k, s in groups], F32)
+                latents = ds.rms_norm(ds.to_bf16_rne(pooled), norm, eps)
+            else:
+                latents = None
+        all_latents.append(latents)
+        all_positions.append(positions)
+        start_pos += seqlen
+    return all_latents, all_positions, kv_state, score_state
+
+
+def visible_lengths(start_pos, seqlen, r):
+    """SPEC step 5's clen per query: the compressed positions query s may see, ``(s + 1) // r``
+    at prefill, ``end_pos // r`` at decode."""
+    if start_pos == 0:
+        return np.array([(s + 1) // r for s in range(seqlen)], np.int64)
+    return np.full(seqlen, (start_pos + seqlen) // r, np.int64)
+
+
+def tile_scores(iq, w, keys, clen):
+    """The indexer's scores (its ``_tile_scores`` kernels): SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
+    ``keys [n, id]``: ``bf16(sum_h bf16(relu(bf16(iq[s,h] . keys[t])) * w[s,h]))``, the head sum
+    in f32 in head order; ``-inf`` for ``t >= clen[s]``. Returns ``[T, n]`` f32."""
+    T, ih, _ = iq.shape
+    n = keys.shape[0]
+    out = np.full((T, n), -np.inf, F32)
+    for s in range(T):
+        for t in range(min(int(clen[s]), n)):
+            acc = F32(0.0)
+            for h in range(ih):
+                d = ds.to_bf16_rne(_dot_f32(iq[s, h], keys[t]))
+                r = d if (d > 0 or d != d) else F32(0.0)   # relu; NaN passes, as in torch
+                acc = F32(acc + ds.to_bf16_rne(F32(r * F32(w[s, h]))))
+            out[s, t] = ds.to_bf16_rne(acc)
+    return out
+
+
+def select_candidate_blocks(scores, clen, topk_blocks, block):
+    """SPEC "select_candidate_blocks": block maxima (width padded with -inf), the newest visible
+    block pinned to +inf, torch's CPU top-k over the blocks, blocks above -inf kept, expanded."""
+    scores = np.asarray(scores, F32)
+    rows, width = scores.shape
+    n_blocks = -(-width // block)
+    k = min(topk_blocks, n_blocks)
+    mask = np.zeros((rows, width), bool)
+    for s in range(rows):
+        bs = np.full(n_blocks, -np.inf, F32)
+        for b in range(n_blocks):
+            for t in range(b * block, (b + 1) * block):
+                v = scores[s, t] if t < width else F32(-np.inf)
+                if v > bs[b]:
+                    bs[b] = v
+        c = int(clen[s])
+        if c > 0:
+            bs[(c - 1) // block] = np.inf
+        for b in ds.torch_cpu_topk_set(bs, k):
+            if bs[b] > -np.inf:
+                for t in range(b * block, min((b + 1) * block, width)):
+                    mask[s, t] = True
+    return mask
+
+
+def indexer_topk_idxs(scores, clen, k, offset, candidates=None):
+    """The selection ``indexer`` returns (its ``topk_idxs``), SPEC step 5: candidate-masked scores (when ``candidates`` is given), torch's
+    top-k set sorted ascending, -1 for an index >= clen[s], else index + offset."""
+    scores = np.array(scores, F32)
+    if candidates is not None:
+        scores[~np.asarray(candidates, bool)] = -np.inf
+    out = np.zeros((scores.shape[0], k), np.int64)
+    for s in range(scores.shape[0]):
+        picked = sorted(int(i) for i in ds.torch_cpu_topk_set(scores[s], k))
+        out[s] = [-1 if i >= clen[s] else i + offset for i in picked]
+    return out
+
+
+def window_index_rows(start_pos, seqlen, win):
+    """SPEC "Window KV" (step 2): prefill row t lists min(seqlen, win) entries max(0, t - win + 1) + j (-1 past
     t); the decode row lists the ring slots oldest first, -1 for a slot past start_pos."""
     if start_pos == 0:
         n = min(seqlen, win)
@@ -435,20 +680,13 @@ def hz_window_rows(start_pos, seqlen, win):
         for t in range(seqlen):
             first = max(0, t - win + 1)
             rows.append([first + j if first + j <= t else -1 for j in range(n)])
-        return _hz_np.array(rows, dtype=_hz_np.int64).reshape(seqlen, n)
+        return np.array(rows, dtype=np.int64).reshape(seqlen, n)
     o = start_pos % win + 1
     slots = list(range(o, win)) + list(range(0, o))
-    return _hz_np.array([[s if s <= start_pos else -1 for s in slots]], dtype=_hz_np.int64)
+    return np.array([[s if s <= start_pos else -1 for s in slots]], dtype=np.int64)
 
 
-def hz_random_x(rng, seqlen, dim, scale=1.0):
-    """Random bf16-valued float32 rows ``[seqlen, dim]`` (rounded half away from zero: any bf16 will do)."""
-    x = (rng.standard_normal((seqlen, dim)) * scale).astype(_hz_np.float32)
-    bits = (x.view(_hz_np.uint32) + _hz_np.uint32(0x8000)) & _hz_np.uint32(0xFFFF0000)
-    return bits.view(_hz_np.float32)
-
-
-class HzRing:
+class WindowRing:
     """The window ring a layer should hold: slot ``p % win`` has the KV row of the newest position p."""
 
     def __init__(self, win):
@@ -464,26 +702,85 @@ class HzRing:
         self.rows[pos % self.win] = (pos, row.copy())
 
 
-def hz_visible(start_pos, seqlen, r):
-    """Compressed positions query s may see: ``(s + 1) // r`` at prefill, ``end_pos // r`` at decode."""
-    if start_pos == 0:
-        return [(s + 1) // r for s in range(seqlen)]
-    return [(start_pos + seqlen) // r] * seqlen
+def window_ring(prefill_rows, decode_rows, win):
+    """The ring after a prefill (``prefill_rows [P, hd]``, positions 0..P-1) and decode rows
+    (positions P, P+1, ...): slot p % win holds the last row written there, unwritten slots 0."""
+    prefill_rows = np.asarray(prefill_rows, F32)
+    P, hd = prefill_rows.shape
+    ring = WindowRing(win)
+    ring.prefill(prefill_rows, P)
+    for i, row in enumerate(decode_rows):
+        ring.decode(P + i, row)
+    out = np.zeros((win, hd), F32)
+    for slot, (_, row) in ring.rows.items():
+        out[slot] = row
+    return out
 
 
-def hz_check_step(cfg, stack, layer, run, start_pos, seqlen, ring, exact_count):
+def sparse_attn(q, kv, idx, sink, scale):
+    """SPEC step 8 per query and head in f32: scores ``(q . kv_j) * scale`` over the listed rows
+    (-1 skipped), softmax with the sink's logit in the denominator only, ``sum p_j kv_j`` rounded
+    to bf16; zeros for a row with no valid entry. ``q [S, H, hd]``, ``kv [n, hd]``, ``idx [S, W]``."""
+    S, H, hd = q.shape
+    scale = F32(scale)
+    out = np.zeros((S, H, hd), F32)
+    for s in range(S):
+        rows = [int(j) for j in idx[s] if j >= 0]
+        if not rows:
+            continue
+        for h in range(H):
+            logits = [F32(_dot_f32(q[s, h], kv[j]) * scale) for j in rows]
+            m = max(max(logits), F32(sink[h]))
+            e = [F32(math.exp(float(F32(v - m)))) for v in logits]
+            denom = F32(0.0)
+            for v in e:
+                denom = F32(denom + v)
+            denom = F32(denom + F32(math.exp(float(F32(F32(sink[h]) - m)))))
+            acc = np.zeros(hd, F32)
+            for v, j in zip(e, rows):
+                acc = (acc + F32(v / denom) * kv[j].astype(F32)).astype(F32)
+            out[s, h] = acc
+    return ds.to_bf16_rne(out)
+
+
+def output_projection(o, wo_a, wo_b, groups):
+    """SPEC step 10: ``o [S, H*hd]`` split into ``groups`` consecutive head groups; group g through
+    rows ``g*rank .. (g+1)*rank`` of ``wo_a [G*rank, H*hd/G]`` (bf16 linear), then ``wo_b``."""
+    o = np.asarray(o, F32)
+    wo_a = np.asarray(wo_a, F32)
+    wo_b = np.asarray(wo_b, F32)
+    S = o.shape[0]
+    part = o.shape[1] // groups
+    rank = wo_a.shape[0] // groups
+    out = []
+    for s in range(S):
+        mid = []
+        for g in range(groups):
+            mid.extend(_linear_bf16_row(o[s, g * part:(g + 1) * part],
+                                       wo_a[g * rank:(g + 1) * rank]))
+        out.append(_linear_bf16_row(np.array(mid, F32), wo_b))
+    return np.array(out, F32).reshape(S, wo_b.shape[0])
+
+
+# --- stack ---
+# The structural invariants every AttentionStack step must satisfy, written from SPEC.md's prose
+# (not from the package): the window index rows, the ring of window KV rows, the compressed index
+# entries (in range or -1, sorted, as many as min(index_topk, positions)), the shapes. Used by
+# tests/test_fuzz.py.
+
+
+def check_step(cfg, stack, layer, run, start_pos, seqlen, ring, exact_count):
     """Assert the structural invariants of one forward run with ``capture=True``.
 
-    ``ring`` is the layer's :class:`HzRing` (updated here). ``exact_count``: each row's number of
+    ``ring`` is the layer's :class:`WindowRing` (updated here). ``exact_count``: each row's number of
     valid compressed entries must be ``min(k, visible)`` (so for finite inputs and a selection made
     without candidate masking); otherwise it must only not exceed that. At decode every position is
     visible, so the count is always exactly k.
     """
-    np = _hz_np
     win, hd, r = cfg.window_size, cfg.head_dim, cfg.compress_ratios[layer]
     end_pos = start_pos + seqlen
     assert run.out.shape == (seqlen, cfg.dim) and run.out.dtype == np.float32, run.out.shape
-    want_win = hz_window_rows(start_pos, seqlen, win)
+    want_win = window_index_rows(start_pos, seqlen, win)
     nwin = want_win.shape[1]
     width = end_pos // r if r else 0
     k = min(cfg.index_topk, width) if r else 0
@@ -509,7 +806,7 @@ def hz_check_step(cfg, stack, layer, run, start_pos, seqlen, ring, exact_count):
         return
     comp = idx[:, nwin:].astype(np.int64)
     assert np.array_equal(run.kv_rows[offset:], stack.shared.compress_kv[:width], equal_nan=True)
-    vis = hz_visible(start_pos, seqlen, r)
+    vis = visible_lengths(start_pos, seqlen, r)
     for s in range(seqlen):
         row = comp[s]
         n_valid = int(np.count_nonzero(row != -1))
@@ -521,331 +818,3 @@ def hz_check_step(cfg, stack, layer, run, start_pos, seqlen, ring, exact_count):
             assert n_valid == min(k, vis[s]), (s, n_valid, k, vis[s], row)
         else:
             assert n_valid <= min(k, vis[s]), (s, n_valid, k, vis[s], row)
-
-
-# --- attention components ---
-# The parts of one attention layer, written as plain loops from SPEC.md's prose: the compressor
-# (prefill groups, the partial-group state, decode), the window index rows and ring, the indexer's
-# scores and candidate blocks, the index selection, sparse attention with a sink and the grouped
-# output projection. Dot products are computed in float64 (every product of two f32 values is
-# exact there) and rounded once to f32: a summation-order-free f32 accumulation. bf16 rounding,
-# RMSNorm and top-k come from the package (tested on their own in test_numerics / test_topk).
-
-import math as _ac_math
-
-import numpy as _ac_np
-
-from ds41numba import rms_norm as _ac_rms_norm
-from ds41numba import to_bf16_rne as _ac_bf16
-from ds41numba import torch_cpu_topk_set as _ac_topk_set
-
-_ac_f32 = _ac_np.float32
-_ac_f64 = _ac_np.float64
-
-
-def _ac_dot_f32(a, b):
-    """f32(sum_i a_i * b_i) of two f32 vectors, the sum taken in float64."""
-    return _ac_f32(_ac_np.dot(_ac_np.asarray(a, _ac_f64), _ac_np.asarray(b, _ac_f64)))
-
-
-def _ac_linear_f32(x_row, w):
-    """One row through ``[out, in]`` weights: f32 results (the ratio > 1 compressor's kv / gate)."""
-    return _ac_np.array([_ac_dot_f32(x_row, w[o]) for o in range(w.shape[0])], _ac_f32)
-
-
-def _ac_linear_bf16(x_row, w):
-    """bf16 linear of one row: products summed (here exactly) to f32, rounded to bf16 once."""
-    return _ac_bf16(_ac_linear_f32(x_row, w))
-
-
-def naive_pool_group(kv, score):
-    """One group's latent before rounding: per feature f, softmax over the group's r scores
-    (max-subtracted, exp in float64 rounded to f32, f32 sums in token order) and the f32 sum of
-    kv times those weights in token order. ``kv``, ``score`` ``[r, hd]`` f32."""
-    r, hd = kv.shape
-    out = _ac_np.zeros(hd, _ac_f32)
-    for f in range(hd):
-        m = max(float(score[j, f]) for j in range(r))
-        e = [_ac_f32(_ac_math.exp(float(_ac_f32(score[j, f] - _ac_f32(m))))) for j in range(r)]
-        denom = _ac_f32(0.0)
-        for j in range(r):
-            denom = _ac_f32(denom + e[j])
-        acc = _ac_f32(0.0)
-        for j in range(r):
-            acc = _ac_f32(acc + _ac_f32(kv[j, f]) * _ac_f32(e[j] / denom))
-        out[f] = acc
-    return out
-
-
-def naive_compressor(x_steps, ratio, wkv, wgate, norm, eps):
-    """Replay a prefill (``x_steps[0]``, at start_pos 0) then one-token decode steps through a
-    ratio-``ratio`` compressor (SPEC step 4).
-
-    Returns ``(latents, positions, kv_state, score_state)``: per step the pre-RoPE latents
-    ``[groups, hd]`` (None when the step makes none) and their positions (a list), and the final
-    partial-group state ``[r, hd]`` (None for ratio 1).
-    """
-    wkv = _ac_np.asarray(wkv, _ac_f32)
-    hd = wkv.shape[0]
-    kv_state = score_state = None
-    if ratio > 1:
-        kv_state = _ac_np.zeros((ratio, hd), _ac_f32)
-        score_state = _ac_np.full((ratio, hd), -_ac_np.inf, _ac_f32)
-        wgate = _ac_np.asarray(wgate, _ac_f32)
-    all_latents, all_positions = [], []
-    start_pos = 0
-    for x in x_steps:
-        x = _ac_np.asarray(x, _ac_f32)
-        seqlen = x.shape[0]
-        if ratio == 1:
-            pre = _ac_np.array([_ac_linear_bf16(x[t], wkv) for t in range(seqlen)], _ac_f32)
-            latents = _ac_rms_norm(pre.reshape(seqlen, hd), norm, eps)
-            positions = [start_pos + t for t in range(seqlen)]
-        else:
-            kv = [_ac_linear_f32(x[t], wkv) for t in range(seqlen)]
-            score = [_ac_linear_f32(x[t], wgate) for t in range(seqlen)]
-            groups, positions = [], []
-            if start_pos == 0:
-                full = seqlen - seqlen % ratio
-                for j in range(seqlen - full):           # trailing tokens -> slots 0 .. P%r-1
-                    kv_state[j] = kv[full + j]
-                    score_state[j] = score[full + j]
-                for g in range(full // ratio):
-                    groups.append((_ac_np.array(kv[g * ratio:(g + 1) * ratio]),
-                                   _ac_np.array(score[g * ratio:(g + 1) * ratio])))
-                    positions.append(g * ratio)
-            else:
-                slot = start_pos % ratio
-                kv_state[slot] = kv[0]
-                score_state[slot] = score[0]
-                if (start_pos + 1) % ratio == 0:
-                    groups.append((kv_state.copy(), score_state.copy()))
-                    positions.append(start_pos + 1 - ratio)
-            if groups:
-                pooled = _ac_np.array([naive_pool_group(k, s) for k, s in groups], _ac_f32)
-                latents = _ac_rms_norm(_ac_bf16(pooled), norm, eps)
-            else:
-                latents = None
-        all_latents.append(latents)
-        all_positions.append(positions)
-        start_pos += seqlen
-    return all_latents, all_positions, kv_state, score_state
-
-
-def naive_window_index_rows(start_pos, seqlen, win):
-    """SPEC step 2: prefill row t lists positions max(0, t - win + 1) + j for j < min(seqlen, win),
-    -1 where greater than t; decode lists the ring's slots oldest first, -1 past start_pos."""
-    rows = []
-    if start_pos == 0:
-        for t in range(seqlen):
-            row = []
-            for j in range(min(seqlen, win)):
-                p = max(0, t - win + 1) + j
-                row.append(-1 if p > t else p)
-            rows.append(row)
-        return _ac_np.array(rows, _ac_np.int64).reshape(seqlen, min(seqlen, win))
-    o = start_pos % win + 1
-    slots = list(range(o, win)) + list(range(0, o))
-    return _ac_np.array([[-1 if s > start_pos else s for s in slots]], _ac_np.int64)
-
-
-def naive_window_ring(prefill_rows, decode_rows, win):
-    """The ring after a prefill (``prefill_rows [P, hd]``, positions 0..P-1) and decode rows
-    (positions P, P+1, ...): slot p % win holds the last row written there, unwritten slots 0."""
-    prefill_rows = _ac_np.asarray(prefill_rows, _ac_f32)
-    P, hd = prefill_rows.shape
-    ring = _ac_np.zeros((win, hd), _ac_f32)
-    for p in range(max(0, P - win), P):        # the last min(P, win) rows
-        ring[p % win] = prefill_rows[p]
-    for i, row in enumerate(decode_rows):
-        ring[(P + i) % win] = row
-    return ring
-
-
-def naive_index_scores(iq, w, keys, clen):
-    """SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
-    ``keys [n, id]``: ``bf16(sum_h bf16(relu(bf16(iq[s,h] . keys[t])) * w[s,h]))``, the head sum
-    in f32 in head order; ``-inf`` for ``t >= clen[s]``. Returns ``[T, n]`` f32."""
-    T, ih, _ = iq.shape
-    n = keys.shape[0]
-    out = _ac_np.full((T, n), -_ac_np.inf, _ac_f32)
-    for s in range(T):
-        for t in range(min(int(clen[s]), n)):
-            acc = _ac_f32(0.0)
-            for h in range(ih):
-                d = _ac_bf16(_ac_dot_f32(iq[s, h], keys[t]))
-                r = d if (d > 0 or d != d) else _ac_f32(0.0)   # relu; NaN passes, as in torch
-                acc = _ac_f32(acc + _ac_bf16(_ac_f32(r * _ac_f32(w[s, h]))))
-            out[s, t] = _ac_bf16(acc)
-    return out
-
-
-def naive_select_candidate_blocks(scores, clen, topk_blocks, block):
-    """SPEC "select_candidate_blocks": block maxima (width padded with -inf), the newest visible
-    block pinned to +inf, torch's CPU top-k over the blocks, blocks above -inf kept, expanded."""
-    scores = _ac_np.asarray(scores, _ac_f32)
-    rows, width = scores.shape
-    n_blocks = -(-width // block)
-    k = min(topk_blocks, n_blocks)
-    mask = _ac_np.zeros((rows, width), bool)
-    for s in range(rows):
-        bs = _ac_np.full(n_blocks, -_ac_np.inf, _ac_f32)
-        for b in range(n_blocks):
-            for t in range(b * block, (b + 1) * block):
-                v = scores[s, t] if t < width else _ac_f32(-_ac_np.inf)
-                if v > bs[b]:
-                    bs[b] = v
-        c = int(clen[s])
-        if c > 0:
-            bs[(c - 1) // block] = _ac_np.inf
-        for b in _ac_topk_set(bs, k):
-            if bs[b] > -_ac_np.inf:
-                for t in range(b * block, min((b + 1) * block, width)):
-                    mask[s, t] = True
-    return mask
-
-
-def naive_topk_idxs(scores, clen, k, offset, candidates=None):
-    """SPEC step 5's selection: candidate-masked scores (when ``candidates`` is given), torch's
-    top-k set sorted ascending, -1 for an index >= clen[s], else index + offset."""
-    scores = _ac_np.array(scores, _ac_f32)
-    if candidates is not None:
-        scores[~_ac_np.asarray(candidates, bool)] = -_ac_np.inf
-    out = _ac_np.zeros((scores.shape[0], k), _ac_np.int64)
-    for s in range(scores.shape[0]):
-        picked = sorted(int(i) for i in _ac_topk_set(scores[s], k))
-        out[s] = [-1 if i >= clen[s] else i + offset for i in picked]
-    return out
-
-
-def naive_sparse_attn(q, kv, idx, sink, scale):
-    """SPEC step 8 per query and head in f32: scores ``(q . kv_j) * scale`` over the listed rows
-    (-1 skipped), softmax with the sink's logit in the denominator only, ``sum p_j kv_j`` rounded
-    to bf16; zeros for a row with no valid entry. ``q [S, H, hd]``, ``kv [n, hd]``, ``idx [S, W]``."""
-    S, H, hd = q.shape
-    scale = _ac_f32(scale)
-    out = _ac_np.zeros((S, H, hd), _ac_f32)
-    for s in range(S):
-        rows = [int(j) for j in idx[s] if j >= 0]
-        if not rows:
-            continue
-        for h in range(H):
-            logits = [_ac_f32(_ac_dot_f32(q[s, h], kv[j]) * scale) for j in rows]
-            m = max(max(logits), _ac_f32(sink[h]))
-            e = [_ac_f32(_ac_math.exp(float(_ac_f32(v - m)))) for v in logits]
-            denom = _ac_f32(0.0)
-            for v in e:
-                denom = _ac_f32(denom + v)
-            denom = _ac_f32(denom + _ac_f32(_ac_math.exp(float(_ac_f32(_ac_f32(sink[h]) - m)))))
-            acc = _ac_np.zeros(hd, _ac_f32)
-            for v, j in zip(e, rows):
-                acc = (acc + _ac_f32(v / denom) * kv[j].astype(_ac_f32)).astype(_ac_f32)
-            out[s, h] = acc
-    return _ac_bf16(out)
-
-
-def naive_output_projection(o, wo_a, wo_b, groups):
-    """SPEC step 10: ``o [S, H*hd]`` split into ``groups`` consecutive head groups; group g through
-    rows ``g*rank .. (g+1)*rank`` of ``wo_a [G*rank, H*hd/G]`` (bf16 linear), then ``wo_b``."""
-    o = _ac_np.asarray(o, _ac_f32)
-    wo_a = _ac_np.asarray(wo_a, _ac_f32)
-    wo_b = _ac_np.asarray(wo_b, _ac_f32)
-    S = o.shape[0]
-    part = o.shape[1] // groups
-    rank = wo_a.shape[0] // groups
-    out = []
-    for s in range(S):
-        mid = []
-        for g in range(groups):
-            mid.extend(_ac_linear_bf16(o[s, g * part:(g + 1) * part],
-                                       wo_a[g * rank:(g + 1) * rank]))
-        out.append(_ac_linear_bf16(_ac_np.array(mid, _ac_f32), wo_b))
-    return _ac_np.array(out, _ac_f32).reshape(S, wo_b.shape[0])
-
-
-# ---------------------------------------------------------------------- the reference's bf16 order
-
-def naive_bf16_k_block(ref_rows, k):
-    """The reference's run length over K (../shared/orders/README.md, Q2)."""
-    if k <= 512:
-        return k
-    return 512 if ref_rows == 1 or k <= 1024 else 1024
-
-
-def naive_linear_bf16_ordered(x, w, ref_rows=None):
-    """bf16 linear summed as torch's CPU bf16 linear does: K in runs (naive_bf16_k_block), each
-    run from zero taking pair i as ``(acc + p[2i+1]) + p[2i]`` (a last odd product alone), run
-    sums added in order, then one bf16 rounding. Literal and slow: one f32 add at a time."""
-    x = _nr_np.asarray(x, _nr_f32).reshape(-1, _nr_np.shape(w)[1])
-    w = _nr_np.asarray(w, _nr_f32)
-    k = x.shape[1]
-    p = x[:, None, :] * w[None, :, :]               # exact: a bf16 x bf16 product fits in f32
-    run = naive_bf16_k_block(x.shape[0] if ref_rows is None else ref_rows, k)
-    total = None
-    for a in range(0, k, run):
-        acc = _nr_np.zeros(p.shape[:2], _nr_f32)
-        b = min(k, a + run)
-        for i in range(a, b - 1, 2):
-            acc = (acc + p[:, :, i + 1]) + p[:, :, i]
-        if (b - a) % 2:
-            acc = acc + p[:, :, b - 1]
-        total = acc if total is None else total + acc
-    return naive_bf16(total)
-
-
-# --- f32 products ---
-# The reference's f32 linears and NN matmuls in the summation order measured for its MKL sgemm
-# (shared/orders/README.md, Q1), written out row by row: numpy f32 arithmetic over all output
-# columns at once, the fused multiply-add through naive_fma_f32 above.
-
-import numpy as _fp_np
-
-_fp_f32 = _fp_np.float32
-
-
-def naive_linear_f32_mkl(x, w, nn=False):
-    """``F.linear(x, w)`` (``w [N, K]``), or ``x @ w`` with ``nn=True`` (``w [K, N]``), for
-    ``x [M, K]``, as the reference's two-thread MKL sums it. Rows ``m < nb`` (nb = M for M >= 12,
-    else 4 * (M // 4)) take the blocked kernel: FMA chains from 0 over blocks of 192 k, block sums
-    added in order. The other rows: for nn, one chain of rounded products over all k; else four
-    lanes of rounded products after a peel (M = 1: from w's leading dimension, 4 - (-ldw mod 4);
-    otherwise from x's, (-m * ldx) mod 4), reduced (l0 + l2) + (l1 + l3), then the leftovers."""
-    x = _fp_np.asarray(x, _fp_f32)
-    w = _fp_np.asarray(w, _fp_f32)
-    wt = w.T if nn else w                       # [N, K]: wt[:, k] is the column of products' k
-    M, K = x.shape
-    N = wt.shape[0]
-    ldx = x.strides[0] // 4 if M > 1 else K
-    ldw = w.strides[0] // 4 if w.shape[0] > 1 else w.shape[1]
-    nb = M if M >= 12 else 4 * (M // 4)
-    out = _fp_np.zeros((M, N), _fp_f32)
-    if nb:
-        total = _fp_np.zeros((nb, N), _fp_f32)
-        for k0 in range(0, K, 192):
-            acc = _fp_np.zeros((nb, N), _fp_f32)
-            for k in range(k0, min(K, k0 + 192)):
-                acc = naive_fma_f32(x[:nb, k:k + 1], wt[None, :, k], acc)
-            total = acc if k0 == 0 else total + acc
-        out[:nb] = total
-    for m in range(nb, M):
-        products = x[m][None, :] * wt               # [N, K], each rounded to f32
-        if nn:
-            acc = _fp_np.zeros(N, _fp_f32)
-            for k in range(K):
-                acc = acc + products[:, k]
-            out[m] = acc
-            continue
-        peel = 4 - (-ldw) % 4 if M == 1 else (-m * ldx) % 4
-        peel = min(peel, K)
-        lanes = [_fp_np.zeros(N, _fp_f32) for _ in range(4)]
-        for k in range(peel):
-            lanes[0] = lanes[0] + products[:, k]
-        n_q = (K - peel) // 4
-        for q in range(n_q):
-            for lane in range(4):
-                lanes[lane] = lanes[lane] + products[:, peel + 4 * q + lane]
-        r = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
-        for k in range(peel + 4 * n_q, K):
-            r = r + products[:, k]
-        out[m] = r
-    return out

@@ -15,8 +15,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from helpers import hf_config
 from ds41numba import golden
-from ds41numba.cli import main
+from ds41numba.cli import main, parse_layers
 from ds41numba.config import PRESETS, preset
 from ds41numba.stack import AttentionStack
 
@@ -126,25 +127,7 @@ def test_layer_subset(tmp_path):
 
 
 def test_hf_config_json(tmp_path):
-    t = PRESETS["tiny"]
-    hf = {
-        "architectures": ["DeepseekV4ForCausalLM"], "hidden_size": t["dim"],
-        "num_attention_heads": t["n_heads"], "head_dim": t["head_dim"],
-        "qk_rope_head_dim": t["rope_head_dim"], "q_lora_rank": t["q_lora_rank"],
-        "o_lora_rank": t["o_lora_rank"], "o_groups": t["o_groups"],
-        "sliding_window": t["window_size"], "compress_ratios": t["compress_ratios"],
-        "kv_source_layer_ids": t["kv_source_layers"], "index_source_layer_ids": t["index_source_layers"],
-        "candidate_source_layer_id": t["candidate_source_layer"],
-        "candidate_topk_blocks": t["candidate_topk_blocks"],
-        "candidate_block_size": t["candidate_block_size"],
-        "index_n_heads": t["index_n_heads"], "index_head_dim": t["index_head_dim"],
-        "index_topk": t["index_topk"], "compress_rope_theta": t["compress_rope_theta"],
-        "rope_theta": t["rope_theta"], "rms_norm_eps": t["norm_eps"],
-        "max_position_embeddings": t["max_seq_len"],
-        "rope_scaling": {"type": "yarn", "factor": t["rope_factor"],
-                         "original_max_position_embeddings": t["original_seq_len"],
-                         "beta_fast": t["beta_fast"], "beta_slow": t["beta_slow"]},
-    }
+    hf = hf_config(PRESETS["tiny"])
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(hf))
     path = _golden(tmp_path, "g.safetensors", "--config", str(cfg), "--prefill", "4", "--decode", "2")
@@ -161,6 +144,19 @@ def test_default_output_name_for_a_config_file(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["golden", "--quiet", "--config", "my-stack.json", "--prefill", "2", "--decode", "0"]) == 0
     assert (tmp_path / "ds41numba-golden-my-stack.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def test_parse_layers():
+    assert parse_layers("20", 43) == (20,)
+    assert parse_layers("2,3,20-24", 43) == (2, 3, 20, 21, 22, 23, 24)
+    assert parse_layers(" 5 , 1-2,2", 6) == (1, 2, 5)
+    for bad, msg in [("a", "not a layer"), ("3-1", "backwards"), ("50", "not a layer of this config"),
+                     ("1,,2", "not a layer"), ("-1", "not a layer")]:
+        with pytest.raises(golden.GoldenError, match=msg):
+            parse_layers(bad, 43)
 
 
 # --------------------------------------------------------------------------- errors: exit 2, one line
@@ -214,7 +210,7 @@ def test_existing_output_needs_force(tmp_path, capsys):
 
 
 def test_run_that_cannot_fit_in_memory_exits_2(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(golden, "_available_bytes", lambda: 1000)
+    monkeypatch.setattr(golden.run, "_available_bytes", lambda: 1000)
     assert main(["golden", "--quiet", "--out", str(tmp_path / "g.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "needs at least" in err and len(err.strip().splitlines()) == 1

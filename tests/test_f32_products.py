@@ -4,30 +4,17 @@ two-thread split, K off the lane and block sizes, N off the panel width, strided
 the peel, the NN layout), thread-count independence and the boundary's errors.
 """
 
-import os
-
 import numba
 import numpy as np
 import pytest
 
 import naive
+from helpers import linear_case, linear_case_names
 from ds41numba import f32_products as fp
 from ds41numba.f32_products import (KC, TILE_LANES, F32Matrix, blocked_rows, linear_f32_ordered,
                                     matmul_nn_f32_ordered, pack_columns)
 
 F32 = np.float32
-DATA = os.path.join(os.path.dirname(__file__), "data")
-
-
-def _cases():
-    with np.load(os.path.join(DATA, "linear_cases.npz")) as z:
-        return [str(c) for c in z["cases"] if str(c).startswith("f32.")]
-
-
-@pytest.fixture(scope="module")
-def golden():
-    with np.load(os.path.join(DATA, "linear_cases.npz")) as z:
-        return {k: z[k] for k in z.files}
 
 
 def assert_same_bits(got, want):
@@ -45,19 +32,17 @@ def order_sensitive(rng, shape):
     return (rng.standard_normal(shape) * np.exp2(rng.uniform(-8, 8, shape))).astype(F32)
 
 
-@pytest.mark.parametrize("case", _cases())
-def test_reference_f32_linears_bit_exact(golden, case):
-    m, k, n = (int(p[1:]) for p in case.split(".")[1:])
-    x, w = golden["x"][:m, :k], golden["w"][:n, :k]     # the reference's views, leading dim 8192
-    assert_same_bits(linear_f32_ordered(x, w), golden[case])
-    assert_same_bits(linear_f32_ordered(x, F32Matrix(w)), golden[case])
+@pytest.mark.parametrize("case", linear_case_names("f32"))
+def test_reference_f32_linears_bit_exact(linear_cases, case):
+    x, w, want = linear_case(linear_cases, case)
+    assert_same_bits(linear_f32_ordered(x, w), want)
+    assert_same_bits(linear_f32_ordered(x, F32Matrix(w)), want)
 
 
 @pytest.mark.parametrize("case", ["f32.M1.K640.N64", "f32.M7.K640.N64", "f32.M300.K640.N64"])
-def test_naive_twin_matches_the_reference(golden, case):
-    m, k, n = (int(p[1:]) for p in case.split(".")[1:])
-    assert_same_bits(naive.naive_linear_f32_mkl(golden["x"][:m, :k], golden["w"][:n, :k]),
-                     golden[case])
+def test_naive_twin_matches_the_reference(linear_cases, case):
+    x, w, want = linear_case(linear_cases, case)
+    assert_same_bits(naive.linear_f32_ordered(x, w), want)
 
 
 SHAPES = [(m, k, n) for m, (k, n) in zip(
@@ -70,7 +55,7 @@ SHAPES = [(m, k, n) for m, (k, n) in zip(
 def test_linear_matches_naive(m, k, n):
     rng = np.random.default_rng(1000 * m + k)
     x, w = order_sensitive(rng, (m, k)), order_sensitive(rng, (n, k))
-    want = naive.naive_linear_f32_mkl(x, w)
+    want = naive.linear_f32_ordered(x, w)
     assert_same_bits(linear_f32_ordered(x, w), want)
 
 
@@ -78,7 +63,7 @@ def test_linear_matches_naive(m, k, n):
 def test_nn_matmul_matches_naive(m, k, n):
     rng = np.random.default_rng(1000 * m + k + 1)
     x, v = order_sensitive(rng, (m, k)), order_sensitive(rng, (k, n))
-    want = naive.naive_linear_f32_mkl(x, v, nn=True)
+    want = naive.linear_f32_ordered(x, v, nn=True)
     assert_same_bits(matmul_nn_f32_ordered(x, v), want)
     assert_same_bits(matmul_nn_f32_ordered(x, v[:, ::-1].copy()[:, ::-1]), want)  # strided v
 
@@ -92,11 +77,11 @@ def test_leading_dimension_sets_the_peel(m, pad):
     k, n = 203, 40
     xs = order_sensitive(rng, (m, k + pad))[:, :k]
     ws = order_sensitive(rng, (n, k + pad))[:, :k]
-    want = naive.naive_linear_f32_mkl(xs, ws)
+    want = naive.linear_f32_ordered(xs, ws)
     assert_same_bits(linear_f32_ordered(xs, ws), want)
     # a contiguous copy is another reference tensor, with another peel
     xc, wc = np.ascontiguousarray(xs), np.ascontiguousarray(ws)
-    assert_same_bits(linear_f32_ordered(xc, wc), naive.naive_linear_f32_mkl(xc, wc))
+    assert_same_bits(linear_f32_ordered(xc, wc), naive.linear_f32_ordered(xc, wc))
 
 
 def test_fma_only_in_the_blocked_kernel():
@@ -130,7 +115,7 @@ def test_two_thread_row_rule():
 def test_batch_dims_out_and_packed_weight():
     rng = np.random.default_rng(3)
     x, w = order_sensitive(rng, (2, 5, 300)), order_sensitive(rng, (70, 300))
-    want = naive.naive_linear_f32_mkl(x.reshape(10, 300), w).reshape(2, 5, 70)
+    want = naive.linear_f32_ordered(x.reshape(10, 300), w).reshape(2, 5, 70)
     wm = F32Matrix(w)
     out = np.full(10 * 70, np.nan, F32)
     got = linear_f32_ordered(x, wm, out=out)

@@ -1,7 +1,7 @@
 """Hypothesis fuzzing of the public API, as a hostile user would call it.
 
 Every case must either raise ValueError/TypeError with a message that names the problem, or return
-a result that satisfies the structural invariants of SPEC.md (``naive.hz_check_step``): window rows
+a result that satisfies the structural invariants of SPEC.md (``naive.check_step``): window rows
 as the formula says, the ring holding the newest row of each slot, compressed index entries in
 range or -1, sorted, ``min(index_topk, positions)`` of them, documented shapes. A call that is
 refused must leave the stack as it was. The whole file also runs with ``NUMBA_BOUNDSCHECK=1``
@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import naive
+from helpers import bf16, random_x
 from ds41numba import (AttentionStack, AttnConfig, act_quant_fp8_inplace, apply_rotary,
                        fp4_quant_e4m3_inplace, fp4_quant_e8m0_inplace, is_bf16_valued,
                        linear_bf16, linear_f32, pow2ceil, rms_norm, select_candidate_blocks,
@@ -51,10 +52,6 @@ def refused(call, *words):
     for w in words:
         assert w.lower() in msg, f"message {str(info.value)!r} does not mention {w!r}"
     return info.value
-
-
-def bf16(rng, shape, scale=1.0):
-    return to_bf16_rne((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
 # =============================================================================== configs
@@ -192,7 +189,7 @@ def test_fuzz_config(dims, data):
     if max(sizes) > 4096:        # valid, but too big to build here (a MemoryError at worst)
         return
     stack = AttentionStack(cfg, make_weights(cfg, None, 0))
-    x = naive.hz_random_x(np.random.default_rng(0), min(3, cfg.max_seq_len), cfg.dim)
+    x = random_x(np.random.default_rng(0), min(3, cfg.max_seq_len), cfg.dim)
     for i in range(cfg.n_layers):
         run = stack.forward(i, x, 0)
         assert run.out.shape == x.shape and np.isfinite(run.out).all()
@@ -239,13 +236,13 @@ def test_fuzz_stack(plan, seed, poison, twin):
     weights = make_weights(cfg, None, seed)
     stack = AttentionStack(cfg, weights)
     other = AttentionStack(cfg, weights) if twin else None
-    rings = {i: naive.HzRing(cfg.window_size) for i in range(cfg.n_layers)}
+    rings = {i: naive.WindowRing(cfg.window_size) for i in range(cfg.n_layers)}
     poison_step = rng.integers(0, decode + 1) if poison else None
     finite = True
     steps = [(0, prefill)] + [(prefill + s, 1) for s in range(decode)]
     for step, (start_pos, seqlen) in enumerate(steps):
         for i in range(cfg.n_layers):
-            x = naive.hz_random_x(rng, seqlen, cfg.dim)
+            x = random_x(rng, seqlen, cfg.dim)
             if step == poison_step and rng.integers(0, 2):
                 x = non_finite(rng, x, poison)
                 finite = finite and poison == "tiny"     # bf16 subnormals stay finite
@@ -261,7 +258,7 @@ def test_fuzz_stack(plan, seed, poison, twin):
                 return
             src = cfg.index_source_of(i) if cfg.ratio(i) else None
             exact = finite and not (src is not None and cfg.uses_candidates(src))
-            naive.hz_check_step(cfg, stack, i, run, start_pos, seqlen, rings[i], exact)
+            naive.check_step(cfg, stack, i, run, start_pos, seqlen, rings[i], exact)
             if finite:
                 assert np.isfinite(run.out).all(), f"layer {i} step {step}: non-finite output"
             if other is not None:
@@ -284,7 +281,7 @@ def test_fuzz_call_order(plan, seed, data):
     weights = make_weights(cfg, None, seed)
     rng = np.random.default_rng(seed)
     steps = [(0, prefill)] + [(prefill + s, 1) for s in range(decode)]
-    xs = {(s, i): naive.hz_random_x(rng, n, cfg.dim) for s, (_, n) in enumerate(steps)
+    xs = {(s, i): random_x(rng, n, cfg.dim) for s, (_, n) in enumerate(steps)
           for i in range(cfg.n_layers)}
     ref = AttentionStack(cfg, weights)
     want = {}
@@ -387,7 +384,7 @@ def test_fuzz_bad_step(seed, steps, kind, layer):
     for p in positions:
         seqlen = prefill if p == 0 else 1
         for i in range(cfg.n_layers):
-            x = naive.hz_random_x(rng, seqlen, cfg.dim)
+            x = random_x(rng, seqlen, cfg.dim)
             want = twin.forward(i, x, p).out
             if i == layer and p == positions[-1] and kind in _X_BENIGN:
                 arg = _mutate_x(kind, x, rng)
@@ -408,10 +405,10 @@ def _refused_step(stack, kind, i, x, p, rng, cfg):
     word = "layer" if kind.startswith("layer") else "max_seq_len" if kind == "past_max" else "start_pos"
     args = {"negative": (i, x, -1 - p), "float": (i, x, float(p)), "bool": (i, x, bool(p)),
             "none": (i, x, None), "str": (i, x, str(p)),
-            "past_max": (i, naive.hz_random_x(rng, cfg.max_seq_len + 1 - p, cfg.dim), p)
+            "past_max": (i, random_x(rng, cfg.max_seq_len + 1 - p, cfg.dim), p)
             if p == 0 else (i, x, cfg.max_seq_len),
             "not_following": (i, x, p + 1 + int(rng.integers(0, 3))),
-            "chunked": (i, naive.hz_random_x(rng, 2, cfg.dim), max(p, 1)),
+            "chunked": (i, random_x(rng, 2, cfg.dim), max(p, 1)),
             "layer_neg": (-1, x, p), "layer_big": (cfg.n_layers, x, p),
             "layer_float": (float(i), x, p), "layer_str": (str(i), x, p)}[kind]
     refused(lambda: stack.forward(*args), word)
@@ -462,7 +459,7 @@ def same_bits(got, want):
                    st.lists(st.integers(-1, 70), max_size=3)))
 def test_fuzz_topk(a, k):
     """torch_cpu_topk_set / _rows on anything: a TypeError/ValueError naming vals or k, or the set
-    libstdc++'s algorithms give (naive.naive_topk_set), sorted, distinct, in range; NaN first."""
+    libstdc++'s algorithms give (naive.torch_cpu_topk_set), sorted, distinct, in range; NaN first."""
     before = np.array(a, copy=True)
     fn = torch_cpu_topk_set if a.ndim == 1 else torch_cpu_topk_rows
     try:
@@ -480,16 +477,16 @@ def test_fuzz_topk(a, k):
     for row, kk, g in zip(rows, ks, got):
         sel = g[g != -1] if a.ndim == 2 else g
         assert len(sel) == kk and np.all(np.diff(sel) > 0) and np.all((sel >= 0) & (sel < len(row)))
-        assert np.array_equal(sel, naive.naive_topk_set(row, int(kk)))
+        assert np.array_equal(sel, naive.torch_cpu_topk_set(row, int(kk)))
 
 
-_CONVERSIONS = {"to_bf16_rne": (to_bf16_rne, naive.naive_bf16),
-                "to_e4m3_rne": (to_e4m3_rne, naive.naive_e4m3),
-                "to_e2m1_rne": (to_e2m1_rne, naive.naive_e2m1),
-                "pow2ceil": (pow2ceil, naive.naive_pow2ceil)}
-_QUANTS = {"act_quant_fp8_inplace": (act_quant_fp8_inplace, naive.naive_act_quant_fp8, 32),
-           "fp4_quant_e8m0_inplace": (fp4_quant_e8m0_inplace, naive.naive_fp4_quant_e8m0, 32),
-           "fp4_quant_e4m3_inplace": (fp4_quant_e4m3_inplace, naive.naive_fp4_quant_e4m3, 16)}
+_CONVERSIONS = {"to_bf16_rne": (to_bf16_rne, naive.to_bf16_rne),
+                "to_e4m3_rne": (to_e4m3_rne, naive.to_e4m3_rne),
+                "to_e2m1_rne": (to_e2m1_rne, naive.to_e2m1_rne),
+                "pow2ceil": (pow2ceil, naive.pow2ceil)}
+_QUANTS = {"act_quant_fp8_inplace": (act_quant_fp8_inplace, naive.act_quant_fp8_inplace, 32),
+           "fp4_quant_e8m0_inplace": (fp4_quant_e8m0_inplace, naive.fp4_quant_e8m0_inplace, 32),
+           "fp4_quant_e4m3_inplace": (fp4_quant_e4m3_inplace, naive.fp4_quant_e4m3_inplace, 16)}
 
 
 @fuzz(300)
@@ -510,7 +507,7 @@ def test_fuzz_roundings(a, name, block):
         assert a.dtype == np.float32
         assert np.array_equal(a, before, equal_nan=True), "input modified"
         if name == "is_bf16_valued":
-            assert got == bool(np.all(np.isnan(a) | (naive.naive_bf16(a) == a)))
+            assert got == bool(np.all(np.isnan(a) | (naive.to_bf16_rne(a) == a)))
             return
         want = _CONVERSIONS[name][1](a)
         if name == "to_e2m1_rne":     # documented: NaN stays NaN (ml_dtypes' e2m1 makes it a zero)
@@ -555,7 +552,7 @@ def test_fuzz_linear_and_norm(x, wshape, fn):
     want = x.shape if fn == "rms_norm" else x.shape[:-1] + (w.shape[0],)
     assert got.shape == want
     if fn == "rms_norm" and x.size:
-        assert same_bits(got, naive.naive_rms_norm(x, w, 1e-6))
+        assert same_bits(got, naive.rms_norm(x, w, 1e-6))
 
 
 @fuzz(200)
@@ -585,7 +582,7 @@ def test_fuzz_rope(data, rd, length, yarn, base):
         return
     assert got.shape == x.shape and got.dtype == np.float32
     if x.size:
-        assert same_bits(got, naive.naive_apply_rotary(x, pos.astype(np.int64), table, inverse))
+        assert same_bits(got, naive.apply_rotary(x, pos.astype(np.int64), table, inverse))
 
 
 @fuzz(200)
@@ -651,7 +648,7 @@ def test_fuzz_sparse_attn_and_window(data, S, H, rows, W, split):
         assert any(w in str(e) for w in ("start_pos", "seqlen", "window", "decode")), str(e)
         assert start_pos < 0 or seqlen < 1 or window < 1 or (start_pos > 0 and seqlen != 1)
     else:
-        assert np.array_equal(got, naive.hz_window_rows(start_pos, seqlen, window))
+        assert np.array_equal(got, naive.window_index_rows(start_pos, seqlen, window))
 
 
 _IDX_BREAKS = ["none", "weights_proj", "wq_b", "index_k_rows", "index_k_dim", "cands_missing",

@@ -1,10 +1,15 @@
-"""The golden-file library: generator, layer selection, storage, atomic writing, comparison."""
+"""ds41numba.golden: the generator, a plan's layer sources, storage, atomic writing, reading,
+comparison, and files byte-identical whatever the thread count."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -16,7 +21,7 @@ from safetensors.numpy import load_file
 
 from ds41numba import golden
 from ds41numba.config import preset
-from ds41numba.golden import GoldenError, GoldenPlan, compare_tensor
+from ds41numba.golden import GoldenError, GoldenPlan, compare_tensor, generator
 from ds41numba.stack import weight_specs
 
 DATA = Path(__file__).parent / "data"
@@ -55,7 +60,7 @@ def test_generator_matches_its_documented_algorithm(seed, bf16):
 
 def test_generator_is_independent_of_chunking_and_threads():
     name, shape = "step3.layers.1.x", (1100, 64)      # large enough for the parallel kernel
-    assert shape[0] * shape[1] >= golden._PARALLEL_FROM
+    assert shape[0] * shape[1] >= generator._PARALLEL_FROM
     whole = golden.make_input(name, shape, seed=11)
     flat = whole.reshape(-1)
     cuts = [0, 1, 4096, 14096, 50000, flat.size]        # small pieces take the serial kernel
@@ -114,17 +119,7 @@ def test_bad_seed_is_a_usage_error():
         golden.make_input("x", (2, 2), seed=-1)
 
 
-# --------------------------------------------------------------------------- layer selection
-
-
-def test_parse_layers():
-    assert golden.parse_layers("20", 43) == (20,)
-    assert golden.parse_layers("2,3,20-24", 43) == (2, 3, 20, 21, 22, 23, 24)
-    assert golden.parse_layers(" 5 , 1-2,2", 6) == (1, 2, 5)
-    for bad, msg in [("a", "not a layer"), ("3-1", "backwards"), ("50", "not a layer of this config"),
-                     ("1,,2", "not a layer"), ("-1", "not a layer")]:
-        with pytest.raises(GoldenError, match=msg):
-            golden.parse_layers(bad, 43)
+# --------------------------------------------------------------------------- layer sources
 
 
 def test_missing_sources_are_named():
@@ -287,3 +282,47 @@ def test_compare_files_reports_tensors_in_one_file(tmp_path):
     kinds = {r.name: r.kind for r in report.results}
     assert kinds["step0.layers.0.idx"] == "only-golden" and kinds["extra"] == "only-candidate"
     assert golden.compare_files(a, b, subset=True).ok
+
+
+# =============================================================================== determinism
+
+
+def _golden_via_cli(path, threads, args):
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               OMP_NUM_THREADS=str(threads), PYTHONHASHSEED="random")
+    out = subprocess.run([sys.executable, "-m", "ds41numba", "golden", *args, "--quiet",
+                          "--out", str(path)], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return path.read_bytes()
+
+
+def _header(data):
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+# A config big enough that the parallel kernels (rounding, quantisers, RMSNorm, top-k rows) split
+# their work across threads, and short enough for CI: 300-token prefill, ratio 1 rows past
+# 64 * index_topk (partial-sort branch), ratio 4 with candidates.
+_DET_CONFIG = dict(
+    dim=128, n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2,
+    window_size=16, compress_ratios=[0, 4, 4, 1, 1], kv_source_layers=[1, 3],
+    index_source_layers=[1, 2, 3, 4], candidate_source_layer=3, candidate_topk_blocks=4,
+    candidate_block_size=4, index_n_heads=4, index_head_dim=32, index_topk=4,
+    compress_rope_theta=160000.0, rope_factor=16.0, original_seq_len=64, max_seq_len=320)
+
+
+def test_golden_files_do_not_depend_on_the_thread_count(tmp_path):
+    """The same seed and config give identical golden files with 1 and with 2 threads (numba and
+    BLAS), written by the command line in separate processes."""
+    cfg = tmp_path / "det.json"
+    cfg.write_text(json.dumps(_DET_CONFIG))
+    args = ["--config", str(cfg), "--prefill", "300", "--decode", "6", "--seed", "11"]
+    one = _golden_via_cli(tmp_path / "one.safetensors", 1, args)
+    two = _golden_via_cli(tmp_path / "two.safetensors", 2, args)
+    (h1, d1), (h2, d2) = _header(one), _header(two)
+    assert h1 == h2, "headers differ (tensor names, dtypes, shapes, offsets or metadata)"
+    bad = [k for k, v in h1.items() if k != "__metadata__"
+           and d1[slice(*v["data_offsets"])] != d2[slice(*h2[k]["data_offsets"])]]
+    assert not bad, f"{len(bad)} tensors differ with the thread count, e.g. {bad[:5]}"
+    assert one == two, "the files hold the same tensors but are not byte-identical"

@@ -6,10 +6,6 @@ code tables and on every tie. The quantisers are compared with naive.py's ml_dty
 checked on the reference's own outputs (tests/data), which must be their fixed points.
 """
 
-import glob
-import json
-import os
-
 import ml_dtypes
 import numba
 import numpy as np
@@ -19,11 +15,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import naive
+from helpers import REFERENCE_GOLDENS, linear_case, linear_case_names
 from ds41numba import numerics as nm
 
 F32 = np.float32
 U32 = np.uint32
-DATA = os.path.join(os.path.dirname(__file__), "data")
 N_RANDOM = 10_000_000
 
 
@@ -79,7 +75,7 @@ def test_bf16_every_bf16_pattern_and_every_tie():
     hi = np.arange(1 << 16, dtype=U32) << 16
     lows = [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF]  # 0x8000 is the exact tie
     x = np.concatenate([(hi | low).view(F32) for low in lows])
-    assert_same_bits(nm.to_bf16_rne(x), naive.naive_bf16(x))
+    assert_same_bits(nm.to_bf16_rne(x), naive.to_bf16_rne(x))
 
 
 def test_bf16_ties_go_to_even():
@@ -89,18 +85,18 @@ def test_bf16_ties_go_to_even():
 
 
 def test_bf16_random_bits(random_bits):
-    assert_same_bits(nm.to_bf16_rne(random_bits), naive.naive_bf16(random_bits))
+    assert_same_bits(nm.to_bf16_rne(random_bits), naive.to_bf16_rne(random_bits))
 
 
 def test_bf16_random_normals(random_normals):
-    assert_same_bits(nm.to_bf16_rne(random_normals), naive.naive_bf16(random_normals))
+    assert_same_bits(nm.to_bf16_rne(random_normals), naive.to_bf16_rne(random_normals))
 
 
 def test_bf16_specials():
     x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 3.4028235e38, -3.4028235e38,
                   1e-45, -1e-45, 2.0**-133, 2.0**-134, 3 * 2.0**-134, 1.1754942e-38], F32)
     got = nm.to_bf16_rne(x)
-    assert_same_bits(got, naive.naive_bf16(x))
+    assert_same_bits(got, naive.to_bf16_rne(x))
     assert np.signbit(got[1]) and got[1] == 0
     assert np.isposinf(got[6]) and np.isneginf(got[7])  # overflow rounds to infinity
     assert got[10] == 2.0**-133 and got[11] == 0 and got[12] == 2.0**-132  # bf16 subnormals
@@ -108,14 +104,14 @@ def test_bf16_specials():
 
 def test_bf16_scalar_matches_array():
     vals = neighbours(np.array([1.00390625, 0.0, -3.0, 65504.0, 1e-40], F32))
-    assert_same_bits(np.array([nm.bf16_scalar(v) for v in vals], F32), naive.naive_bf16(vals))
+    assert_same_bits(np.array([nm.bf16_scalar(v) for v in vals], F32), naive.to_bf16_rne(vals))
 
 
 def test_round_bf16_inplace_and_is_bf16_valued():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 5, 7)).astype(F32)
     assert not nm.is_bf16_valued(x)
-    want = naive.naive_bf16(x)
+    want = naive.to_bf16_rne(x)
     assert nm.round_bf16_inplace(x) is x
     assert_same_bits(x, want)
     assert nm.is_bf16_valued(x)
@@ -130,8 +126,8 @@ def test_conversions_accept_any_shape_and_layout():
     rng = np.random.default_rng(1)
     base = rng.standard_normal((6, 8, 10)).astype(F32)
     view = base[::2, :, 1::3]  # non-contiguous
-    for fn, ref in [(nm.to_bf16_rne, naive.naive_bf16), (nm.to_e4m3_rne, naive.naive_e4m3),
-                    (nm.to_e2m1_rne, naive.naive_e2m1)]:
+    for fn, ref in [(nm.to_bf16_rne, naive.to_bf16_rne), (nm.to_e4m3_rne, naive.to_e4m3_rne),
+                    (nm.to_e2m1_rne, naive.to_e2m1_rne)]:
         got = fn(view)
         assert got.shape == view.shape and got.dtype == F32 and got.flags.c_contiguous
         assert_same_bits(got, ref(view))
@@ -158,7 +154,7 @@ def test_e4m3_all_codes_and_midpoints():
     assert np.all(mids.astype(np.float64) == (finite[:-1].astype(np.float64) + finite[1:]) / 2)
     x = np.concatenate([codes, neighbours(finite), neighbours(mids)])
     got = nm.to_e4m3_rne(x)
-    assert_same_bits(got, naive.naive_e4m3(x))
+    assert_same_bits(got, naive.to_e4m3_rne(x))
     fin = np.isfinite(codes)
     assert_same_bits(got[:256][fin], codes[fin])  # every code maps to itself
     assert np.isnan(got[:256][~fin]).all()
@@ -169,7 +165,7 @@ def test_e4m3_ties_subnormals_and_overflow():
                   448.0, 449.0, 463.99, 464.0, 464.01, 480.0, 1e6, np.inf, -np.inf, -464.0, np.nan],
                  F32)
     got = nm.to_e4m3_rne(x)
-    assert_same_bits(got, naive.naive_e4m3(x))
+    assert_same_bits(got, naive.to_e4m3_rne(x))
     assert np.signbit(got[2]) and got[2] == 0  # tie at half the smallest subnormal -> -0
     assert got[1] == 2.0**-8 and got[3] == 2.0**-8 and got[4] == 2.0**-8  # ties to even codes
     assert got[5] == 0 and got[6] == 0
@@ -178,13 +174,13 @@ def test_e4m3_ties_subnormals_and_overflow():
 
 
 def test_e4m3_random_bits(random_bits):
-    assert_same_bits(nm.to_e4m3_rne(random_bits), naive.naive_e4m3(random_bits))
+    assert_same_bits(nm.to_e4m3_rne(random_bits), naive.to_e4m3_rne(random_bits))
 
 
 def test_e4m3_random_normals(random_normals):
     x = np.concatenate([random_normals[::4], random_normals[1::4] * F32(2.0**-30)])
     x = np.concatenate([x, random_normals[2::4] * F32(2.0**-12), random_normals[3::4] * F32(2.0**9)])
-    assert_same_bits(nm.to_e4m3_rne(x), naive.naive_e4m3(x))
+    assert_same_bits(nm.to_e4m3_rne(x), naive.to_e4m3_rne(x))
 
 
 # --------------------------------------------------------------------------------------- e2m1
@@ -202,13 +198,13 @@ def test_e2m1_grid_midpoints_and_tie_rule():
     assert_same_bits(nm.to_e2m1_rne(mids), want)
     assert_same_bits(nm.to_e2m1_rne(-mids), -want)
     x = np.concatenate([neighbours(E2M1_GRID), neighbours(mids), -neighbours(mids)])
-    assert_same_bits(nm.to_e2m1_rne(x), naive.naive_e2m1(x))
+    assert_same_bits(nm.to_e2m1_rne(x), naive.to_e2m1_rne(x))
 
 
 def test_e2m1_sign_saturation_and_nan():
     x = np.array([-0.2, -0.0, 0.2, 6.5, 7.0, 1e30, np.inf, -7.0, -np.inf, 1e-40, -1e-40], F32)
     got = nm.to_e2m1_rne(x)
-    assert_same_bits(got, naive.naive_e2m1(x))
+    assert_same_bits(got, naive.to_e2m1_rne(x))
     assert np.signbit(got[0]) and got[0] == 0 and np.signbit(got[1]) and not np.signbit(got[2])
     assert list(got[3:7]) == [6.0] * 4 and list(got[7:9]) == [-6.0] * 2
     # e2m1 has no NaN: ml_dtypes turns NaN into a zero, an f32 result keeps it NaN.
@@ -219,20 +215,20 @@ def test_e2m1_random_bits(random_bits):
     got = nm.to_e2m1_rne(random_bits)
     nan = np.isnan(random_bits)
     assert np.isnan(got[nan]).all()
-    assert_same_bits(got[~nan], naive.naive_e2m1(random_bits[~nan]))
+    assert_same_bits(got[~nan], naive.to_e2m1_rne(random_bits[~nan]))
 
 
 def test_e2m1_random_normals(random_normals):
     x = np.concatenate([random_normals[::2], random_normals[1::2] * F32(1e-30) * F32(1e30)])
     x = np.clip(x, F32(-1e30), F32(1e30)) / F32(1e2)
-    assert_same_bits(nm.to_e2m1_rne(x), naive.naive_e2m1(x))
+    assert_same_bits(nm.to_e2m1_rne(x), naive.to_e2m1_rne(x))
 
 
 # --------------------------------------------------------------------------------------- pow2ceil
 
 
 def test_pow2ceil_random_bits(random_bits):
-    assert_same_bits(nm.pow2ceil(random_bits), naive.naive_pow2ceil(random_bits))
+    assert_same_bits(nm.pow2ceil(random_bits), naive.pow2ceil(random_bits))
 
 
 def test_pow2ceil_powers_and_e8m0_scales():
@@ -264,9 +260,9 @@ def test_pow2ceil_specials():
 # --------------------------------------------------------------------------------------- quantisers
 
 QUANTISERS = [
-    (nm.act_quant_fp8_inplace, naive.naive_act_quant_fp8, 32),
-    (nm.fp4_quant_e8m0_inplace, naive.naive_fp4_quant_e8m0, 32),
-    (nm.fp4_quant_e4m3_inplace, naive.naive_fp4_quant_e4m3, 16),
+    (nm.act_quant_fp8_inplace, naive.act_quant_fp8_inplace, 32),
+    (nm.fp4_quant_e8m0_inplace, naive.fp4_quant_e8m0_inplace, 32),
+    (nm.fp4_quant_e4m3_inplace, naive.fp4_quant_e4m3_inplace, 16),
 ]
 QUANT_IDS = ["fp8", "fp4_e8m0", "fp4_e4m3"]
 
@@ -276,7 +272,7 @@ def random_blocks(rng, rows, cols, block):
     x = rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-69, 69, (rows, 1)))
     x = x.astype(F32)
     if rows < 6:
-        return naive.naive_bf16(x)
+        return naive.to_bf16_rne(x)
     x[0] = 0.0
     x[1, :block] = -0.0
     x[2, :block] = rng.standard_normal(block) * 1e-7  # under every amax floor
@@ -284,7 +280,7 @@ def random_blocks(rng, rows, cols, block):
     x[3, 1] = 3e4  # a single huge value
     x[4, :block] = np.array([0.25, -0.75, 1.25, -1.75, 2.5, 3.5, -5.0, 6.0], F32).repeat(block // 8)
     x[5, :block] = 2.0**-130  # f32 subnormals
-    return naive.naive_bf16(x)
+    return naive.to_bf16_rne(x)
 
 
 @pytest.mark.parametrize("fn,ref,block", QUANTISERS, ids=QUANT_IDS)
@@ -350,9 +346,9 @@ def test_quantiser_validation(fn):
 def test_row_helpers_work_on_views():
     rng = np.random.default_rng(5)
     x = random_blocks(rng, 8, 64, 32)
-    for helper, ref, block in [(nm._fp8_quant_row, naive.naive_act_quant_fp8, 32),
-                               (nm._fp4_e8m0_row, naive.naive_fp4_quant_e8m0, 32),
-                               (nm._fp4_e4m3_row, naive.naive_fp4_quant_e4m3, 16)]:
+    for helper, ref, block in [(nm._fp8_quant_row, naive.act_quant_fp8_inplace, 32),
+                               (nm._fp4_e8m0_row, naive.fp4_quant_e8m0_inplace, 32),
+                               (nm._fp4_e4m3_row, naive.fp4_quant_e4m3_inplace, 16)]:
         y = x.copy()
         for r in range(y.shape[0]):
             helper(y[r], block)
@@ -362,20 +358,20 @@ def test_row_helpers_work_on_views():
 bf16_blocks = hnp.arrays(
     F32, st.tuples(st.integers(1, 4), st.sampled_from([32, 64])),
     elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=True),
-).map(naive.naive_bf16)
+).map(naive.to_bf16_rne)
 scales = st.sampled_from([1e-30, 1e-12, 1e-5, 1.0, 1e5, 1e20])
 
 
 @settings(max_examples=150, deadline=None)
 @given(bf16_blocks, scales)
 def test_fp8_properties(x, scale):
-    x = naive.naive_bf16(x * F32(scale))
+    x = naive.to_bf16_rne(x * F32(scale))
     q = nm.act_quant_fp8_inplace(x.copy())
     assert nm.is_bf16_valued(q)
     assert np.array_equal(np.signbit(q), np.signbit(x))
     assert_same_bits(nm.act_quant_fp8_inplace(q.copy()), q)  # idempotent
     b = x.reshape(-1, 32)
-    s = naive.naive_pow2ceil(np.maximum(np.abs(b).max(axis=1), F32(1e-4)) / F32(448))[:, None]
+    s = naive.pow2ceil(np.maximum(np.abs(b).max(axis=1), F32(1e-4)) / F32(448))[:, None]
     err = np.abs(q.reshape(-1, 32).astype(np.float64) - b)
     assert np.all(err <= np.maximum(2.0**-4 * np.abs(b), 2.0**-10 * s) * (1 + 2.0**-20))
 
@@ -383,13 +379,13 @@ def test_fp8_properties(x, scale):
 @settings(max_examples=150, deadline=None)
 @given(bf16_blocks, scales)
 def test_fp4_e8m0_properties(x, scale):
-    x = naive.naive_bf16(x * F32(scale))
+    x = naive.to_bf16_rne(x * F32(scale))
     q = nm.fp4_quant_e8m0_inplace(x.copy())
     assert nm.is_bf16_valued(q)
     assert np.array_equal(np.signbit(q), np.signbit(x))
     assert_same_bits(nm.fp4_quant_e8m0_inplace(q.copy()), q)  # idempotent
     b = x.reshape(-1, 32)
-    s = naive.naive_pow2ceil(np.maximum(np.abs(b).max(axis=1), F32(6 * 2.0**-126)) / F32(6))[:, None]
+    s = naive.pow2ceil(np.maximum(np.abs(b).max(axis=1), F32(6 * 2.0**-126)) / F32(6))[:, None]
     err = np.abs(q.reshape(-1, 32).astype(np.float64) - b)
     assert np.all(err <= np.maximum(0.25 * s, np.abs(b) / 4) * (1 + 2.0**-20))
 
@@ -397,11 +393,11 @@ def test_fp4_e8m0_properties(x, scale):
 @settings(max_examples=150, deadline=None)
 @given(bf16_blocks, scales)
 def test_fp4_e4m3_properties(x, scale):
-    x = naive.naive_bf16(x * F32(scale))
+    x = naive.to_bf16_rne(x * F32(scale))
     q = nm.fp4_quant_e4m3_inplace(x.copy())
     b = x.reshape(-1, 16)
     amax = np.maximum(np.abs(b).max(axis=1), F32(6 * 2.0**-9))
-    s = naive.naive_e4m3(amax / F32(6))[:, None]
+    s = naive.to_e4m3_rne(amax / F32(6))[:, None]
     finite = np.isfinite(s[:, 0])  # amax / 6 beyond 464: the e4m3 scale itself is NaN
     qb = q.reshape(-1, 16)
     assert np.isnan(qb[~finite]).all()
@@ -420,7 +416,7 @@ def test_fp4_e4m3_not_idempotent_with_subnormal_scale():
     # amax/6 = 1.6 * 2^-9 -> s = 2^-8 (subnormal); 4.8 -> 4, amax' = 2^-6 -> s' = 2^-9 -> 4 * 2 -> 6
     x = np.zeros(16, F32)
     x[0] = F32(6 * 1.6 * 2.0**-9)
-    q = nm.fp4_quant_e4m3_inplace(naive.naive_bf16(x))
+    q = nm.fp4_quant_e4m3_inplace(naive.to_bf16_rne(x))
     assert q[0] == 4 * 2.0**-8
     assert nm.fp4_quant_e4m3_inplace(q.copy())[0] == 6 * 2.0**-9
 
@@ -430,15 +426,15 @@ def test_fp4_e4m3_not_idempotent_with_subnormal_scale():
 
 def test_linear_bf16_and_f32():
     rng = np.random.default_rng(11)
-    x = naive.naive_bf16(rng.standard_normal((2, 5, 96)).astype(F32))
-    w = naive.naive_bf16(rng.standard_normal((40, 96)).astype(F32) / 10)
+    x = naive.to_bf16_rne(rng.standard_normal((2, 5, 96)).astype(F32))
+    w = naive.to_bf16_rne(rng.standard_normal((40, 96)).astype(F32) / 10)
     y32 = nm.linear_f32(x, w)
     assert y32.shape == (2, 5, 40) and y32.dtype == F32
     assert_same_bits(y32, np.matmul(x.reshape(-1, 96), w.T).reshape(2, 5, 40))
     y = nm.linear_bf16(x, w)
-    assert_same_bits(y, naive.naive_bf16(y32))
+    assert_same_bits(y, naive.to_bf16_rne(y32))
     # Against exact dot products: at most one bf16 step apart (summation order).
-    want = naive.naive_linear_bf16(x, w)
+    want = naive.linear_bf16(x, w)
     assert np.all(np.abs(y - want) <= 2.0**-7 * np.abs(want) + 1e-30)
     assert np.mean(y == want) > 0.95
     with pytest.raises(ValueError, match="does not match"):
@@ -495,8 +491,8 @@ def test_bf16_dot_exact_on_fp4_values(d, a_stride, out_stride):
 @needs_bf16_dot
 def test_bf16_dot_on_bf16_values_is_an_f32_dot_product():
     rng = np.random.default_rng(41)
-    a = naive.naive_bf16(rng.standard_normal((nm.DOT_ROWS, 512)).astype(F32))
-    b = naive.naive_bf16(rng.standard_normal((40, 512)).astype(F32))
+    a = naive.to_bf16_rne(rng.standard_normal((nm.DOT_ROWS, 512)).astype(F32))
+    b = naive.to_bf16_rne(rng.standard_normal((40, 512)).astype(F32))
     got = _dot(a, b)
     exact = a.astype(np.float64) @ b.T.astype(np.float64)
     scale = np.abs(a).astype(np.float64) @ np.abs(b).T.astype(np.float64)
@@ -527,10 +523,10 @@ def test_linear_bf16_many_rows_of_a_bf16_matrix(monkeypatch, m, k, n, groups):
     the thread count."""
     monkeypatch.setattr(nm, "_WIDEN_ROWS", 16 if m == 61 else nm._WIDEN_ROWS)
     rng = np.random.default_rng(m + k)
-    x = naive.naive_bf16(rng.standard_normal((m, groups * k)).astype(F32))
-    w = naive.naive_bf16((rng.standard_normal((n, k)) / np.sqrt(k)).astype(F32))
+    x = naive.to_bf16_rne(rng.standard_normal((m, groups * k)).astype(F32))
+    w = naive.to_bf16_rne((rng.standard_normal((n, k)) / np.sqrt(k)).astype(F32))
     rank = n // groups
-    want = np.concatenate([naive.naive_linear_bf16(x[:, g * k:(g + 1) * k], w[g * rank:(g + 1) * rank])
+    want = np.concatenate([naive.linear_bf16(x[:, g * k:(g + 1) * k], w[g * rank:(g + 1) * rank])
                            for g in range(groups)], axis=1)
     mat = nm.Bf16Matrix(w, groups=groups)
     before = numba.get_num_threads()
@@ -549,8 +545,8 @@ def test_linear_bf16_many_rows_of_a_bf16_matrix(monkeypatch, m, k, n, groups):
 @needs_bf16_dot
 def test_bf16_matrix_product_is_f32_accurate_and_falls_back_where_it_cannot_run():
     rng = np.random.default_rng(43)
-    x = naive.naive_bf16(rng.standard_normal((20, 512)).astype(F32))
-    w = naive.naive_bf16(rng.standard_normal((64, 512)).astype(F32))
+    x = naive.to_bf16_rne(rng.standard_normal((20, 512)).astype(F32))
+    w = naive.to_bf16_rne(rng.standard_normal((64, 512)).astype(F32))
     y = np.full((20, 64), np.nan, F32)
     assert nm.Bf16Matrix(w).dot_bf16(x, y)
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
@@ -563,38 +559,28 @@ def test_bf16_matrix_product_is_f32_accurate_and_falls_back_where_it_cannot_run(
     # x not bf16-valued: the caller's BLAS path runs instead.
     off = x + F32(2.0 ** -12)
     assert not nm.Bf16Matrix(w).dot_bf16(off, y)
-    assert_same_bits(nm.linear_bf16(off, nm.Bf16Matrix(w)), naive.naive_bf16(off @ w.T))
+    assert_same_bits(nm.linear_bf16(off, nm.Bf16Matrix(w)), naive.to_bf16_rne(off @ w.T))
     # An odd input width runs too, its last product added alone.
     assert nm.Bf16Matrix(w[:, :511]).dot_bf16(x[:, :511], y)
-    assert_same_bits(naive.naive_bf16(y), naive.naive_linear_bf16_ordered(x[:, :511], w[:, :511]))
+    assert_same_bits(naive.to_bf16_rne(y), naive.linear_bf16_ordered(x[:, :511], w[:, :511]))
 
 
 # ------------------------------------------------------------- the reference's bf16 summation order
-
-LINEAR_CASES = os.path.join(os.path.dirname(__file__), "data", "linear_cases.npz")
-
-
-def _linear_cases(kind):
-    data = np.load(LINEAR_CASES)
-    for name in data["cases"]:
-        if name.startswith(kind + "."):
-            m, k, n = (int(v[1:]) for v in name.split(".")[1:])
-            yield str(name), data["x"][:m, :k], data["w"][:n, :k], data[name]
-
 
 def test_bf16_k_block_is_the_measured_rule():
     assert [nm.bf16_k_block(1, k) for k in (128, 512, 513, 1024, 5120)] == [128, 512, 512, 512, 512]
     assert [nm.bf16_k_block(2, k) for k in (512, 513, 1024, 1025, 8192)] == [512, 512, 512, 1024, 1024]
     for m, k in [(1, 4096), (7, 640), (300, 8192), (2, 1280)]:
-        assert nm.bf16_k_block(m, k) == naive.naive_bf16_k_block(m, k)
+        assert nm.bf16_k_block(m, k) == naive.bf16_k_block(m, k)
 
 
-def test_every_bf16_linear_case_of_the_reference_is_bit_exact():
+def test_every_bf16_linear_case_of_the_reference_is_bit_exact(linear_cases):
     """Every ``y.*`` case of the reference's bf16 F.linear at production inner dimensions (K up to
     8192, with 513): bit for bit. Rows up to MATVEC_MAX_ROWS take the bf16-bits kernel on every
     CPU; more rows need the AVX512-BF16 kernel (on BLAS they are approximate, README)."""
     checked = 0
-    for name, x, w, want in _linear_cases("y"):
+    for name in linear_case_names("y"):
+        x, w, want = linear_case(linear_cases, name)
         if x.shape[0] > nm.MATVEC_MAX_ROWS and not nm.BF16_DOT:
             continue
         got = nm.linear_bf16(x, nm.Bf16Matrix(np.ascontiguousarray(w)))
@@ -610,10 +596,10 @@ def test_linear_bf16_follows_the_reference_order(m, k, n, groups, ref_rows):
     """Against the literal emulation, for both kernels (few rows / many rows), grouped, odd K, and
     a tile of rows summed in the order of a call of ``ref_rows`` rows (a tiled prefill)."""
     rng = np.random.default_rng(m * k + n)
-    x = naive.naive_bf16(rng.standard_normal((m, groups * k)).astype(F32))
-    w = naive.naive_bf16((rng.standard_normal((n, k)) / np.sqrt(k)).astype(F32))
+    x = naive.to_bf16_rne(rng.standard_normal((m, groups * k)).astype(F32))
+    w = naive.to_bf16_rne((rng.standard_normal((n, k)) / np.sqrt(k)).astype(F32))
     rank = n // groups
-    want = np.concatenate([naive.naive_linear_bf16_ordered(
+    want = np.concatenate([naive.linear_bf16_ordered(
         x[:, g * k:(g + 1) * k], w[g * rank:(g + 1) * rank], ref_rows or m) for g in range(groups)], axis=1)
     got = nm.linear_bf16(x, nm.Bf16Matrix(w, groups=groups), ref_rows=ref_rows)
     if m > nm.MATVEC_MAX_ROWS and not nm.BF16_DOT:
@@ -624,7 +610,7 @@ def test_linear_bf16_follows_the_reference_order(m, k, n, groups, ref_rows):
 
 def test_bf16_pair_layouts():
     rng = np.random.default_rng(42)
-    x = naive.naive_bf16(rng.standard_normal((37, 6)).astype(F32))
+    x = naive.to_bf16_rne(rng.standard_normal((37, 6)).astype(F32))
     hi = (x.view(np.uint32) >> 16).astype(np.uint32)
     pairs = hi[:, 0::2] | (hi[:, 1::2] << 16)
     assert np.array_equal(nm.bf16_pairs(x), pairs)
@@ -668,7 +654,7 @@ def test_torch_sum_matches_naive_transcription():
                                   16384 + 77, 70_000]
     for n in sizes:
         x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2)).astype(F32)
-        want = naive.naive_torch_sum_f32(x * x)
+        want = naive.torch_sum_f32(x * x)
         assert nm.torch_sum_f32(x, True) == want, n
         assert nm.torch_sum_f32(x * x, False) == want, n
 
@@ -684,14 +670,14 @@ def test_torch_sum_is_not_left_to_right():
 @pytest.mark.parametrize("n", [1, 5, 16, 17, 64, 96, 128, 512, 1280])
 def test_rms_norm_matches_naive(n):
     rng = np.random.default_rng(n)
-    w = naive.naive_bf16(rng.standard_normal(n).astype(F32))
+    w = naive.to_bf16_rne(rng.standard_normal(n).astype(F32))
     for lead in [(3,), (2, 4), (1200,)]:
-        x = naive.naive_bf16((rng.standard_normal(lead + (n,)) * 10.0 ** rng.uniform(-8, 8, lead + (1,)))
+        x = naive.to_bf16_rne((rng.standard_normal(lead + (n,)) * 10.0 ** rng.uniform(-8, 8, lead + (1,)))
                              .astype(F32))
         x[(0,) * len(lead)] = 0.0
         got = nm.rms_norm(x, w, 1e-20)
         assert got.shape == x.shape
-        assert_same_bits(got, naive.naive_rms_norm(x, w, 1e-20))
+        assert_same_bits(got, naive.rms_norm(x, w, 1e-20))
     assert nm.is_bf16_valued(got)
 
 
@@ -707,19 +693,15 @@ def test_rms_norm_validation():
 # --------------------------------------------------------------------------------------- goldens
 
 
-def golden_files():
-    return sorted(p for p in glob.glob(os.path.join(DATA, "*.npz")) if "topk" not in p and "linear" not in p)
-
-
-@pytest.mark.parametrize("path", golden_files(), ids=os.path.basename)
-def test_goldens_are_quantiser_fixed_points(path):
+@pytest.mark.parametrize("name", REFERENCE_GOLDENS)
+def test_goldens_are_quantiser_fixed_points(reference_golden, name):
     """The reference's quantised tensors must be fixed points of our quantisers: the window ring
     (fp8), the shared index keys (fp4 e8m0) and compressed KV (fp4 e4m3), and in the KV rows sparse
     attention received, the window rows (fp8) followed by the compressed rows (fp4 e4m3)."""
-    d = np.load(path)
-    cfg = json.loads(str(d["config"]))
+    d = reference_golden(name)
+    cfg = {"prefill": d.run.prefill, "window_size": d.config.window_size}
     checked = 0
-    for key in d.files:
+    for key in d.tensors:
         if not key.startswith("step"):
             continue
         step = int(key.split(".")[0][4:])

@@ -3,9 +3,7 @@ rotation against naive.py's pair-by-pair model of torch's complex64 multiply, an
 (linear, RMSNorm, RoPE, quantisers) composed as the reference composes them, against its own outputs.
 """
 
-import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ from ds41numba import numerics as nm
 from ds41numba import rope
 
 F32 = np.float32
-DATA = os.path.join(os.path.dirname(__file__), "data")
 
 TABLE_CASES = [
     # dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow
@@ -40,7 +37,7 @@ def same_bits(a, b):
 @pytest.mark.parametrize("case", TABLE_CASES, ids=lambda c: f"dim{c[0]}-len{c[1]}-orig{c[2]}")
 def test_table_matches_naive(case):
     cos, sin = rope.yarn_freqs_cis(*case)
-    ncos, nsin = naive.naive_yarn_freqs_cis(*case)
+    ncos, nsin = naive.yarn_freqs_cis(*case)
     assert cos.shape == (case[1], case[0] // 2) and cos.dtype == F32 and sin.dtype == F32
     assert same_bits(cos, ncos) and same_bits(sin, nsin)
 
@@ -50,7 +47,7 @@ def test_table_is_the_c_librarys_cosf_not_the_correctly_rounded_cosine():
     the correctly rounded values by an ulp here and there: v41-flash's table at position 1228,
     frequency 2, is one of them, and it decides bits of layer 20's output (README, "How exact")."""
     cos, sin = rope.yarn_freqs_cis(64, 2048, 65536, 160000.0, 16.0, 32, 1)
-    cosf, sinf = naive.naive_libm_cosf_sinf()
+    cosf, sinf = naive.libm_cosf_sinf()
     freqs = rope._inv_freqs(64, 65536, 160000.0, 16.0, 32, 1)
     a = F32(F32(1228) * freqs[2])
     assert cos[1228, 2] == F32(cosf(float(a))) and sin[1228, 2] == F32(sinf(float(a)))
@@ -104,7 +101,7 @@ def test_table_validation():
 
 
 def bf16_random(rng, shape, scale=1.0):
-    return naive.naive_bf16((rng.standard_normal(shape) * scale).astype(F32))
+    return naive.to_bf16_rne((rng.standard_normal(shape) * scale).astype(F32))
 
 
 @pytest.mark.parametrize("rd", [8, 12, 16, 20, 64])
@@ -117,10 +114,10 @@ def test_apply_rotary_matches_naive(rd, inverse):
         pos = rng.integers(0, 3000, shape[0])
         got = rope.apply_rotary(x, pos, table, inverse=inverse)
         assert got.shape == x.shape and got.dtype == F32
-        assert same_bits(got, naive.naive_apply_rotary(x, pos, table, inverse=inverse)), shape
+        assert same_bits(got, naive.apply_rotary(x, pos, table, inverse=inverse)), shape
         if len(shape) == 2:
             got = rope.apply_rotary(x, pos, table, inverse=inverse, coalesce_rows=False)
-            want = naive.naive_apply_rotary(x, pos, table, inverse=inverse, coalesce_rows=False)
+            want = naive.apply_rotary(x, pos, table, inverse=inverse, coalesce_rows=False)
             assert same_bits(got, want), shape
 
 
@@ -136,8 +133,8 @@ def test_product_form_follows_torch_loop_blocks():
     got = rope.apply_rotary(x, pos, table)
     a, b = x[..., 0::2], x[..., 1::2]
     c, s = table[0][:, None, :], table[1][:, None, :]
-    sep = naive.naive_bf16(a * c - b * s)
-    fused = naive.naive_bf16(naive.naive_fma_f32(a, c, -(b * s)))
+    sep = naive.to_bf16_rne(a * c - b * s)
+    fused = naive.to_bf16_rne(naive.fma_f32(a, c, -(b * s)))
     assert np.array_equal(got[..., 0::2][..., :16], sep[..., :16])
     assert np.array_equal(got[..., 0::2][..., 16:], fused[..., 16:])
     assert (sep[..., 16:] != fused[..., 16:]).any() and (sep[..., :16] != fused[..., :16]).any()
@@ -159,12 +156,12 @@ def test_fma_is_exact():
     b = np.array([2.0**-12 * (1 - 2.0**-23)], F32)
     c = np.array([1 + 2.0**-23], F32)
     assert fma_all(a, b, c)[0] == F32(1 + 2.0**-23)
-    assert naive.naive_fma_f32(a, b, c)[0] == F32(1 + 2.0**-23)
+    assert naive.fma_f32(a, b, c)[0] == F32(1 + 2.0**-23)
     assert F32(a.astype(np.float64) * b + c) == F32(1 + 2.0**-22)
     rng = np.random.default_rng(2)
     a, b = rng.standard_normal((2, 200_000)).astype(F32)
     c = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(200_000) * 2.0**-20)).astype(F32)
-    assert same_bits(fma_all(a, b, c), naive.naive_fma_f32(a, b, c))
+    assert same_bits(fma_all(a, b, c), naive.fma_f32(a, b, c))
 
 
 def test_rotation_only_touches_the_tail_and_copies():
@@ -231,9 +228,10 @@ def test_apply_rotary_validation():
 # --------------------------------------------------------------------------------------- goldens
 
 
-def load(name):
-    d = np.load(os.path.join(DATA, f"{name}.npz"))
-    return d, json.loads(str(d["config"]))
+def load(reference_golden, name):
+    """The golden and its config with its run (prefill, decode), in the reference's names."""
+    d = reference_golden(name)
+    return d, {**d.config.to_dict(), "prefill": d.run.prefill, "decode": d.run.decode}
 
 
 def layer_table(cfg, ratio, length):
@@ -250,11 +248,11 @@ def within_bar(got, want):
 
 
 @pytest.mark.parametrize("name", ["tiny", "mixed", "edge_prefill1", "edge_r128_short"])
-def test_goldens_queries_and_window_kv(name):
+def test_goldens_queries_and_window_kv(reference_golden, name):
     """q = rope(wq_b(RMSNorm(wq_a x))) and the window KV rows fp8(rope(RMSNorm(wkv x))) of every
     layer and step, rebuilt from the recorded inputs and weights. On these shapes everything but the
     odd BLAS last-bit difference is bit-identical (measured: all KV rows, 99.998% of q)."""
-    d, cfg = load(name)
+    d, cfg = load(reference_golden, name)
     H, hd, P, eps = cfg["n_heads"], cfg["head_dim"], cfg["prefill"], cfg["norm_eps"]
     same = total = kv_same = kv_total = 0
     for i, ratio in enumerate(cfg["compress_ratios"]):
@@ -284,14 +282,14 @@ def test_goldens_queries_and_window_kv(name):
 
 @pytest.mark.parametrize("name,layer", [("tiny", 4), ("edge_r128_short", 3), ("mixed", 5),
                                         ("prod_dev", 3)])
-def test_goldens_ratio1_latents_and_index_keys(name, layer):
+def test_goldens_ratio1_latents_and_index_keys(reference_golden, name, layer):
     """A ratio-1 kv source's compressed KV fp4_e4m3(rope(RMSNorm(wkv x))) and index keys
     fp4_e8m0(rope(RMSNorm(wk latent))), rebuilt for every position and compared with the shared
     cache at the last step it was recorded (prod_dev: production head shapes, rd 64, YaRN)."""
-    d, cfg = load(name)
+    d, cfg = load(reference_golden, name)
     P, eps = cfg["prefill"], cfg["norm_eps"]
-    steps = [s for s in range(cfg["decode"] + 1) if f"step{s}.layers.{layer}.x" in d.files]
-    last = max(s for s in steps if f"step{s}.layers.{layer}.shared.index_k" in d.files)
+    steps = [s for s in range(cfg["decode"] + 1) if f"step{s}.layers.{layer}.x" in d]
+    last = max(s for s in steps if f"step{s}.layers.{layer}.shared.index_k" in d)
     x = np.concatenate([d[f"step{s}.layers.{layer}.x"] for s in steps if s <= last])
     n = x.shape[0]
     assert n == P + last

@@ -2,7 +2,7 @@
 
 The goldens (tests/data/topk_cases.npz, topk_nan_cases.npz, copied from shared/golden) are the sets
 torch 2.13's CPU topk returned on tie-heavy bf16 rows; every row must match exactly, through both the
-single-row and the batched form. ``naive.naive_topk_set`` is a slow line-by-line transcription of the
+single-row and the batched form. ``naive.torch_cpu_topk_set`` is a slow line-by-line transcription of the
 libstdc++ algorithms; the kernels must agree with it on random rows full of ties, NaN and infinities,
 in both branches (nth_element for k * 64 > n, partial_sort for k * 64 <= n) and on inputs built to
 drive introselect into its depth-limit heap-select fallback.
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from numba import njit, prange
 
 import naive
-from ds41numba.topk import (_topk_scratch_len, _topk_set_into, torch_cpu_topk_rows,
+from ds41numba.topk import (topk_scratch_len, topk_set_into, torch_cpu_topk_rows,
                             torch_cpu_topk_set)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -110,7 +110,7 @@ def test_naive_matches_goldens():
     """The transcription itself reproduces torch on golden rows (a subset, it is slow)."""
     for name in GOLDEN_BRANCH_COUNTS:
         for row, k, want, _ in load_cases(name)[::7]:
-            assert naive.naive_topk_set(row, k) == want.tolist()
+            assert naive.torch_cpu_topk_set(row, k) == want.tolist()
 
 
 # --------------------------------------------------------------------------- random vs naive
@@ -148,7 +148,7 @@ def topk_problem(draw, which):
 
 def check_against_naive(row, k):
     got = torch_cpu_topk_set(row, k)
-    assert got.tolist() == naive.naive_topk_set(row, k)
+    assert got.tolist() == naive.torch_cpu_topk_set(row, k)
     # Properties that hold whatever the tie rule: k distinct in-range indices, ascending, and the
     # kept values are exactly the top-k multiset (NaN first, then descending).
     assert len(got) == k and np.all(np.diff(got) > 0)
@@ -262,7 +262,7 @@ def test_million_row_partial_sort():
     want_vals = naive.topk_value_multiset(row, k)
     assert np.array_equal(np.sort(row[got]), np.sort(want_vals), equal_nan=True)
     # The tie rule too: the naive heap select is a Python loop, but linear (~1 s).
-    assert got.tolist() == naive.naive_topk_set(row, k)
+    assert got.tolist() == naive.torch_cpu_topk_set(row, k)
     # And the batched form at this length.
     out = torch_cpu_topk_rows(np.stack([row, row[::-1]]), np.array([k, 300]))
     assert np.array_equal(out[0], got)
@@ -292,11 +292,11 @@ def test_thread_count_independent():
 @njit(parallel=True)
 def _core_caller(mat, k, out):
     rows, n = mat.shape
-    need = _topk_scratch_len(n, k)
+    need = topk_scratch_len(n, k)
     for r in prange(rows):
         sv = np.empty(need, np.float32)
         si = np.empty(need, np.int64)
-        _topk_set_into(mat[r], k, out[r], sv, si)
+        topk_set_into(mat[r], k, out[r], sv, si)
 
 
 def test_core_callable_from_prange():
@@ -310,16 +310,16 @@ def test_core_callable_from_prange():
 
 
 def test_core_scratch_len_and_errors():
-    assert _topk_scratch_len(1000, 15) == 15
-    assert _topk_scratch_len(1000, 16) == 1000
-    assert _topk_scratch_len(64, 1) == 1
+    assert topk_scratch_len(1000, 15) == 15
+    assert topk_scratch_len(1000, 16) == 1000
+    assert topk_scratch_len(64, 1) == 1
     row = np.arange(100, dtype=np.float32)
     out = np.empty(10, np.int64)
     with pytest.raises(ValueError, match="scratch"):
-        _topk_set_into(row, 10, out, np.empty(10, np.float32), np.empty(10, np.int64))
+        topk_set_into(row, 10, out, np.empty(10, np.float32), np.empty(10, np.int64))
     with pytest.raises(ValueError, match="k must be"):
-        _topk_set_into(row, 101, out, np.empty(100, np.float32), np.empty(100, np.int64))
-    _topk_set_into(row, 1, out, np.empty(1, np.float32), np.empty(1, np.int64))
+        topk_set_into(row, 101, out, np.empty(100, np.float32), np.empty(100, np.int64))
+    topk_set_into(row, 1, out, np.empty(1, np.float32), np.empty(1, np.int64))
     assert out[0] == 99
 
 

@@ -1,0 +1,47 @@
+"""Golden files: deterministic weights and inputs, a recorded run, replay and comparison.
+
+A golden is one self-contained safetensors file: every weight of the layers that ran, every
+layer input ``x`` of every step, and what the stack computed from them (the *captures*), named
+exactly as in the reference goldens (``../shared/golden/README.md``):
+
+* ``layers.{i}.attn.NAME`` -- layer i's parameters (BF16, or F32 for the f32 parameters);
+* ``step{s}.layers.{i}.WHAT`` -- step 0 is the prefill (``prefill`` tokens at start_pos 0),
+  step s >= 1 the decode of the token at position ``prefill + s - 1``; WHAT is ``x`` and the
+  captures: ``io`` records ``out``, ``idx`` and ``shared.topk_idxs``; ``all`` adds ``q``, ``kv``,
+  ``o``, ``index_score``, the other ``shared.*`` slots and the layer's ``state.*``.
+
+The metadata holds the config (the reference's ModelArgs names), the run (preset, layers,
+prefill, decode, seed, capture mode) and the generator's description, so the file alone is
+enough to replay it and anyone can regenerate its weights and inputs in another language.
+
+One module per part:
+
+* :mod:`.generator` -- the deterministic generator (``ds41numba-splitmix64-v1``, specified in
+  its docstring): ``make_tensor``, ``make_weights``, ``make_input``, ``stream_key``;
+* :mod:`.captures` -- what a layer's step records, in its storage dtypes: ``layer_captures``,
+  ``storage_kind``, ``to_storage``;
+* :mod:`.files` -- atomic writing (``write_tensors_atomic``), the metadata of a run
+  (``RunInfo``) and reading (``GoldenFile``, ``load_golden``);
+* :mod:`.compare` -- ``compare_tensor``, ``compare_files`` and their ``CompareReport``;
+* :mod:`.run` -- ``GoldenPlan`` and the one step x layer driver (``drive``) that
+  ``run_golden`` / ``write_golden`` and ``replay`` both run the stack through.
+
+The command line (``ds41numba golden | replay | compare``, :mod:`ds41numba.cli`) parses its
+arguments and calls these.
+"""
+
+from .captures import CAPTURE_MODES, layer_captures, storage_kind, to_storage
+from .compare import TOLERANCE, CompareReport, TensorResult, compare_files, compare_tensor
+from .errors import GoldenError
+from .files import FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, load_golden, write_tensors_atomic
+from .generator import (GENERATOR, GENERATOR_SPEC, make_input, make_tensor, make_weights,
+                        stream_key, weight_distribution)
+from .run import GoldenPlan, drive, missing_sources, replay, run_golden, write_golden
+
+__all__ = [
+    "GoldenError", "GENERATOR", "GENERATOR_SPEC", "CAPTURE_MODES", "FORMAT", "FORMAT_VERSION",
+    "TOLERANCE", "make_tensor", "make_weights", "make_input", "weight_distribution", "stream_key",
+    "missing_sources", "GoldenPlan", "layer_captures", "storage_kind", "to_storage", "drive",
+    "run_golden", "write_golden", "write_tensors_atomic", "GoldenFile", "RunInfo", "load_golden",
+    "TensorResult", "CompareReport", "compare_tensor", "compare_files", "replay",
+]

@@ -1,0 +1,267 @@
+"""Golden files on disk: atomic writing, the metadata that describes a run, and reading.
+
+A golden is one self-contained safetensors file (weights, inputs, captures; see the package
+docstring) whose ``__metadata__`` records the config, the run and the generator, so the file
+alone is enough to replay it. :class:`GoldenFile` reads it, and the reference's ``.npz``
+goldens too, one tensor at a time; :func:`load_golden` reads a whole (small) one at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import safetensors.numpy
+from safetensors import safe_open
+
+from .. import __version__
+from ..config import AttnConfig
+from .captures import CAPTURE_MODES
+from .errors import GoldenError
+from .generator import GENERATOR, GENERATOR_SPEC
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "RunInfo", "GoldenFile", "load_golden",
+           "write_tensors_atomic", "check_target"]
+
+FORMAT = "ds41numba-golden"
+FORMAT_VERSION = "1"
+
+
+# =========================================================================== atomic writing
+
+
+def check_target(path: str, force: bool):
+    """Refuse an output path whose directory is missing, that is a directory, or that exists
+    (unless ``force``): a :class:`GoldenError` in the command line's words."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise GoldenError(f"--out: directory {directory!r} does not exist")
+    if os.path.isdir(path):
+        raise GoldenError(f"--out: {path!r} is a directory")
+    if os.path.exists(path) and not force:
+        raise GoldenError(f"--out: {path!r} exists (use --force to overwrite it)")
+
+
+@contextmanager
+def _temporary_beside(path: str):
+    """A temporary file in ``path``'s directory, removed unless the body renamed it away.
+
+    Any exit -- error, Ctrl-C, a SIGTERM turned into SystemExit -- removes it, so no partial
+    file survives. (A SIGKILL cannot be caught; then only this hidden ``.NAME.*.tmp`` remains,
+    never a file under the target name.)
+    """
+    directory, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _sort_metadata(f):
+    """Rewrite the header of the safetensors file open in ``f`` with its metadata keys sorted.
+
+    safetensors serialises the metadata map in a random order (a Rust HashMap), so two equal
+    runs would give files that differ in their header bytes. Tensor entries keep their order;
+    the rewritten header has the same length (padded with spaces, which the format allows).
+    """
+    f.seek(0)
+    n = struct.unpack("<Q", f.read(8))[0]
+    header = json.loads(f.read(n))
+    if not header.get("__metadata__"):
+        return
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(text) <= n:
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
+        f.flush()
+
+
+def write_tensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dict[str, str],
+                         force: bool = False):
+    """Write a safetensors file to a temporary name beside ``path``, then rename it into place.
+
+    safetensors >= 0.8 writes each array straight from its buffer, so this needs no second
+    copy of the tensors (older versions copy each tensor to bytes first). Without ``force`` an
+    existing ``path`` is never replaced, not even one that appeared while the file was written.
+    """
+    path = os.fspath(path)
+    check_target(path, force)
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    with _temporary_beside(path) as tmp:
+        safetensors.numpy.save_file(arrays, tmp, metadata=metadata)
+        with open(tmp, "rb+") as f:
+            _sort_metadata(f)
+            os.fsync(f.fileno())
+        # mkstemp and safetensors both make private (0600) files; a golden is an ordinary file.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        if force:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)     # fails if path exists: no clobbering, atomically
+            except FileExistsError:
+                raise GoldenError(f"--out: {path!r} appeared while writing (use --force)") from None
+            except OSError:            # a filesystem without hard links
+                if os.path.exists(path):
+                    raise GoldenError(f"--out: {path!r} exists (use --force to overwrite it)") from None
+                os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _fsync_dir(directory: str):
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# =========================================================================== the run and reading
+
+
+@dataclass
+class RunInfo:
+    """How a golden was made: enough to rebuild its stack and replay it."""
+
+    config: AttnConfig
+    layers: tuple[int, ...]
+    prefill: int
+    decode: int
+    capture: str
+    seed: int | None = None
+    preset: str = ""
+
+    def metadata(self) -> dict[str, str]:
+        """The safetensors metadata (str -> str) that makes the file self-describing; what
+        :meth:`GoldenFile.run_info` reads back."""
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "ds41numba_version": str(__version__),
+            "config": json.dumps(self.config.to_dict()),
+            "preset": self.preset,
+            "layers": json.dumps(list(self.layers)),
+            "prefill": str(self.prefill),
+            "decode": str(self.decode),
+            "seed": str(self.seed),
+            "capture": self.capture,
+            "generator": GENERATOR,
+            "generator_spec": GENERATOR_SPEC,
+        }
+
+
+class GoldenFile:
+    """Read access to a golden: a ds41numba safetensors file or a reference ``.npz``.
+
+    Tensors load one at a time on request, so comparing two large files never holds more than
+    a pair of tensors. In an ``.npz`` the ``config`` string and the ``dtype.*`` notes are not
+    tensors and are left out of :attr:`names`.
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(8)
+        except OSError as e:
+            raise GoldenError(f"cannot read {self.path!r}: {e.strerror}") from None
+        self.kind = "npz" if magic[:2] == b"PK" else "safetensors"
+        try:
+            if self.kind == "npz":
+                self._npz = np.load(self.path, allow_pickle=False)
+                self.names = [k for k in self._npz.files if k != "config" and not k.startswith("dtype.")]
+                self.metadata = {}
+                if "config" in self._npz.files:
+                    self.metadata["config"] = str(self._npz["config"])
+            else:
+                self._st = safe_open(self.path, framework="np")
+                self.names = list(self._st.keys())
+                self.metadata = dict(self._st.metadata() or {})
+        except GoldenError:
+            raise
+        except Exception as e:   # any parse failure of a foreign file is a usage error
+            raise GoldenError(f"{self.path!r} is not a safetensors or .npz golden ({e})") from None
+        self.names.sort(key=_natural_key)
+        self._name_set = set(self.names)
+
+    def __contains__(self, name):
+        return name in self._name_set
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor, loaded now (a foreign dtype or a broken entry is a usage error)."""
+        try:
+            return self._npz[name] if self.kind == "npz" else self._st.get_tensor(name)
+        except KeyError:
+            raise
+        except Exception as e:
+            raise GoldenError(f"cannot read tensor {name} from {self.path!r}: {e}") from None
+
+    def close(self):
+        if getattr(self, "_npz", None) is not None:
+            self._npz.close()
+        self._st = self._npz = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def run_info(self) -> RunInfo:
+        """The run recorded in the file (metadata, or the reference ``config`` JSON of an npz)."""
+        meta = self.metadata
+        if self.kind == "safetensors" and meta.get("format") != FORMAT:
+            raise GoldenError(f"{self.path!r} is not a {FORMAT} file (its metadata has no "
+                              f"format {FORMAT!r}), so it cannot be replayed")
+        if "config" not in meta:
+            raise GoldenError(f"{self.path!r} has no config: not a golden this tool can replay")
+        try:
+            cfg_dict = json.loads(meta["config"])
+            config = AttnConfig.from_dict(cfg_dict)
+            if self.kind == "npz":
+                layers = tuple(range(config.n_layers))
+                prefill, decode = int(cfg_dict["prefill"]), int(cfg_dict["decode"])
+                capture, seed, name = "all", cfg_dict.get("seed"), ""
+            else:
+                if meta.get("format_version") != FORMAT_VERSION:
+                    raise GoldenError(f"{self.path!r} has format version {meta.get('format_version')!r}; "
+                                      f"this ds41numba reads {FORMAT_VERSION}")
+                layers = tuple(int(i) for i in json.loads(meta["layers"]))
+                prefill, decode = int(meta["prefill"]), int(meta["decode"])
+                capture, seed, name = meta["capture"], int(meta["seed"]), meta.get("preset", "")
+        except GoldenError:
+            raise
+        except (KeyError, ValueError, TypeError) as e:
+            raise GoldenError(f"{self.path!r}: unusable run description in its metadata ({e})") from None
+        if capture not in CAPTURE_MODES:
+            raise GoldenError(f"{self.path!r}: unknown capture mode {capture!r}")
+        return RunInfo(config, layers, prefill, decode, capture, seed, name)
+
+
+def _natural_key(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def load_golden(path) -> tuple[RunInfo, dict[str, np.ndarray]]:
+    """A whole golden at once (a ds41numba safetensors file or a reference ``.npz``): how it
+    was made and every tensor, ``{name: array}`` as stored. For files that fit in memory; use
+    :class:`GoldenFile` to read a large one a tensor at a time."""
+    with GoldenFile(path) as f:
+        return f.run_info(), {name: f.get(name) for name in f.names}

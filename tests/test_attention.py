@@ -1,0 +1,316 @@
+"""ds41numba.attention against the plain loops of naive.py: the window index rows and ring,
+sparse attention with a sink, the grouped output projection, rows with nothing visible, the
+reference's own tensors (tiny golden), and non-finite input through a layer.
+
+Index rows are compared exactly. Float results that go through a BLAS dot product are compared
+in bf16 steps (the distance in representable bf16 values): at most one step anywhere and at
+least 99.9% identical (the SPEC's "How exact is exact"); the naive versions sum their dot
+products exactly, so they do not share any BLAS's order.
+"""
+
+import numpy as np
+import pytest
+
+import naive
+from helpers import (assert_bf16_close, bf16, captured_steps, nan_rows, nan_stack, random_config,
+                     random_weights, xs)
+from ds41numba import (AttentionStack, act_quant_fp8_inplace, apply_rotary, linear_bf16,
+                       linear_f32, output_projection, sparse_attn, to_bf16_rne, window_index_rows)
+from ds41numba.attention import layer_rope_table
+from ds41numba.numerics import Bf16Matrix
+
+
+# =============================================================================== window
+
+
+@pytest.mark.parametrize("win", [1, 3, 8])
+def test_window_index_rows_vs_naive(win):
+    for P in sorted({1, max(1, win - 1), win, win + 1, 2 * win + 3}):
+        got = window_index_rows(0, P, win)
+        want = naive.window_index_rows(0, P, win)
+        assert got.dtype == np.int32 and np.array_equal(got, want), (win, P)
+        # Row t's valid entries are exactly the positions max(0, t - win + 1) .. t.
+        for t in range(P):
+            assert sorted(got[t][got[t] >= 0]) == list(range(max(0, t - win + 1), t + 1))
+        # decode while the ring fills and after several wraps
+        for start_pos in range(P, P + 4 * win + 2):
+            got = window_index_rows(start_pos, 1, win)
+            want = naive.window_index_rows(start_pos, 1, win)
+            assert got.shape == (1, win) and np.array_equal(got, want), (win, P, start_pos)
+            assert sorted(got[0][got[0] >= 0]) == sorted(
+                p % win for p in range(max(0, start_pos - win + 1), start_pos + 1))
+
+
+@pytest.mark.parametrize("P", [3, 8, 13, 21])
+def test_window_ring_through_stack(P):
+    """The ring after a prefill shorter than, equal to and longer than the window, and while decode
+    fills it and wraps it several times: slot p % win holds the quantised kv row of the newest p."""
+    win = 8
+    cfg = random_config(window_size=win)
+    stack = AttentionStack(cfg, random_weights(cfg, seed=P))
+    rng = np.random.default_rng(P)
+    run = stack.forward(0, bf16(rng, (P, 64)), 0, capture=True)
+    assert run.kv_rows.shape == (P, 32)
+    prefill_rows = run.kv_rows.copy()
+    assert np.array_equal(run.idx, naive.window_index_rows(0, P, win))
+    assert np.array_equal(stack.states[0].window_kv, naive.window_ring(prefill_rows, [], win))
+    decode_rows = []
+    for start_pos in range(P, P + 3 * win + 3):
+        before = stack.states[0].window_kv.copy()
+        run = stack.forward(0, bf16(rng, (1, 64)), start_pos, capture=True)
+        ring = stack.states[0].window_kv
+        assert run.kv_rows.shape == (win, 32)
+        assert np.array_equal(run.kv_rows, ring), "decode attends to the whole ring"
+        assert np.array_equal(run.idx, naive.window_index_rows(start_pos, 1, win))
+        slot = start_pos % win
+        others = np.arange(win) != slot
+        assert np.array_equal(ring[others], before[others]), "a decode step writes one slot"
+        decode_rows.append(ring[slot].copy())
+        assert np.array_equal(ring, naive.window_ring(prefill_rows, decode_rows, win))
+        # every row is an fp8-quantised row (quantising it again changes nothing)
+        assert np.array_equal(act_quant_fp8_inplace(ring.copy()), ring)
+
+
+# =============================================================================== sparse attention
+
+
+def _attn_case(rng, S=10, H=4, hd=64, n=48, W=20):
+    q = bf16(rng, (S, H, hd))
+    kv = act_quant_fp8_inplace(bf16(rng, (n, hd)))
+    idx = np.array([rng.permutation(n)[:W] for _ in range(S)], np.int32)   # duplicate-free
+    idx[rng.random(idx.shape) < 0.3] = -1
+    idx[2] = -1                                                 # nothing valid: zeros
+    idx[3, 1:] = -1                                             # a single valid row
+    sink = (rng.standard_normal(H) * 2).astype(np.float32)
+    return q, kv, idx, sink
+
+
+def test_sparse_attn_vs_naive():
+    rng = np.random.default_rng(21)
+    for _ in range(4):
+        q, kv, idx, sink = _attn_case(rng)
+        scale = q.shape[-1] ** -0.5
+        got = sparse_attn(q, kv, idx, sink, scale)
+        want = naive.sparse_attn(q, kv, idx, sink, scale)
+        assert np.array_equal(got[2], np.zeros_like(got[2])), "a row with no valid entry is zeros"
+        assert_bf16_close(got, want, "sparse_attn")
+
+
+def test_sparse_attn_large_sink():
+    """A sink far above every score takes almost all the probability mass; the tiny outputs
+    still match the naive softmax to a bf16 step."""
+    rng = np.random.default_rng(22)
+    q, kv, idx, sink = _attn_case(rng)
+    sink[:] = [12.0, 20.0, 0.0, 30.0]
+    scale = q.shape[-1] ** -0.5
+    got = sparse_attn(q, kv, idx, sink, scale)
+    want = naive.sparse_attn(q, kv, idx, sink, scale)
+    assert_bf16_close(got, want, "sparse_attn with a large sink")
+    no_sink = sparse_attn(q, kv, idx, np.full(4, -np.inf, np.float32), scale)
+    assert np.max(np.abs(got[:, 3])) < 1e-6 * np.max(np.abs(no_sink[:, 3]))
+    assert np.max(np.abs(got[:, 2])) > 1e-3
+
+
+def test_sparse_attn_sink_only_in_the_denominator():
+    """One valid row j: the output is kv_j * e^s / (e^s + e^sink) (softmax weight of one row)."""
+    q = np.zeros((1, 1, 32), np.float32)
+    kv = to_bf16_rne(np.linspace(-2, 2, 64, dtype=np.float32).reshape(2, 32))
+    idx = np.array([[-1, 1]], np.int32)
+    got = sparse_attn(q, kv, idx, np.array([0.0], np.float32), 1.0)       # score 0, sink 0
+    assert np.array_equal(got[0, 0], to_bf16_rne(kv[1] * np.float32(0.5)))
+
+
+def test_sparse_attn_queries_of_a_block_stay_apart():
+    """Queries attend in blocks whose rows are padded to the longest list: a NaN row listed by
+    one query, a query with a longer list, or one with none must not change its neighbours,
+    and a decode-sized call (one query) gives each query's own result."""
+    rng = np.random.default_rng(24)
+    q, kv, idx, sink = _attn_case(rng, S=8, W=20)
+    kv[7] = np.nan
+    idx[idx == 7] = -1
+    idx[1, 0] = 7                                     # only query 1 lists the NaN row
+    idx[5, :] = np.arange(20)                         # the longest list of its block
+    idx[5, 7] = -1
+    scale = q.shape[-1] ** -0.5
+    got = sparse_attn(q, kv, idx, sink, scale)
+    assert np.all(np.isnan(got[1]))
+    others = [s for s in range(8) if s != 1]
+    assert not np.any(np.isnan(got[others]))
+    assert_bf16_close(got[others], naive.sparse_attn(q, kv, idx, sink, scale)[others],
+                      "sparse_attn block neighbours")
+    for s in others:
+        one = sparse_attn(q[s:s + 1], kv, idx[s:s + 1], sink, scale)
+        assert_bf16_close(one, got[s:s + 1], f"query {s} alone")
+
+
+def test_sparse_attn_kv_as_row_blocks_is_identical():
+    rng = np.random.default_rng(23)
+    q, kv, idx, sink = _attn_case(rng, n=40)
+    win = 12
+    # window entries first, then compressed entries (the layout attention_any builds) ...
+    idx_w = np.array([rng.permutation(win)[:6] for _ in range(len(idx))], np.int32)
+    idx_c = np.array([win + np.sort(rng.permutation(40 - win)[:5]) for _ in range(len(idx))],
+                     np.int32)
+    ordered = np.concatenate([idx_w, idx_c], axis=1)
+    ordered[rng.random(ordered.shape) < 0.25] = -1
+    ordered[4] = -1
+    scale = q.shape[-1] ** -0.5
+    for rows in (ordered, idx):       # ... and arbitrary order (compressed before window)
+        whole = sparse_attn(q, kv, rows, sink, scale)
+        split = sparse_attn(q, (kv[:win], kv[win:]), rows, sink, scale)
+        three = sparse_attn(q, [kv[:5], kv[5:win], kv[win:]], rows, sink, scale)
+        assert np.array_equal(whole, split) and np.array_equal(whole, three)
+        assert_bf16_close(whole, naive.sparse_attn(q, kv, rows, sink, scale), "sparse_attn")
+
+
+# =============================================================================== output projection
+
+
+@pytest.mark.parametrize("S,H,hd,G,rank,dim", [(5, 4, 32, 2, 16, 64), (3, 6, 32, 3, 8, 40),
+                                               (2, 8, 128, 2, 1024, 1024)])
+def test_output_projection_vs_naive(S, H, hd, G, rank, dim):
+    """Grouped wo_a then wo_b. Few rows of a large weight take the bf16-bits matrix-vector
+    kernel (the last shape); many rows (the input repeated) the many-row path (AVX512-BF16
+    for a Bf16Matrix where the CPU has it, else BLAS; BLAS for the plain array)."""
+    rng = np.random.default_rng(S * 100 + G)
+    o = bf16(rng, (S, H * hd))
+    wo_a = bf16(rng, (G * rank, H * hd // G), (H * hd // G) ** -0.5)
+    wo_b = bf16(rng, (dim, G * rank), (G * rank) ** -0.5)
+    want = naive.output_projection(o, wo_a, wo_b, G)
+    grouped = Bf16Matrix(wo_a, groups=G)
+    got = output_projection(o, grouped, Bf16Matrix(wo_b))
+    many = np.repeat(o, 3, axis=0)
+    got_many = output_projection(many, grouped, wo_b)
+    assert got.shape == (S, dim) and got_many.shape == (3 * S, dim)
+    assert_bf16_close(got, want, "output_projection (few rows)")
+    assert_bf16_close(got_many, np.repeat(want, 3, axis=0), "output_projection (many rows)")
+
+
+def test_output_buffers_take_the_result_and_refuse_a_bad_buffer():
+    """The tile loops pass reused buffers (``out=``, ``mid=``): the result lands in them,
+    identical to a fresh array; a buffer that cannot hold it is refused, never copied into."""
+    rng = np.random.default_rng(31)
+    S, H, hd, G, rank, dim = 6, 4, 32, 2, 16, 40
+    o = bf16(rng, (S, H * hd))
+    wo_a = Bf16Matrix(bf16(rng, (G * rank, H * hd // G), 0.1), groups=G)
+    wo_b = bf16(rng, (dim, G * rank), 0.1)
+    want = output_projection(o, wo_a, wo_b)
+    out, mid = np.full((S, dim), np.nan, np.float32), np.full((S, G * rank), np.nan, np.float32)
+    got = output_projection(o, wo_a, wo_b, out=out, mid=mid)
+    assert np.shares_memory(got, out) and np.array_equal(out, want)
+    assert np.array_equal(mid, linear_bf16(o, wo_a))
+    q, kv, idx, sink = _attn_case(rng)
+    buf = np.full(q.shape, np.nan, np.float32)
+    assert np.array_equal(sparse_attn(q, kv, idx, sink, 0.125, out=buf), buf)
+    assert np.array_equal(buf, sparse_attn(q, kv, idx, sink, 0.125))
+    with pytest.raises(ValueError, match="out must be a writeable float32"):
+        linear_f32(mid, wo_b, out=np.empty((S, dim), np.float64))
+    with pytest.raises(ValueError, match="without a copy"):
+        linear_f32(mid, wo_b, out=np.empty((S, dim), np.float32).T)
+    with pytest.raises(ValueError, match="out must be a writeable float32"):
+        sparse_attn(q, kv, idx, sink, 0.125, out=np.empty(3, np.float32))
+
+
+# =============================================================================== a layer
+
+
+@pytest.mark.parametrize("P", [3, 10])
+def test_rows_with_nothing_visible(P):
+    """Prefill queries with (s + 1) // r == 0 see no compressed position: their compressed
+    entries are all -1 and their output is window attention alone."""
+    r, win = 4, 6
+    cfg = random_config(compress_ratios=[r], kv_source_layers=[0], index_source_layers=[0],
+                        window_size=win, index_topk=3)
+    stack = AttentionStack(cfg, random_weights(cfg, seed=P))
+    rng = np.random.default_rng(P)
+    runs = list(captured_steps(stack, cfg, P, 6, rng))
+    start_pos, seqlen, _, run = runs[0]
+    width = P // r
+    k = min(3, width)
+    nwin = min(P, win)
+    assert run.idx.shape == (P, nwin + k) and run.kv_rows.shape == (P + width, 32)
+    comp = run.idx[:, nwin:]
+    for s in range(P):
+        if (s + 1) // r == 0:
+            assert np.all(comp[s] == -1), (s, comp[s])
+            alone = sparse_attn(run.q[s:s + 1], run.kv_rows, run.idx[s:s + 1, :nwin],
+                                stack.weights[0].attn_sink, 32 ** -0.5)
+            assert np.array_equal(run.o[s:s + 1], alone)
+        else:
+            n_valid = min(k, (s + 1) // r)
+            assert np.all(comp[s, :n_valid] >= P) and np.all(comp[s, n_valid:] == -1)
+    # decode: the first latent appears when end_pos reaches r
+    for start_pos, _, _, run in runs[1:]:
+        end_pos = start_pos + 1
+        width = end_pos // r
+        assert run.idx.shape == (1, win + min(3, width))
+        assert run.kv_rows.shape == (win + width, 32)
+        assert np.all(run.idx[0, win:] >= win)
+
+
+def test_sparse_attn_and_output_projection_reproduce_the_golden(reference_golden):
+    """Per layer and step of tiny.npz: sparse_attn(q, kv, idx) gives the golden o, and the output
+    projection of the inverse-rotated o gives the golden out."""
+    d = reference_golden("tiny")
+    cfg = d.config
+    stack = AttentionStack(cfg, d.weights)
+    P = d.run.prefill
+    for step in (0, 1, 2, 9, 40):
+        start_pos = 0 if step == 0 else P + step - 1
+        for i in range(cfg.n_layers):
+            pre = f"step{step}.layers.{i}."
+            q, kv, idx, o = (d[pre + n] for n in ("q", "kv", "idx", "o"))
+            w = stack.weights[i]
+            got_o = sparse_attn(q, kv, idx, w.attn_sink, cfg.head_dim ** -0.5)
+            assert_bf16_close(got_o, o, pre + "o", min_identical=0.99)
+            pos = np.arange(start_pos, start_pos + q.shape[0])
+            table = layer_rope_table(cfg, cfg.ratio(i), start_pos + q.shape[0])
+            o_rot = apply_rotary(o, pos, table, inverse=True).reshape(q.shape[0], -1)
+            got = output_projection(o_rot, w.wo_a, w.wo_b)
+            assert_bf16_close(got, d[pre + "out"], pre + "out", min_identical=0.99)
+
+
+# =============================================================================== non-finite input
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("whole_row", [True, False])
+def test_nan_row_in_a_window_layer(value, whole_row):
+    """Ratio 0, window 4, prefill 12, a non-finite value in token 5: its KV row is NaN (RMSNorm of
+    inf is inf * 0), so exactly the queries whose window holds it, 5..8, output NaN rows."""
+    cfg, st = nan_stack([0], [], [])
+    x = xs(12, dim=32)
+    if whole_row:
+        x[5] = value
+    else:
+        x[5, 3] = value
+    assert nan_rows(st.forward(0, x, 0).out) == {5, 6, 7, 8}
+    # Decode: the NaN row (slot 5 % 4) stays in the ring until position 9 overwrites it... it was
+    # already overwritten at prefill by token 9 (slot 1), so decodes are finite again.
+    for p in range(12, 16):
+        assert nan_rows(st.forward(0, xs(1, p, 32), p).out) == set()
+    y = xs(1, 99, 32)
+    y[0, 0] = value
+    assert nan_rows(st.forward(0, y, 16).out) == {0}
+    for p in range(17, 20):           # the NaN row sits in slot 0 until position 20 replaces it
+        assert nan_rows(st.forward(0, xs(1, p, 32), p).out) == {0}, p
+    assert nan_rows(st.forward(0, xs(1, 20, 32), 20).out) == set()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_nan_row_in_a_compressed_layer_is_selected_first(value):
+    """Ratio 1 with an indexer: token 5's latent and index key are NaN, so every later query's
+    score for position 5 is NaN, top-k ranks it first (torch's NaN-first order), and the query
+    attends to a NaN row: queries 5.. output NaN, queries before it are finite."""
+    cfg, st = nan_stack([1], [0], [0], window=2, topk=2)
+    x = xs(12, dim=32)
+    x[5, 7] = value
+    run = st.forward(0, x, 0, capture=True)
+    assert nan_rows(run.out) == set(range(5, 12))
+    comp = run.idx[:, 2:]            # window entries first (min(12, 2) of them)
+    for s in range(5, 12):
+        assert 12 + 5 in comp[s], (s, comp[s])           # offset 12 + position 5, picked first
+    assert np.isnan(run.index_score[6:, 5]).all() and np.isfinite(run.index_score[6:, :5]).all()
+    # Decode: the NaN position stays selectable, so every later step outputs NaN.
+    run = st.forward(0, xs(1, 1, 32), 12, capture=True)
+    assert cfg.window_size + 5 in run.idx[0] and nan_rows(run.out) == {0}

@@ -1,0 +1,288 @@
+"""ds41numba.indexer against the plain loops of naive.py: the candidate blocks
+(naive.select_candidate_blocks), the index scores on every scoring path (naive.tile_scores),
+the selection (naive.indexer_topk_idxs), including a candidate consumer that picks
+candidate-masked positions (also in the tiny golden), and the packed index keys.
+
+Index rows and selections are compared exactly; the index scores are sums that are exact in f32
+whatever the order (fp4-quantised operands), so they must be bit-identical.
+"""
+
+import importlib
+
+import numba
+import numpy as np
+import pytest
+
+import naive
+from helpers import EPS, bf16, captured_steps, random_config, random_weights
+from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, linear_bf16,
+                       select_candidate_blocks, to_bf16_rne)
+from ds41numba.attention import layer_rope_table
+from ds41numba.numerics import BF16_DOT, pack_bf16_pairs
+
+# ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
+indexer_mod = importlib.import_module("ds41numba.indexer")
+
+
+# =============================================================================== candidate blocks
+
+
+def _tie_heavy_scores(rng, rows, width):
+    vals = np.array([-np.inf, -1.0, 0.0, 0.5, 1.0, 2.0], np.float32)
+    scores = rng.choice(vals, size=(rows, width), p=[0.3, 0.1, 0.2, 0.2, 0.1, 0.1])
+    return scores.astype(np.float32)
+
+
+def test_select_candidate_blocks_vs_naive_tie_heavy():
+    rng = np.random.default_rng(3)
+    cases = 0
+    for _ in range(150):
+        width = int(rng.integers(1, 41))
+        block = int(rng.integers(1, 6))
+        n_blocks = -(-width // block)
+        topk_blocks = int(rng.integers(1, n_blocks + 4))     # sometimes > n_blocks
+        rows = int(rng.integers(1, 7))
+        scores = _tie_heavy_scores(rng, rows, width)
+        clen = rng.integers(0, width + 1, size=rows)
+        clen[0] = 0                                          # a row with nothing visible
+        scores[rows // 2] = -np.inf                          # an all -inf row
+        if rng.random() < 0.5:                               # the indexer's visibility mask
+            scores[np.arange(width)[None, :] >= clen[:, None]] = -np.inf
+        got = select_candidate_blocks(scores, clen, topk_blocks, block)
+        want = naive.select_candidate_blocks(scores, clen, topk_blocks, block)
+        assert got.shape == (rows, width) and got.dtype == bool
+        assert np.array_equal(got, want), (width, block, topk_blocks, clen, scores)
+        # the newest visible position is always a candidate; nothing when all is -inf and clen 0
+        for s in range(rows):
+            if clen[s] > 0:
+                assert got[s, clen[s] - 1]
+            elif np.all(scores[s] == -np.inf):
+                assert not got[s].any()
+        cases += 1
+    assert cases == 150
+
+
+def test_select_candidate_blocks_topk_beyond_blocks_keeps_every_finite_block():
+    scores = np.array([[1.0, -np.inf, -np.inf, 2.0, 0.0, -np.inf, -np.inf]], np.float32)
+    got = select_candidate_blocks(scores, np.array([4]), 10, 2)
+    # blocks {0,1} (max 1), {2,3} (pinned), {4,5} (max 0) kept; {6} is all -inf: dropped
+    assert got.tolist() == [[True, True, True, True, True, True, False]]
+    assert np.array_equal(got, naive.select_candidate_blocks(scores, [4], 10, 2))
+
+
+# =============================================================================== index scores
+
+
+def _index_inputs(rng, T, ih, idim, n):
+    iq = fp4_quant_e8m0_inplace(bf16(rng, (T, ih, idim)))
+    keys = fp4_quant_e8m0_inplace(bf16(rng, (n, idim)))
+    w = bf16(rng, (T, ih), 0.2)
+    return iq, w, keys
+
+
+LAYOUTS = {"position-major": 1 << 30, "head-major": 1}
+needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="the AVX512-BF16 kernel is off (no "
+                                    "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
+# The f32 BLAS path in both of its layouts, and the AVX512-BF16 kernel.
+SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot)]
+
+
+def package_tile_scores(path, monkeypatch, iq, w, keys, clen, n):
+    if path == "avx512-bf16":
+        return indexer_mod._tile_scores_bf16(iq, w, pack_bf16_pairs(keys), clen, n)
+    monkeypatch.setattr(indexer_mod, "_HEAD_MAJOR_MIN", LAYOUTS[path])
+    return indexer_mod._tile_scores(iq, w, keys, clen, n)
+
+
+@pytest.mark.parametrize("path", SCORE_PATHS)
+def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
+    rng = np.random.default_rng(11)
+    # 3 heads: the bf16 kernel's rows of 4 cross query boundaries and end in a padding row.
+    for T, ih, idim, n in [(1, 1, 32, 5), (6, 3, 64, 40), (9, 4, 32, 70), (5, 32, 128, 100)]:
+        iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+        clen = rng.integers(0, n + 1, size=T)
+        clen[0] = 0
+        clen[-1] = n
+        got = package_tile_scores(path, monkeypatch, iq, w, keys, clen, n)
+        want = naive.tile_scores(iq, w, keys, clen)
+        assert got.dtype == np.float32 and got.shape == (T, n)
+        assert np.array_equal(got, want), f"{np.sum(got != want)} scores differ"
+        assert np.all(got[np.arange(n)[None, :] >= clen[:, None]] == -np.inf)
+        assert np.array_equal(to_bf16_rne(got), got)
+
+
+@pytest.mark.parametrize("path", SCORE_PATHS)
+def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
+    """Small chunks, split across the workers: every chunk boundary, a NaN and an inf key."""
+    monkeypatch.setattr(indexer_mod, "_SCORE_CHUNK_ELEMS", 64)
+    monkeypatch.setattr(indexer_mod, "_SPLIT_MIN_MACS", 0)
+    rng = np.random.default_rng(12)
+    T, ih, idim, n = 3, 2, 32, 600
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    keys[17, 3] = np.nan
+    keys[401, 0] = np.inf
+    clen = np.array([0, 300, 600])
+    got = package_tile_scores(path, monkeypatch, iq, w, keys, clen, n)
+    assert np.array_equal(got, naive.tile_scores(iq, w, keys, clen), equal_nan=True)
+    assert np.isnan(got[1, 17]) and np.isnan(got[2, 17])
+
+
+@needs_bf16_dot
+def test_bf16_tile_scores_do_not_depend_on_the_thread_count():
+    rng = np.random.default_rng(13)
+    T, ih, idim, n = 7, 8, 64, 1000
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    clen = np.arange(n - T + 1, n + 1)
+    packed = pack_bf16_pairs(keys)
+    before = numba.get_num_threads()
+    got = []
+    try:
+        for threads in (1, before):
+            numba.set_num_threads(threads)
+            got.append(indexer_mod._tile_scores_bf16(iq, w, packed, clen, n))
+    finally:
+        numba.set_num_threads(before)
+    assert before > 1 and np.array_equal(got[0], got[1])
+
+
+# =============================================================================== the indexer
+
+
+def _indexer_case(rng, seqlen=40, n_keys=60, ih=4, idim=32, dim=48, q_rank=24):
+    cfg = indexer_mod.IndexerCfg(n_heads=ih, head_dim=idim, topk=8, ratio=1, norm_eps=EPS)
+    weights = indexer_mod.IndexerWeights(wq_b=bf16(rng, (ih * idim, q_rank), 0.2),
+                                         weights_proj=bf16(rng, (ih, dim), 0.2))
+    table = layer_rope_table(random_config(index_head_dim=idim), 1, seqlen)
+    args = dict(x=bf16(rng, (seqlen, dim)), qr=bf16(rng, (seqlen, q_rank)), start_pos=0, cfg=cfg,
+                weights=weights, table=table, offset=3,
+                index_k=fp4_quant_e8m0_inplace(bf16(rng, (n_keys, idim))))
+    return args
+
+
+def test_indexer_same_selection_on_both_scoring_paths(monkeypatch):
+    """The AVX512-BF16 kernel and the f32 BLAS path (CPUs without it) pick the same rows."""
+    args = _indexer_case(np.random.default_rng(14))
+    results = []
+    for use_bf16 in (False, BF16_DOT):
+        monkeypatch.setattr(indexer_mod, "BF16_DOT", use_bf16)
+        results.append(indexer_mod.indexer(**args, capture=True))
+    assert np.array_equal(results[0][0], results[1][0])
+    assert np.array_equal(results[0][2], results[1][2])
+    want = naive.tile_scores(*_indexer_scoring_inputs(args))
+    assert np.array_equal(results[0][2], want)
+
+
+def _indexer_scoring_inputs(args):
+    """The indexer's own query projection, weights and keys, as naive_index_scores takes them."""
+    cfg, wts, table = args["cfg"], args["weights"], args["table"]
+    seqlen = args["x"].shape[0]
+    iq = linear_bf16(args["qr"], wts.wq_b).reshape(seqlen, cfg.n_heads, cfg.head_dim)
+    iq = fp4_quant_e8m0_inplace(apply_rotary(iq, np.arange(seqlen), table))
+    scale = np.float32(cfg.head_dim ** -0.5 * cfg.n_heads ** -0.5)
+    w = to_bf16_rne(linear_bf16(args["x"], wts.weights_proj) * scale)
+    width = seqlen // cfg.ratio
+    return iq, w, args["index_k"][:width], np.arange(1, seqlen + 1) // cfg.ratio
+
+
+@needs_bf16_dot
+def test_packed_index_keys_follow_their_cache_and_only_it():
+    rng = np.random.default_rng(15)
+    args = _indexer_case(rng)
+    cache = np.zeros_like(args["index_k"])
+    packed = indexer_mod.PackedIndexKeys(cache, rows=0)
+    for lo, hi in [(0, 33), (33, 34), (34, 60)]:       # a prefill, then rows a step at a time
+        cache[lo:hi] = args["index_k"][lo:hi]
+        packed.write(lo, hi - lo)
+    assert np.array_equal(packed.blocks, pack_bf16_pairs(args["index_k"]))
+    want = indexer_mod.indexer(**args)[0]
+    args["index_k"] = cache
+    assert np.array_equal(indexer_mod.indexer(**args, packed_keys=packed)[0], want)
+    # A packed copy of some other cache is not used: the indexer packs index_k itself.
+    stale = indexer_mod.PackedIndexKeys(np.zeros_like(cache))
+    assert np.array_equal(indexer_mod.indexer(**args, packed_keys=stale)[0], want)
+    with pytest.raises(TypeError, match="PackedIndexKeys"):
+        indexer_mod.indexer(**args, packed_keys=packed.blocks)
+    args["index_k"] = cache + np.float32(2.0 ** -12)
+    with pytest.raises(ValueError, match="bf16 values"):
+        indexer_mod.indexer(**args)
+
+
+# =============================================================================== candidate consumers
+
+
+@pytest.mark.parametrize("block,topk,P", [(2, 6, 12), (1, 2, 140)])
+def test_candidate_consumer_keeps_masked_picks_inside_the_visible_range(block, topk, P):
+    """A consumer with fewer candidate positions than k: top-k also picks -inf positions. Those
+    inside the visible range stay valid indices (SPEC step 5's note); those at or past clen are -1.
+    The second case has k * 64 <= positions: torch's partial-sort branch."""
+    cfg = random_config(compress_ratios=[1, 1], kv_source_layers=[0], index_source_layers=[0, 1],
+                        candidate_source_layer=0, candidate_topk_blocks=1,
+                        candidate_block_size=block, index_topk=topk, window_size=4)
+    stack = AttentionStack(cfg, random_weights(cfg, seed=5))
+    rng = np.random.default_rng(5)
+    masked_valid = masked_dropped = 0
+    src = None
+    for start_pos, seqlen, layer, run in captured_steps(stack, cfg, P, 8, rng):
+        end_pos = start_pos + seqlen
+        clen = naive.visible_lengths(start_pos, seqlen, 1)
+        k = min(topk, end_pos)
+        offset = seqlen if start_pos == 0 else 4
+        nwin = run.idx.shape[1] - k
+        comp = run.idx[:, nwin:].astype(np.int64)
+        cands = stack.shared.candidates
+        if layer == 0:
+            src = run
+            want_c = naive.select_candidate_blocks(run.index_score, clen, 1, block)
+            assert np.array_equal(cands, want_c)
+            assert np.array_equal(comp, naive.indexer_topk_idxs(run.index_score, clen, k, offset))
+            continue
+        assert src is not None and run.index_score.shape == (seqlen, end_pos)
+        want = naive.indexer_topk_idxs(run.index_score, clen, k, offset, candidates=cands)
+        assert np.array_equal(comp, want)
+        assert np.array_equal(stack.shared.topk_idxs, want)
+        for s in range(seqlen):
+            assert int(cands[s, :clen[s]].sum()) <= block
+            valid = comp[s][comp[s] >= 0] - offset
+            assert np.all(valid < clen[s]) and np.all(np.diff(valid) > 0)
+            masked_valid += int(np.sum(~cands[s, valid]))
+            masked_dropped += int(np.sum(comp[s] == -1))
+            if start_pos > 0:
+                assert len(valid) == k, "at decode every pick is visible, masked or not"
+    assert masked_valid > 0, "the config must make a consumer pick candidate-masked positions"
+    assert masked_dropped > 0
+
+
+def test_candidate_consumer_quirk_in_the_tiny_golden(reference_golden):
+    """In tiny.npz, layer 5 (a candidate consumer, ratio 1, index_topk 6 over 3 blocks of 2) keeps
+    candidate-masked picks: the naive selection from the golden's own scores and candidates
+    reproduces its index rows, and so does the stack."""
+    d = reference_golden("tiny")
+    cfg = d.config
+    assert cfg.uses_candidates(5) and cfg.ratio(5) == 1
+    stack = AttentionStack(cfg, d.weights)
+    win, P = cfg.window_size, d.run.prefill
+    quirk_rows = []
+    for step in range(1 + d.run.decode):
+        start_pos = 0 if step == 0 else P + step - 1
+        for i in range(cfg.n_layers):
+            pre = f"step{step}.layers.{i}."
+            run = stack.forward(i, d[pre + "x"], start_pos, capture=(i == 5))
+        pre = f"step{step}.layers.5."
+        seqlen = d[pre + "x"].shape[0]
+        end_pos = start_pos + seqlen
+        offset, nwin = (seqlen, min(seqlen, win)) if start_pos == 0 else (win, win)
+        k = min(cfg.index_topk, end_pos)
+        clen = naive.visible_lengths(start_pos, seqlen, 1)
+        cands = d[pre + "shared.candidates"].astype(bool)
+        want = d[pre + "idx"][:, nwin:].astype(np.int64)
+        assert np.array_equal(
+            naive.indexer_topk_idxs(d[pre + "index_score"], clen, k, offset, candidates=cands), want)
+        assert np.array_equal(run.idx[:, nwin:], want)
+        assert np.array_equal(stack.shared.candidates, cands)
+        for s in range(seqlen):
+            valid = want[s][want[s] >= 0] - offset
+            if np.any(~cands[s, valid]):
+                quirk_rows.append((step, s))
+    # measured on the golden: the prefill's query 10 and every odd decode step
+    assert (0, 10) in quirk_rows
+    assert [st for st, _ in quirk_rows[1:]] == list(range(1, d.run.decode + 1, 2))
