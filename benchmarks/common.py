@@ -420,21 +420,19 @@ def _index_scores_case(path: str):
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
 
     def build():
-        from ds41numba.numerics import BF16_DOT, fp4_quant_e8m0_inplace, pack_bf16_pairs
+        from ds41numba.indexer import IndexKeyCache
+        from ds41numba.numerics import fp4_quant_e8m0_inplace
 
         iq = fp4_quant_e8m0_inplace(_normal((_TILE, ih, idim), 17))
         w = _normal((_TILE, ih), 18) * np.float32(0.01)
-        keys = _index_keys(_CTX, idim, 16)
-        packed = pack_bf16_pairs(keys) if (BF16_DOT and path == "default") else None
-        return {"iq": iq, "w": _bf16(w), "keys": keys, "packed": packed,
-                "clen": np.full(_TILE, _CTX, np.int64)}
+        keys = IndexKeyCache(_index_keys(_CTX, idim, 16))
+        return {"iq": iq, "w": _bf16(w), "keys": keys, "clen": np.full(_TILE, _CTX, np.int64)}
 
     def run(st):
-        ix = importlib.import_module("ds41numba.indexer")   # the package re-exports a function of that name
-        if st["packed"] is not None:
-            ix._tile_scores_bf16(st["iq"], st["w"], st["packed"], st["clen"], _CTX)
-        else:
-            ix._tile_scores(st["iq"], st["w"], st["keys"], st["clen"], _CTX)
+        from ds41numba.numerics import backend, use_backend
+
+        with use_backend(backend() if path == "default" else "blas"):
+            st["keys"].scores(st["iq"], st["w"], st["clen"], _CTX)
 
     name, what = (("indexer_scores_tile", "indexer scoring only") if path == "default" else
                   ("indexer_scores_tile_f32", "indexer scoring on f32 BLAS"))

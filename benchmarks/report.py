@@ -450,11 +450,11 @@ def _meta() -> dict:
                          if i.get("user_api") == "blas") or "?"
     except ImportError:
         blas = "?"
-    from ds41numba.numerics import BF16_DOT
+    from ds41numba.numerics import backend
 
     return {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "numba_threads": numba.get_num_threads(), "blas": blas,
-            "bf16_dot": "on" if BF16_DOT else "off",
+            "bf16_dot": "on" if backend() == "avx512bf16" else "off",
             "python": platform.python_version(),
             "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg())}
 

@@ -23,7 +23,7 @@ from numba import njit
 
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
-from .numerics import (MATVEC_MAX_ROWS, _output, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
+from .numerics import (MATVEC_MAX_ROWS, output_buffer, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
                        in_workers, linear_bf16, nan_max, rms_norm, round_bf16_inplace,
                        single_threaded_blas, split_range)
 from .rope import apply_rotary, yarn_freqs_cis
@@ -247,7 +247,7 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     sink = attn_sink.astype(np.float32)
     parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
-    o = _output(out, (S, H, hd), "sparse_attn")       # every query's row is written below
+    o = output_buffer(out, (S, H, hd), "sparse_attn")       # every query's row is written below
     workers = numba.get_num_threads()
     if S >= workers:
         # Whole blocks to each worker: a block's products, and so its rounding, do not depend
@@ -323,19 +323,15 @@ def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos,
             # slot keeps the previous writer's cache (even another ratio's), as in the
             # reference, and this layer scores against that.
             keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps)
-            state.index_cache[first_row:first_row + len(keys)] = keys
+            state.index_cache.write(first_row, keys)
             shared.index_k = state.index_cache
-            shared.index_k_packed = state.index_packed
-            if state.index_packed is not None:
-                state.index_packed.write(first_row, len(keys))
         if width == 0:
             shared.topk_idxs = np.zeros((seqlen, 0), np.int32)
         else:
             cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
             shared.topk_idxs, published, index_score = indexer(
                 x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
-                shared.index_k, offset, candidate_blocks=cands, capture=capture,
-                packed_keys=shared.index_k_packed)
+                shared.index_k, offset, candidate_blocks=cands, capture=capture)
             if published is not None:
                 shared.candidate_blocks = published
                 shared.candidate_width = width

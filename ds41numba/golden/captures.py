@@ -75,7 +75,7 @@ def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str) -> dict
             if shared.compress_kv is not None:
                 got["shared.compress_kv"] = shared.compress_kv[: end_pos // r]
             if shared.index_k is not None:
-                got["shared.index_k"] = shared.index_k[: end_pos // r]
+                got["shared.index_k"] = shared.index_k.keys[: end_pos // r]
             cands = shared.candidates
             if cands is not None:
                 got["shared.candidates"] = cands
