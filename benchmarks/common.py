@@ -192,19 +192,28 @@ def layer_flops(config, layer: int, start_pos: int, seqlen: int) -> dict[str, in
 # ------------------------------------------------------------------------------ numpy baselines
 
 
-def matmul_rate(n: int = 2048, reps: int = 7) -> dict:
-    """numpy's f32 ``[n, n] @ [n, n]`` in GFLOP/s: the median of ``reps`` timed products."""
+def matmul_rate(n: int = 2048, reps: int = 7, warmup_seconds: float = 1.0) -> dict:
+    """numpy's f32 ``[n, n] @ [n, n]`` in GFLOP/s: the median of ``reps`` timed products, taken
+    after a warm-up of at least ``warmup_seconds`` (and two products) whose rates are returned
+    apart (``warmup``), never mixed in: BLAS's threads, the pages and the CPU's clock take a
+    while to settle, and a median over cold and warm samples sits between two modes.
+    ``spread`` is (min, max) of the timed samples."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     out = np.empty((n, n), np.float32)
-    np.matmul(a, b, out=out)   # warm: threads up, pages touched
-    rates = []
-    for _ in range(reps):
+
+    def one():
         t0 = time.perf_counter()
         np.matmul(a, b, out=out)
-        rates.append(2.0 * n ** 3 / (time.perf_counter() - t0) / 1e9)
-    return {"gflops": statistics.median(rates), "samples": rates, "n": n}
+        return 2.0 * n ** 3 / (time.perf_counter() - t0) / 1e9
+
+    warmup, t_end = [], time.perf_counter() + warmup_seconds
+    while len(warmup) < 2 or time.perf_counter() < t_end:
+        warmup.append(one())
+    rates = [one() for _ in range(reps)]
+    return {"gflops": statistics.median(rates), "samples": rates, "spread": (min(rates), max(rates)),
+            "warmup": warmup, "n": n}
 
 
 #: The projections of a decode step, as (weight leaf, input width source) -- see matvec_set.
