@@ -205,7 +205,8 @@ def _fma_tile(rows, nvec, by_address, prefetch=0):
             width = builder.insert_element(ir.Constant(ir.VectorType(i64, 16), ir.Undefined),
                                            values[3], ir.Constant(i32, 0))
             width = builder.shuffle_vector(width, width, ir.Constant(ir.VectorType(i32, 16), None))
-            masks = [builder.icmp_signed("<", builder.add(lane, ir.Constant(lane.type, [16 * v] * 16)), width)
+            masks = [builder.icmp_signed("<", builder.add(lane, ir.Constant(lane.type, [16 * v] * 16)),
+                                         width)
                      for v in range(nvec)]
 
             def load_a(k, i):
@@ -219,8 +220,8 @@ def _fma_tile(rows, nvec, by_address, prefetch=0):
             def load_b(k):
                 row = builder.add(builder.load(at(addr, builder.mul(k, const(8)), i64)), offset)
                 if prefetch:      # read, into L1 (locality 3), data
-                    ahead = builder.load(at(addr, builder.mul(builder.add(k, const(prefetch)), const(8)), i64))
-                    ahead = builder.add(ahead, offset)
+                    ahead = builder.mul(builder.add(k, const(prefetch)), const(8))
+                    ahead = builder.add(builder.load(at(addr, ahead, i64)), offset)
                     for line in range(0, 64 * nvec, 64):
                         builder.call(prefetch_fn, [at(ahead, const(line), i8), ir.Constant(i32, 0),
                                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])

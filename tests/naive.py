@@ -840,7 +840,8 @@ def naive_sleef_expf_u10(d):
     """Sleef_expf16_u10 (Sleef 3's xexpf), its multiply-adds fused, element by element."""
     d = _nr_np.asarray(d, _sa_f32)
     with _nr_np.errstate(invalid="ignore", over="ignore"):
-        t = (d * _sa_f32(1.442695040888963407359924681001892137426645954152985934135449406931)).astype(_sa_f32)
+        log2e = _sa_f32(1.442695040888963407359924681001892137426645954152985934135449406931)
+        t = (d * log2e).astype(_sa_f32)
         q = _nr_np.where(_nr_np.abs(t) < 1000, _nr_np.rint(t), 0).astype(_sa_f32)  # else: selects below
         s = naive_fma_f32(q, -_sa_f32(0.693145751953125), d)
         s = naive_fma_f32(q, -_sa_f32(1.428606765330187045e-06), s)

@@ -562,6 +562,29 @@ def _bits_equal(got, want):
             and np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)))
 
 
+def test_softmax_exp_is_sleef_expf_u10_bit_for_bit():
+    """The softmax's exp (torch's Vectorized<float>::exp, Sleef_expf16_u10) against the naive
+    twin: random f32 over [-200, 10] (underflow below -104, denormal results between), whole
+    numbers and half-way points of the range reduction, tiny values, +-0, +-inf, NaN."""
+    from numba import njit
+
+    from ds41numba.attention import _expf_u10
+
+    @njit
+    def exp_all(d):
+        out = np.empty_like(d)
+        for i in range(d.shape[0]):
+            out[i] = _expf_u10(d[i])
+        return out
+
+    rng = np.random.default_rng(7)
+    d = np.concatenate([rng.uniform(-200, 10, 200_000), rng.uniform(-1, 0, 50_000),
+                        np.arange(-120, 101) * np.log(2), np.arange(-241, 201) * 0.5 * np.log(2),
+                        [0.0, -0.0, 1e-30, -1e-30, -103.97, -104.0, -104.01, 88.7, 100.0, 100.01,
+                         -1e30, 1e30, -np.inf, np.inf, np.nan]]).astype(np.float32)
+    assert _bits_equal(exp_all(d), naive.naive_sleef_expf_u10(d))
+
+
 @pytest.mark.parametrize("H", [1, 2, 3, 4, 5, 7, 64])
 def test_sparse_attn_follows_the_reference_order_bit_for_bit(H):
     """Against naive.naive_sparse_attn_ordered (the reference's MKL and torch order, literally):
