@@ -25,7 +25,8 @@ import pytest
 
 import naive
 from ds41numba import (AttentionStack, AttnConfig, act_quant_fp8_inplace, apply_rotary,
-                       fp4_quant_e8m0_inplace, linear_bf16, linear_f32, output_projection,
+                       fp4_quant_e4m3_inplace, fp4_quant_e8m0_inplace, linear_bf16, linear_f32,
+                       output_projection,
                        select_candidate_blocks,
                        sparse_attn, to_bf16_rne, weight_specs,
                        window_index_rows)
@@ -651,12 +652,18 @@ def test_sparse_attn_reproduces_the_reference_at_production_dimensions():
     ``sample.o`` and ``step0.layers.{L}.idx`` rows, unchanged (bf16 bit patterns); kv holds only
     the rows those lists name (``rows``: their ids; idx remapped onto them): the compressed ones
     the golden's ``shared.compress_kv``, the prefill's window rows ds41numba's own (not stored in
-    the golden; checked against its window ring); sink the generator's ``attn_sink``.
+    the golden; checked against its window ring); sink the generator's ``attn_sink``. The rows
+    are what they claim: window rows fp8 and compressed rows fp4 e4m3 fixed points.
     Every element bit-identical."""
     d = np.load(os.path.join(DATA, "sparse_attn_v41flash.npz"))
+    notes = json.loads(str(d["provenance"]))
     as_f32 = lambda a: a.astype(np.uint32) << 16   # noqa: E731  bf16 bits -> f32 bits
     for name in ("L20", "L2"):
         q, kv, o = (as_f32(d[f"{name}.{k}"]).view(np.float32) for k in ("q", "kv", "o"))
+        window = d[f"{name}.rows"] < notes[name]["window_rows"]
+        assert window.any() and (~window).any()
+        assert np.array_equal(act_quant_fp8_inplace(kv[window].copy()), kv[window])
+        assert np.array_equal(fp4_quant_e4m3_inplace(kv[~window].copy()), kv[~window])
         got = sparse_attn(q, kv, d[f"{name}.idx"], d[f"{name}.sink"], 512 ** -0.5)
         same = got.view(np.uint32) == o.view(np.uint32)
         assert same.all(), f"{name}: {int((~same).sum())} of {same.size} elements differ"
