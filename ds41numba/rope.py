@@ -19,7 +19,7 @@ from numba.extending import intrinsic
 
 from .numerics import bf16_scalar, worth_parallel
 
-__all__ = ["yarn_freqs_cis", "apply_rotary"]
+__all__ = ["yarn_freqs_cis", "apply_rotary", "fma_f32"]
 
 # A rotated pair (or a table entry), in multiply-adds (numerics.worth_parallel).
 _PAIR_COST = 16
@@ -32,7 +32,7 @@ TORCH_VEC_PAIRS = 8
 
 
 @intrinsic
-def _fma_f32(typingctx, a, b, c):
+def fma_f32(typingctx, a, b, c):
     """a * b + c with one rounding (LLVM's fma intrinsic; exact even without hardware FMA)."""
     sig = types.float32(types.float32, types.float32, types.float32)
 
@@ -157,8 +157,8 @@ def _rotate_rows(y, pos, cos, sin, negate, coalesce, lo, hi):
                     im = a * s + b * c
                 else:
                     # Scalar ``a*c - b*d``, ``a*d + b*c`` contracted: the first product stays exact.
-                    re = _fma_f32(a, c, -(b * s))
-                    im = _fma_f32(a, s, b * c)
+                    re = fma_f32(a, c, -(b * s))
+                    im = fma_f32(a, s, b * c)
                 y[i, h, off + 2 * k] = bf16_scalar(re)
                 y[i, h, off + 2 * k + 1] = bf16_scalar(im)
 
