@@ -213,7 +213,7 @@ def test_run_that_cannot_fit_in_memory_exits_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(golden.run, "_available_bytes", lambda: 1000)
     assert main(["golden", "--quiet", "--out", str(tmp_path / "g.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert "needs at least" in err and len(err.strip().splitlines()) == 1
+    assert "needs about" in err and len(err.strip().splitlines()) == 1
     assert os.listdir(tmp_path) == []
 
 
