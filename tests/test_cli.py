@@ -355,3 +355,17 @@ def test_python_dash_m_smoke(tmp_path):
     run = subprocess.run([sys.executable, "-m", "ds41numba", "golden", "--out", str(out)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 2 and "--force" in run.stderr
+
+
+def test_chunk_option(tmp_path, capsys):
+    """--chunk changes how the prefill runs, never the file; a chunk under 1 row is refused."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert main(["golden", "--quiet", "--prefill", "9", "--decode", "2", "--capture", "io",
+                 "--out", str(a)]) == 0
+    assert main(["golden", "--quiet", "--prefill", "9", "--decode", "2", "--capture", "io",
+                 "--chunk", "2", "--out", str(b)]) == 0
+    assert a.read_bytes() == b.read_bytes()
+    capsys.readouterr()
+    assert main(["golden", "--quiet", "--chunk", "0", "--out", str(tmp_path / "c.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "--chunk" in err and len(err.strip().splitlines()) == 1
