@@ -74,20 +74,28 @@ def layer_rope_table(config, ratio: int, end_pos: int):
                          config.beta_fast, config.beta_slow)
 
 
-def window_index_rows(start_pos: int, seqlen: int, window: int) -> np.ndarray:
+def window_index_rows(start_pos: int, seqlen: int, window: int,
+                      prefill_len: int | None = None) -> np.ndarray:
     """Index rows into the window KV rows; -1 marks an entry to skip.
 
     Prefill: query t sees the new rows ``max(0, t - win + 1) ..`` (``min(seqlen, win)`` entries,
     future ones -1). Decode: the whole ring, oldest slot first, slots not yet filled -1.
+    ``prefill_len``: the rows ``start_pos ..`` of a prefill of that many tokens (a chunk), as
+    the one-shot prefill's rows (``min(prefill_len, win)`` entries, into its ``prefill_len`` rows).
     """
     for name, v, lo in (("start_pos", start_pos, 0), ("seqlen", seqlen, 1), ("window", window, 1)):
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
             raise ValueError(f"window_index_rows: {name} must be an integer >= {lo}, got {v!r}")
-    if start_pos > 0 and seqlen != 1:
+    if prefill_len is not None and not (not isinstance(prefill_len, (bool, np.bool_))
+                                        and isinstance(prefill_len, (int, np.integer))
+                                        and start_pos + seqlen <= prefill_len):
+        raise ValueError(f"window_index_rows: prefill_len must be an integer >= "
+                         f"{start_pos + seqlen}, got {prefill_len!r}")
+    if prefill_len is None and start_pos > 0 and seqlen != 1:
         raise ValueError(f"window_index_rows: a decode (start_pos {start_pos} > 0) has one token, got {seqlen}")
-    if start_pos == 0:
-        n = min(seqlen, window)
-        t = np.arange(seqlen)[:, None]
+    if start_pos == 0 or prefill_len is not None:
+        n = min(seqlen if prefill_len is None else prefill_len, window)
+        t = np.arange(start_pos, start_pos + seqlen)[:, None]
         pos = np.maximum(0, t - window + 1) + np.arange(n)[None, :]
         return np.where(pos > t, -1, pos).astype(np.int32)
     first = start_pos % window + 1
@@ -95,11 +103,12 @@ def window_index_rows(start_pos: int, seqlen: int, window: int) -> np.ndarray:
     return np.where(slots > start_pos, -1, slots).astype(np.int32)[None, :]
 
 
-def index_rows(start_pos: int, seqlen: int, window: int, compressed=None) -> np.ndarray:
+def index_rows(start_pos: int, seqlen: int, window: int, compressed=None,
+               prefill_len: int | None = None) -> np.ndarray:
     """The index rows sparse attention receives, ``[seqlen, width]`` int32: the window entries
     (:func:`window_index_rows`), then ``compressed``, the compressed entries (the shared
     selection, offsets applied; None for a ratio-0 layer)."""
-    win = window_index_rows(start_pos, seqlen, window)
+    win = window_index_rows(start_pos, seqlen, window, prefill_len)
     return win if compressed is None else np.concatenate([win, compressed], axis=1)
 
 
@@ -653,62 +662,90 @@ def _default_tile(seqlen: int) -> int:
     return max(1, min(1024, seqlen))
 
 
-def _window_rows(config, weights, state, x, start_pos, positions, table):
-    """This step's window: the KV rows attention reads, and the offset.
+def _window_rows(config, weights, state, x, start_pos, positions, table, prefill_len):
+    """This step's window: the KV rows attention reads, the offset, and the first position
+    those rows stand for.
 
     The new rows are normed, rotated and fp8-quantised. A prefill attends to all its new rows
     and the ring keeps the last ``window_size`` of them; a decode step writes its row into the
     ring and attends to the whole ring. The offset is the number of window rows, which the
-    compressed entries of an index row are shifted by.
+    compressed entries of an index row are shifted by. A chunk of a prefill (``prefill_len``,
+    start_pos > 0) attends to the ring's rows of the ``win - 1`` positions before it, then its
+    own rows; its index rows are the one-shot prefill's (offset ``prefill_len``), which
+    :func:`_local_rows` maps onto these rows.
     """
     seqlen, win = x.shape[0], config.window_size
-    kv = rms_norm(linear_bf16(x, weights.wkv), weights.kv_norm, config.norm_eps)
+    decode = prefill_len is None and start_pos > 0
+    ref_rows = 1 if decode else (seqlen if prefill_len is None else prefill_len)
+    kv = rms_norm(linear_bf16(x, weights.wkv, ref_rows=ref_rows), weights.kv_norm, config.norm_eps)
     kv = act_quant_fp8_inplace(apply_rotary(kv, positions, table, inplace=True))
-    if start_pos == 0:
-        keep = min(seqlen, win)
-        state.window_kv[positions[-keep:] % win] = kv[-keep:]
-        rows = kv
-    else:
+    if decode:
         state.window_kv[start_pos % win] = kv[0]
-        rows = state.window_kv.copy()
-    return rows, len(rows)
+        return state.window_kv.copy(), win, 0
+    first = max(0, start_pos - win + 1)
+    # Read the earlier positions before this chunk's rows overwrite their slots.
+    earlier = state.window_kv[np.arange(first, start_pos) % win]
+    keep = min(seqlen, win)
+    state.window_kv[positions[-keep:] % win] = kv[-keep:]
+    rows = np.concatenate([earlier, kv]) if len(earlier) else kv
+    return rows, ref_rows, first
+
+
+def _local_rows(idx, first, offset, window_rows, n_window):
+    """``idx`` (the one-shot prefill's index rows: window entries are positions, compressed ones
+    shifted by ``offset``) as rows of what a chunk attends to: its ``window_rows`` window rows
+    (positions ``first ..``), then the compressed rows."""
+    out = idx.copy()
+    win, comp = out[:, :n_window], out[:, n_window:]
+    win[win >= 0] -= first
+    comp[comp >= 0] += window_rows - offset
+    return out
 
 
 def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos, table, offset,
-                     capture):
+                     capture, prefill_len):
     """Steps 4-7 for a ratio > 0 layer: compress, index, publish; return what attention reads.
 
     Returns ``(rows, idx, index_score)``: the shared compressed cache up to ``end_pos // r``, the
     compressed index entries (the shared selection, offsets applied) and, for index sources
-    with ``capture``, the scores.
+    with ``capture``, the scores. ``prefill_len``: the step is a chunk of a prefill that long.
     """
     c = config
     seqlen = x.shape[0]
     r = c.ratio(layer_id)
+    chunk = prefill_len is not None
+    prefill = chunk or start_pos == 0
     width = (start_pos + seqlen) // r
     first_row = start_pos // r
     latents = lpos = index_score = None
     if c.is_kv_source(layer_id):
-        latents = compressor(x, start_pos, r, weights.compressor, state.compressor, c.norm_eps)
-        lpos = latent_positions(start_pos, seqlen, r)
+        latents = compressor(x, start_pos, r, weights.compressor, state.compressor, c.norm_eps,
+                             prefill_len=prefill_len)
+        lpos = latent_positions(start_pos, seqlen, r, prefill=prefill)
     if c.is_index_source(layer_id):
-        if c.is_key_owner(layer_id) and latents is not None:
+        # A prefill's key owner publishes when the prefill writes keys, whichever chunk this is.
+        writes = latents is not None or (chunk and prefill_len >= r)
+        if c.is_key_owner(layer_id) and writes:
             # The key owner publishes its cache only on a step that wrote keys: otherwise the
             # slot keeps the previous writer's cache (even another ratio's), as in the
             # reference, and this layer scores against that.
-            keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps)
-            state.index_cache.write(first_row, keys)
+            if latents is not None:
+                keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps,
+                                  ref_rows=prefill_len // r if chunk else None)
+                state.index_cache.write(first_row, keys)
             shared.index_k = state.index_cache
-        if width == 0:
+        ref_width = prefill_len // r if chunk else width
+        if ref_width == 0:
             shared.topk_idxs = np.zeros((seqlen, 0), np.int32)
         else:
             cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
             shared.topk_idxs, published, index_score = indexer(
                 x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
-                shared.index_k, offset, candidate_blocks=cands, capture=capture)
+                shared.index_k, offset, candidate_blocks=cands, capture=capture,
+                prefill_len=prefill_len)
             if published is not None:
                 shared.candidate_blocks = published
-                shared.candidate_width = width
+                shared.candidate_width = ref_width
                 shared.candidate_block_size = c.candidate_block_size
     if latents is not None:
         lat = fp4_quant_e4m3_inplace(apply_rotary(latents, lpos, table, inplace=True))
@@ -719,7 +756,8 @@ def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos,
 
 
 def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, start_pos: int,
-                  capture: bool = False, tile: int | None = None) -> CompAttnRun:
+                  capture: bool = False, tile: int | None = None,
+                  prefill_len: int | None = None) -> CompAttnRun:
     """One layer's forward for any ratio; updates ``state`` and the ``shared`` slots.
 
     Inputs are assumed valid (``AttentionStack.forward`` checks them). What every query needs
@@ -727,29 +765,41 @@ def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, 
     run in tiles: projection, RoPE, sparse attention, inverse RoPE, output projection.
     A decode step's products are all small, and BLAS's threads would only contend with the
     numba kernels between them: BLAS runs single-threaded for it.
+
+    ``prefill_len``: ``x`` is rows ``start_pos ..`` of a prefill of that many tokens, the
+    previous chunk (if any) ended at ``start_pos``; every result is the one-shot prefill's rows.
     """
     if x.shape[0] <= MATVEC_MAX_ROWS:
         with single_threaded_blas():
             return _attention_step(config, layer_id, weights, state, shared, x, start_pos,
-                                   capture, tile)
-    return _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile)
+                                   capture, tile, prefill_len)
+    return _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile,
+                           prefill_len)
 
 
-def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile):
+def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile,
+                    prefill_len=None):
     c = config
     seqlen = x.shape[0]
     H, hd = c.n_heads, c.head_dim
     positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
     table = layer_rope_table(c, c.ratio(layer_id), start_pos + seqlen)
+    # The reference's rows of every product: the whole prefill (a chunk's too), 1 at decode.
+    ref_rows = prefill_len if prefill_len is not None else (seqlen if start_pos == 0 else 1)
 
-    qr = rms_norm(linear_bf16(x, weights.wq_a), weights.q_norm, c.norm_eps)
-    window, offset = _window_rows(c, weights, state, x, start_pos, positions, table)
+    qr = rms_norm(linear_bf16(x, weights.wq_a, ref_rows=ref_rows), weights.q_norm, c.norm_eps)
+    window, offset, first = _window_rows(c, weights, state, x, start_pos, positions, table,
+                                         prefill_len)
     kv_rows, idx_comp, index_score = (window,), None, None
     if c.ratio(layer_id) > 0:
         comp, idx_comp, index_score = _compressed_rows(c, layer_id, weights, state, shared, x, qr,
-                                                       start_pos, table, offset, capture)
+                                                       start_pos, table, offset, capture,
+                                                       prefill_len)
         kv_rows = (window, comp)
-    idx = index_rows(start_pos, seqlen, c.window_size, idx_comp)
+    idx = index_rows(start_pos, seqlen, c.window_size, idx_comp, prefill_len)
+    attend = idx
+    if prefill_len is not None and (first or len(window) != offset):
+        attend = _local_rows(idx, first, offset, len(window), min(prefill_len, c.window_size))
 
     out = np.empty((seqlen, c.dim), np.float32)
     q_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
@@ -762,16 +812,18 @@ def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capt
     for s0 in range(0, seqlen, step):
         s1 = min(seqlen, s0 + step)
         n = s1 - s0
-        q = linear_bf16(qr[s0:s1], weights.wq_b, out=q_buf[:n], ref_rows=seqlen).reshape(n, H, hd)
+        q = linear_bf16(qr[s0:s1], weights.wq_b, out=q_buf[:n], ref_rows=ref_rows).reshape(n, H, hd)
         q = apply_rotary(q, positions[s0:s1], table, inplace=True)
-        o = sparse_attn(q, kv_rows, idx[s0:s1], weights.attn_sink, hd ** -0.5, out=o_buf[:n])
+        o = sparse_attn(q, kv_rows, attend[s0:s1], weights.attn_sink, hd ** -0.5, out=o_buf[:n])
         if capture:
             q_cap[s0:s1] = q
             o_cap[s0:s1] = o
         o = apply_rotary(o, positions[s0:s1], table, inverse=True, inplace=True)
         output_projection(o.reshape(n, H * hd), weights.wo_a, weights.wo_b, out=out[s0:s1],
-                          mid=mid_buf[:n], ref_rows=seqlen)
+                          mid=mid_buf[:n], ref_rows=ref_rows)
     if not capture:
-        return CompAttnRun(out=out)
+        # The index rows are small ([seqlen, win + topk]) and a chunk's cannot be rebuilt from
+        # the step alone: always returned.
+        return CompAttnRun(out=out, idx=idx, topk=idx.shape[1])
     return CompAttnRun(out=out, q=q_cap, kv_rows=np.concatenate(kv_rows), idx=idx,
                        topk=idx.shape[1], o=o_cap, index_score=index_score)

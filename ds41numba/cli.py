@@ -60,6 +60,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture", choices=tuple(CAPTURE_MODES), default="all",
                    help="io: out, idx and shared.topk_idxs; all (default): everything the "
                    "reference goldens carry")
+    g.add_argument("--chunk", type=int, default=golden.DEFAULT_CHUNK, metavar="N",
+                   help=f"with --capture io, run the prefill N rows at a time through every "
+                   f"layer, streaming each chunk's rows to the file (default: "
+                   f"{golden.DEFAULT_CHUNK}; the file is the same for any N)")
     g.add_argument("--out", metavar="FILE", help="output file (default: "
                    "./ds41numba-golden-PRESET.safetensors)")
     g.add_argument("--force", action="store_true", help="overwrite an existing output file")
@@ -143,6 +147,8 @@ def _progress(total: int, quiet: bool, desc: str):
 
 
 def _golden(args) -> int:
+    if args.chunk < 1:
+        raise GoldenError(f"--chunk must be at least 1, got {args.chunk}")
     config, preset_name = load_config(args.preset, args.config)
     layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
               else tuple(range(config.n_layers)))
@@ -157,7 +163,8 @@ def _golden(args) -> int:
         stem = preset_name or os.path.splitext(os.path.basename(args.config))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
     with _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as progress:
-        info = golden.write_golden(plan, out, force=args.force, progress=progress)
+        info = golden.write_golden(plan, out, force=args.force, progress=progress,
+                                   chunk=args.chunk)
     what = preset_name or args.config
     print(f"wrote {info['path']}  ({what}, layers {_ranges(plan.layers)}, prefill {plan.prefill} "
           f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "

@@ -49,10 +49,13 @@ class CompressorState:
                    score=np.full((ratio, head_dim), -np.inf, np.float32))
 
 
-def latent_positions(start_pos: int, seqlen: int, ratio: int) -> np.ndarray:
-    """Positions of the latents a step produces: a latent stands for its group's first token."""
-    if start_pos == 0:
-        return np.arange(seqlen // ratio, dtype=np.int64) * ratio
+def latent_positions(start_pos: int, seqlen: int, ratio: int, prefill: bool | None = None) -> np.ndarray:
+    """Positions of the latents a step produces: a latent stands for its group's first token.
+
+    ``prefill`` (default: ``start_pos == 0``) says the step is (a chunk of) a prefill: it
+    produces the groups it completes, ``start_pos // r .. (start_pos + seqlen) // r - 1``."""
+    if start_pos == 0 if prefill is None else prefill:
+        return np.arange(start_pos // ratio, (start_pos + seqlen) // ratio, dtype=np.int64) * ratio
     if (start_pos + 1) % ratio == 0:
         return np.array([start_pos + 1 - ratio], dtype=np.int64)
     return np.zeros(0, dtype=np.int64)
@@ -85,7 +88,7 @@ def _pool_groups(kv, score, ratio):
     return out
 
 
-def _check_args(x, start_pos, ratio, weights, state):
+def _check_args(x, start_pos, ratio, weights, state, prefill_len):
     """What the pooling kernel indexes by must agree: a mismatch is an error, not a stray read."""
     if isinstance(ratio, bool) or not isinstance(ratio, (int, np.integer)) or ratio < 1:
         raise ValueError(f"compressor: ratio must be a positive integer, got {ratio!r}")
@@ -95,8 +98,13 @@ def _check_args(x, start_pos, ratio, weights, state):
             or x.shape[0] == 0):
         raise ValueError(f"compressor: x must be a non-empty float32 [seqlen, dim] array, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
-    if start_pos > 0 and x.shape[0] != 1:
-        raise ValueError(f"compressor: a decode (start_pos {start_pos} > 0) takes one token, got {x.shape[0]}")
+    if prefill_len is None and start_pos > 0 and x.shape[0] != 1:
+        raise ValueError(f"compressor: a decode (start_pos {start_pos} > 0) takes one token, got "
+                         f"{x.shape[0]} (a chunk of a prefill says so: prefill_len)")
+    if prefill_len is not None and (isinstance(prefill_len, bool) or not isinstance(
+            prefill_len, (int, np.integer)) or start_pos + x.shape[0] > prefill_len):
+        raise ValueError(f"compressor: prefill_len must be an integer >= {start_pos + x.shape[0]} "
+                         f"(the chunk's end), got {prefill_len!r}")
     shape = tuple(getattr(weights.wkv, "shape", ()))
     if len(shape) != 2 or shape[1] != x.shape[1]:
         raise ValueError(f"compressor: wkv must be [hd, {x.shape[1]}], got {list(shape)}")
@@ -113,24 +121,40 @@ def _check_args(x, start_pos, ratio, weights, state):
 
 
 def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWeights,
-               state: CompressorState, norm_eps: float) -> np.ndarray | None:
+               state: CompressorState, norm_eps: float,
+               prefill_len: int | None = None) -> np.ndarray | None:
     """Compress the step's tokens; return the new pre-RoPE latents ``[groups, hd]`` or None.
 
     Prefill (``start_pos == 0``) pools every complete group and keeps the trailing
     ``P % r`` tokens in ``state`` slots ``0 .. P % r - 1``; decode puts the token in slot
     ``start_pos % r`` and pools when that completes a group. Positions: :func:`latent_positions`.
+
+    ``prefill_len`` makes the step rows ``start_pos ..`` of a prefill of that many tokens given
+    in chunks (``start_pos`` the previous chunk's end): the chunk's tokens join the partial group
+    the state holds, the groups they complete are pooled, the new partial group is kept (the
+    slots after it fresh, as a one-shot prefill leaves them), and every product sums as the
+    one-shot prefill's does; the chunks' latents are the one-shot prefill's, in order.
     """
-    _check_args(x, start_pos, ratio, weights, state)
-    if ratio == 1:
-        return rms_norm(linear_bf16(x, weights.wkv), weights.norm, norm_eps)
-    kv = linear_f32(x, weights.wkv)
-    score = linear_f32(x, weights.wgate)
+    _check_args(x, start_pos, ratio, weights, state, prefill_len)
     seqlen = x.shape[0]
-    if start_pos == 0:
-        full = seqlen - seqlen % ratio
-        rest = seqlen - full
+    chunk = prefill_len is not None
+    ref_rows = prefill_len if chunk else (seqlen if start_pos == 0 else 1)
+    if ratio == 1:
+        return rms_norm(linear_bf16(x, weights.wkv, ref_rows=ref_rows), weights.norm, norm_eps)
+    first = start_pos if chunk else 0
+    kv = linear_f32(x, weights.wkv, ref_rows=ref_rows, first_row=first)
+    score = linear_f32(x, weights.wgate, ref_rows=ref_rows, first_row=first)
+    if chunk or start_pos == 0:
+        held = start_pos % ratio            # this group's earlier tokens, in slots 0 .. held-1
+        if held:
+            kv = np.concatenate([state.kv[:held], kv])
+            score = np.concatenate([state.score[:held], score])
+        full = kv.shape[0] - kv.shape[0] % ratio
+        rest = kv.shape[0] - full
         state.kv[:rest] = kv[full:]
         state.score[:rest] = score[full:]
+        state.kv[rest:] = 0
+        state.score[rest:] = -np.inf
         if full == 0:
             return None
         pooled = _pool_groups(kv[:full], score[:full], ratio)

@@ -76,17 +76,20 @@ class IndexerCfg:
                    candidate_block_size=config.candidate_block_size)
 
 
-def visible_lengths(start_pos: int, seqlen: int, ratio: int) -> np.ndarray:
-    """Compressed positions each query may see: ``(s + 1) // r`` at prefill, all at decode."""
-    if start_pos == 0:
-        return (np.arange(1, seqlen + 1, dtype=np.int64)) // ratio
+def visible_lengths(start_pos: int, seqlen: int, ratio: int, prefill: bool | None = None) -> np.ndarray:
+    """Compressed positions each query may see: ``(s + 1) // r`` at prefill (s the query's
+    position; ``prefill``, default ``start_pos == 0``, for a chunk of one), all at decode."""
+    if start_pos == 0 if prefill is None else prefill:
+        return (np.arange(start_pos + 1, start_pos + seqlen + 1, dtype=np.int64)) // ratio
     return np.full(seqlen, (start_pos + seqlen) // ratio, dtype=np.int64)
 
 
 def index_keys(latents: np.ndarray, positions: np.ndarray, weights: IndexerWeights, table,
-               norm_eps: float) -> np.ndarray:
-    """Index keys of new latents (pre-RoPE): projected, normed, rotated, fp4 (e8m0) quantised."""
-    k = rms_norm(linear_bf16(latents, weights.wk), weights.k_norm, norm_eps)
+               norm_eps: float, ref_rows: int | None = None) -> np.ndarray:
+    """Index keys of new latents (pre-RoPE): projected, normed, rotated, fp4 (e8m0) quantised.
+    ``ref_rows``: the latents of the reference's call (a chunked prefill's whole), as in
+    :func:`~ds41numba.numerics.linear_bf16`."""
+    k = rms_norm(linear_bf16(latents, weights.wk, ref_rows=ref_rows), weights.k_norm, norm_eps)
     k = apply_rotary(k, positions, table, inplace=True)
     return fp4_quant_e8m0_inplace(k)
 
@@ -399,7 +402,8 @@ def select_candidate_blocks(scores: np.ndarray, clen, topk_blocks: int,
     return np.repeat(blocks, block_size, axis=1)[:, :width]
 
 
-def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile):
+def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile,
+                        prefill_len):
     """The shapes the scoring kernels index by must agree: a mismatch is an error, not a stray read."""
     def bad(msg):
         raise ValueError(f"indexer: {msg}")
@@ -431,7 +435,10 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
                           ("wq_b", weights.wq_b, (ih * idim, qr.shape[1]))):
         if tuple(getattr(w, "shape", ())) != want:
             bad(f"weights.{name} must have shape {list(want)}, got {list(getattr(w, 'shape', ()))}")
-    width = (start_pos + seqlen) // cfg.ratio
+    if prefill_len is not None and not (is_int(prefill_len, 1) and start_pos + seqlen <= prefill_len):
+        bad(f"prefill_len must be an integer >= {start_pos + seqlen} (the chunk's end), got "
+            f"{prefill_len!r}")
+    width = (start_pos + seqlen if prefill_len is None else prefill_len) // cfg.ratio
     if index_k.shape[0] < width or index_k.shape[1] != idim:
         bad(f"index_k must be [>= {width}, {idim}] (the keys of every position scored), got "
             f"{list(index_k.shape)}")
@@ -447,7 +454,7 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             weights: IndexerWeights, table, index_k, offset: int,
             candidate_blocks: np.ndarray | None = None, tile: int | None = None,
-            capture: bool = False):
+            capture: bool = False, prefill_len: int | None = None):
     """Select each query's compressed positions.
 
     ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows): an
@@ -458,14 +465,22 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     None)``: the candidate source's per-block mask (bits packed along rows, see
     :func:`candidate_mask`), and with ``capture`` the scores after the visibility mask and
     before candidate masking.
+
+    ``prefill_len`` makes the step rows ``start_pos ..`` of a prefill of that many tokens (a
+    chunk): each query sees ``(s + 1) // r`` positions as in the one-shot prefill, and the rows
+    (scores of the one-shot's width ``prefill_len // r``, selection, candidates, every sum) are
+    that prefill's rows. ``index_k`` then needs the keys up to the chunk's end only.
     """
-    _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile)
+    _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile,
+                        prefill_len)
     seqlen = x.shape[0]
     end_pos = start_pos + seqlen
     r = cfg.ratio
-    width = end_pos // r
+    chunk = prefill_len is not None
+    width = (prefill_len if chunk else end_pos) // r
+    ref_rows = prefill_len if chunk else seqlen
     k = min(cfg.topk, width)
-    clen = visible_lengths(start_pos, seqlen, r)
+    clen = visible_lengths(start_pos, seqlen, r, prefill=chunk or start_pos == 0)
     positions = np.arange(start_pos, end_pos, dtype=np.int64)
     if not isinstance(index_k, IndexKeyCache):
         try:
@@ -473,7 +488,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         except ValueError:
             raise ValueError("indexer: index_k must hold bf16 values (the fp4-quantised keys)") from None
     scale = np.float32(cfg.head_dim ** -0.5 * cfg.n_heads ** -0.5)
-    w_all = to_bf16_rne(linear_bf16(x, weights.weights_proj) * scale)
+    w_all = to_bf16_rne(linear_bf16(x, weights.weights_proj, ref_rows=ref_rows) * scale)
 
     topk_idxs = np.empty((seqlen, k), np.int32)
     published = None
@@ -496,7 +511,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         s1 = min(seqlen, s0 + tile)
         if s0 % proj_rows == 0:
             p1 = min(seqlen, s0 + proj_rows)
-            iq_rows = linear_bf16(qr[s0:p1], weights.wq_b, out=iq_buf[:p1 - s0], ref_rows=seqlen)
+            iq_rows = linear_bf16(qr[s0:p1], weights.wq_b, out=iq_buf[:p1 - s0], ref_rows=ref_rows)
             iq_rows = iq_rows.reshape(p1 - s0, cfg.n_heads, cfg.head_dim)
             iq_rows = fp4_quant_e8m0_inplace(apply_rotary(iq_rows, positions[s0:p1], table, inplace=True))
         iq = iq_rows[s0 % proj_rows:s0 % proj_rows + s1 - s0]

@@ -133,7 +133,8 @@ class LayerAttnState:
     compress_cache: np.ndarray | None = None
     index_cache: IndexKeyCache | None = None
     end_pos: int = 0               # the next position this layer expects
-    last_step: tuple[int, int] | None = None   # (start_pos, seqlen) of the step it last ran
+    last_step: tuple | None = None   # (start_pos, seqlen, prefill_len or None) it last ran
+    prefill_len: int | None = None   # the length of this sequence's prefill
 
     @property
     def kv_state(self) -> np.ndarray | None:
@@ -205,11 +206,26 @@ class AttentionStack:
         self.tile = None if tile is None else int(tile)
         self._order = StepOrder(config, self.layers, self.states, self.shared)
 
-    def forward(self, layer_id: int, x, start_pos: int, capture: bool = False) -> CompAttnRun:
+    def forward(self, layer_id: int, x, start_pos: int, capture: bool = False,
+                prefill_len: int | None = None) -> CompAttnRun:
         """Run layer ``layer_id`` on ``x [seqlen, dim]`` (bf16 values) at ``start_pos``.
 
         ``start_pos == 0`` is a prefill and starts a new sequence for this layer; ``start_pos > 0``
         is the decode of one token and must follow the layer's previous step.
+
+        A prefill may also be given in chunks: ``prefill_len=P`` says ``x`` is the rows
+        ``start_pos .. start_pos + seqlen - 1`` of a prefill of ``P`` tokens (``start_pos == 0``
+        starts it, every later chunk starts where the layer's previous one ended; any sizes,
+        1-row chunks included). The results, the layer's state and the shared slots are the
+        one-shot prefill's, row for row: the reference's products sum in an order chosen by
+        its row count ``P``, which is why the stack must be told it. Run the chunks token-major
+        (chunk 1 through every layer in order, then chunk 2): a layer reads what its sources
+        published for the same chunk (layers that read no other layer may also run all their
+        chunks one after another). ``forward(i, x, 0, prefill_len=len(x))`` is the one-shot
+        prefill. Decode steps (``prefill_len`` None) follow once the layer has run all ``P``
+        tokens. After a chunked prefill ``shared.topk_idxs`` and ``shared.candidates`` hold the
+        last chunk's rows (the one-shot's last rows), not all ``P``: the decode step's layers
+        replace them before any layer reads them.
         """
         c = self.config
         layer_id = _checked_int("layer_id", layer_id)
@@ -219,15 +235,27 @@ class AttentionStack:
         x = _checked_input(x, c.dim)
         if start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        if prefill_len is not None:
+            prefill_len = _checked_int("prefill_len", prefill_len)
+            if start_pos + x.shape[0] > prefill_len:
+                raise ValueError(f"a chunk of rows {start_pos}..{start_pos + x.shape[0] - 1} runs "
+                                 f"past its prefill of prefill_len {prefill_len} tokens")
         if start_pos + x.shape[0] > c.max_seq_len:
             raise ValueError(f"positions {start_pos}..{start_pos + x.shape[0] - 1} run past "
                              f"max_seq_len {c.max_seq_len}")
-        self._order.admit(layer_id, start_pos, x.shape[0])   # refuses before anything changes
+        if start_pos == 0 and prefill_len is None:
+            prefill_len = x.shape[0]          # the one-shot prefill
+        # refuses before anything changes
+        self._order.admit(layer_id, start_pos, x.shape[0], prefill_len)
         if start_pos == 0:
             self.states[layer_id] = LayerAttnState.fresh(c, layer_id)
+            self.states[layer_id].prefill_len = prefill_len
+        chunk = None if prefill_len is None or (start_pos == 0 and prefill_len == x.shape[0]) \
+            else prefill_len
         run = attention_any(c, layer_id, self.weights[layer_id], self.states[layer_id],
-                            self.shared, x, start_pos, capture=capture, tile=self.tile)
-        self._order.ran(layer_id, start_pos, x.shape[0])
+                            self.shared, x, start_pos, capture=capture, tile=self.tile,
+                            prefill_len=chunk)
+        self._order.ran(layer_id, start_pos, x.shape[0], prefill_len)
         return run
 
 
@@ -252,14 +280,16 @@ class StepOrder:
         self.current: tuple | None = None
         self.index_k_writer: int | None = None
         self.stale: set[int] = set()
+        self.before_prefill = self._slots()   # the shared slots as the current prefill found them
 
-    def admit(self, layer_id: int, start_pos: int, seqlen: int):
+    def admit(self, layer_id: int, start_pos: int, seqlen: int, prefill_len: int | None = None):
         """Refuse (``ValueError``) a step the reference could not have run; otherwise record
-        that it begins."""
+        that it begins. ``prefill_len``: the step is (a chunk of) a prefill of that many tokens
+        (None: a decode step)."""
         c = self.config
-        step = (start_pos, seqlen)
+        step = (start_pos, seqlen, prefill_len)
         if start_pos > 0:
-            self._check_decode_follows(layer_id, start_pos, seqlen)
+            self._check_continues(layer_id, start_pos, seqlen, prefill_len)
         begin = current = None
         stale = set()
         if c.ratio(layer_id):
@@ -275,30 +305,65 @@ class StepOrder:
                                  f"ran this step after layer {src} and may have replaced it: run "
                                  f"layer {src} again first, then the layers after it in order")
         if c.ratio(layer_id) and c.is_index_source(layer_id):
-            self._check_index_keys(layer_id, start_pos, seqlen, begin)
+            self._check_index_keys(layer_id, start_pos, seqlen, begin, prefill_len)
         if current is not None:
+            if begin == self.tick and start_pos == 0:
+                self.before_prefill = self._slots()
+            elif begin == self.tick and prefill_len is not None:
+                # The next chunk of a prefill: its layers find the shared slots as the one-shot
+                # prefill's layers find them, not as the previous chunk's layers left them.
+                (self.shared.compress_kv, self.shared.index_k, self.shared.topk_idxs,
+                 self.shared.candidate_blocks, self.shared.candidate_width,
+                 self.shared.candidate_block_size) = self.before_prefill
             self.current = current
             self.stale = (self.stale | stale) - {layer_id}
 
-    def ran(self, layer_id: int, start_pos: int, seqlen: int):
+    def _slots(self):
+        sh = self.shared
+        return (sh.compress_kv, sh.index_k, sh.topk_idxs, sh.candidate_blocks, sh.candidate_width,
+                sh.candidate_block_size)
+
+    def ran(self, layer_id: int, start_pos: int, seqlen: int, prefill_len: int | None = None):
         """Record a step that ran: the layer's position and tick, and who wrote the index keys."""
         state = self.states[layer_id]
         state.end_pos = start_pos + seqlen
-        state.last_step = (start_pos, seqlen)
+        state.last_step = (start_pos, seqlen, prefill_len)
         self.ticks[layer_id] = self.tick
         self.tick += 1
         if state.index_cache is not None and self.shared.index_k is state.index_cache:
             self.index_k_writer = layer_id
 
-    def _check_decode_follows(self, layer_id: int, start_pos: int, seqlen: int):
+    def _check_continues(self, layer_id: int, start_pos: int, seqlen: int,
+                         prefill_len: int | None):
+        """A step at start_pos > 0 continues the layer's sequence: a decode step after its whole
+        prefill, or the next chunk of its prefill."""
         state = self.states[layer_id]
-        if seqlen != 1:
+        if prefill_len is None and seqlen != 1:
             raise ValueError(f"a step at start_pos {start_pos} > 0 must be one token (decode), "
-                             f"got {seqlen}: the reference has no chunked prefill")
-        if state.last_step is None or state.end_pos != start_pos:
-            expect = "a prefill at start_pos 0" if state.last_step is None else f"start_pos {state.end_pos}"
-            raise ValueError(f"layer {layer_id}: decode at start_pos {start_pos} does not follow "
-                             f"its last step (expected {expect})")
+                             f"got {seqlen}: a chunk of a prefill says which (prefill_len=P)")
+        if state.last_step is None:
+            raise ValueError(f"layer {layer_id}: {'a chunk' if prefill_len else 'decode'} at "
+                             f"start_pos {start_pos} does not follow its last step (expected a "
+                             f"prefill at start_pos 0)")
+        done = state.end_pos >= state.prefill_len
+        if prefill_len is None:
+            if not done:
+                raise ValueError(f"layer {layer_id}: its prefill of {state.prefill_len} tokens "
+                                 f"stopped at {state.end_pos}: give the rest of it (prefill_len="
+                                 f"{state.prefill_len}) before decoding")
+            if state.end_pos != start_pos:
+                raise ValueError(f"layer {layer_id}: decode at start_pos {start_pos} does not "
+                                 f"follow its last step (expected start_pos {state.end_pos})")
+            return
+        if done or prefill_len != state.prefill_len or state.end_pos != start_pos:
+            expect = ("its prefill is complete: decode one token at a time" if done and
+                      prefill_len == state.prefill_len else
+                      f"the next chunk starts at {state.end_pos} of a prefill of "
+                      f"{state.prefill_len} tokens" if not done else
+                      f"its prefill was {state.prefill_len} tokens")
+            raise ValueError(f"layer {layer_id}: a chunk at start_pos {start_pos} of a prefill of "
+                             f"{prefill_len} tokens does not continue its sequence ({expect}); "
+                             f"a new prefill starts at start_pos 0")
 
     def _check_layer_order(self, layer_id: int, step: tuple[int, int]) -> tuple[int, set[int]]:
         """A compressed layer's place in its step: the tick the step began at, and the layers
@@ -316,13 +381,14 @@ class StepOrder:
                              f"{start_pos}); within a step run the layers in increasing order, "
                              f"as the reference does")
         stale = set()                                # a new step (at start_pos 0: a new sequence)
-        if cur is not None and cur[0] == step:
-            # A prefill again, from this layer: the later layers' prefills now predate it.
+        if start_pos == 0:
+            # A new sequence from this layer: what the later layers ran before now predates it.
             stale = {j for j in self.layers if j > layer_id and self.config.ratio(j)
-                     and self.states[j].last_step == step}
+                     and self.states[j].last_step is not None}
         return self.tick, stale
 
-    def _check_index_keys(self, layer_id: int, start_pos: int, seqlen: int, begin: int):
+    def _check_index_keys(self, layer_id: int, start_pos: int, seqlen: int, begin: int,
+                          prefill_len: int | None = None):
         """An index source that does not write keys this step scores against the shared index keys
         as the latest key owner left them, even another ratio's (as the reference does). Those
         are the reference's only if every such owner has run as the reference runs it: the ones
@@ -330,14 +396,15 @@ class StepOrder:
         are too short for, instead of scoring missing rows."""
         c = self.config
         r = c.ratio(layer_id)
-        width = (start_pos + seqlen) // r
-        writes = c.is_key_owner(layer_id) and (seqlen >= r if start_pos == 0 else (start_pos + 1) % r == 0)
+        decode = prefill_len is None
+        width = (start_pos + seqlen if decode else prefill_len) // r
+        writes = c.is_key_owner(layer_id) and (prefill_len >= r if not decode else (start_pos + 1) % r == 0)
         if width == 0 or writes:
             return
-        if start_pos > 0:
+        if decode:
             for j in c.fallback_key_owners(layer_id):
                 st = self.states[j]
-                if j < layer_id and (st.last_step != (start_pos, seqlen) or self.ticks.get(j, -1) < begin):
+                if j < layer_id and (st.last_step != (start_pos, seqlen, None) or self.ticks.get(j, -1) < begin):
                     raise ValueError(f"layer {layer_id} writes no index keys this step and scores "
                                      f"against the ones the key owners left, but key owner layer {j} "
                                      f"has not run this step (start_pos {start_pos}) yet: run it first")

@@ -213,7 +213,7 @@ def test_run_that_cannot_fit_in_memory_exits_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(golden.run, "_available_bytes", lambda: 1000)
     assert main(["golden", "--quiet", "--out", str(tmp_path / "g.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert "needs at least" in err and len(err.strip().splitlines()) == 1
+    assert "needs about" in err and len(err.strip().splitlines()) == 1
     assert os.listdir(tmp_path) == []
 
 
@@ -385,3 +385,17 @@ def test_production_references_through_the_cli(tmp_path, capsys, ref, run, rows,
     assert summary["index_rows"] == rows and summary["index_rows_differ"] == 0
     assert summary["float_elements"] == floats
     assert summary["bit_identical_fraction"] == 1.0 and summary["max_bf16_steps"] == 0
+
+
+def test_chunk_option(tmp_path, capsys):
+    """--chunk changes how the prefill runs, never the file; a chunk under 1 row is refused."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert main(["golden", "--quiet", "--prefill", "9", "--decode", "2", "--capture", "io",
+                 "--out", str(a)]) == 0
+    assert main(["golden", "--quiet", "--prefill", "9", "--decode", "2", "--capture", "io",
+                 "--chunk", "2", "--out", str(b)]) == 0
+    assert a.read_bytes() == b.read_bytes()
+    capsys.readouterr()
+    assert main(["golden", "--quiet", "--chunk", "0", "--out", str(tmp_path / "c.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "--chunk" in err and len(err.strip().splitlines()) == 1

@@ -182,3 +182,22 @@ def test_validation_errors():
         matmul_nn_f32_ordered(x, np.ones((8, 4), np.int32))
     with pytest.raises(ValueError, match="2-D"):
         pack_columns(np.ones(8, F32))
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 7, 11, 12, 30, 203])
+def test_pieces_of_a_call_keep_each_rows_kernel(m):
+    """A chunk of a prefill says which rows of which call it is (``ref_rows``, ``first_row``):
+    every row then takes the kernel, and the small kernel's peel, the whole call gives it, for
+    pieces of any size (a 1-row piece of a 203-row call still takes the blocked kernel)."""
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, 517)).astype(np.float32)
+    w = F32Matrix(rng.standard_normal((40, 517)).astype(np.float32))
+    whole = linear_f32_ordered(x, w)
+    for sizes in ([1] * m, [2, 5, 1, 3] * m, [m]):
+        cuts = np.cumsum([0] + sizes)
+        cuts = [int(c) for c in cuts[cuts < m]] + [m]
+        got = np.concatenate([linear_f32_ordered(x[a:b], w, ref_rows=m, first_row=a)
+                              for a, b in zip(cuts[:-1], cuts[1:])])
+        assert got.tobytes() == whole.tobytes(), sizes
+    with pytest.raises(ValueError, match="ref_rows"):
+        linear_f32_ordered(x, w, ref_rows=m, first_row=1)

@@ -316,12 +316,13 @@ def test_a_run_can_end_exactly_at_max_seq_len_for_every_ratio():
     refused(lambda: st.forward(1, xs(1, dim=32), 23), ValueError, "max_seq_len")
 
 
-def test_zero_length_and_chunked_prefill_are_refused(tiny_weights):
+def test_zero_length_and_undeclared_chunks_are_refused(tiny_weights):
     st = AttentionStack(TINY, tiny_weights)
     refused(lambda: st.forward(0, xs(0), 0), ValueError, "empty")
     run_steps(st, 4, 0)
-    # The reference has no chunked prefill: several tokens after position 0 are refused.
-    refused(lambda: st.forward(0, xs(3), 4), ValueError, "start_pos 4", "chunked prefill")
+    # Several tokens after position 0 are a chunk of a prefill only when it says so
+    # (prefill_len, tests/test_chunked.py); after a complete prefill they are refused.
+    refused(lambda: st.forward(0, xs(3), 4), ValueError, "start_pos 4", "prefill_len=P")
     st.forward(0, xs(1), 4)
 
 
@@ -419,7 +420,8 @@ def test_a_refused_call_changes_nothing(tiny_weights):
     run_steps(a, 5, 2, seed=3)
     run_steps(b, 5, 2, seed=3)
     refused(lambda: a.forward(3, xs(4), 0), ValueError, "layer 3")      # no layer 2 prefill
-    refused(lambda: a.forward(3, xs(2), 7), ValueError, "chunked")
+    refused(lambda: a.forward(3, xs(2), 7), ValueError, "prefill_len")
+    refused(lambda: a.forward(3, xs(2), 7, prefill_len=9), ValueError, "does not continue")
     refused(lambda: a.forward(2, xs(1).astype(np.float64), 7), ValueError, "float32")
     rng = np.random.default_rng(9)
     for i in range(TINY.n_layers):

@@ -33,10 +33,12 @@ arguments and calls these.
 from .captures import CAPTURE_MODES, layer_captures, storage_kind, to_storage
 from .compare import TOLERANCE, CompareReport, TensorResult, compare_files, compare_tensor
 from .errors import GoldenError
-from .files import FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, load_golden, write_tensors_atomic
+from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden, load_golden,
+                    write_tensors_atomic)
 from .generator import (GENERATOR, GENERATOR_SPEC, make_input, make_tensor, make_weights,
                         stream_key, weight_distribution)
-from .run import GoldenPlan, drive, missing_sources, replay, run_golden, write_golden
+from .run import (DEFAULT_CHUNK, GoldenPlan, drive, io_layout, missing_sources, replay,
+                  run_golden, stream_golden, write_golden)
 
 __all__ = [
     "GoldenError", "GENERATOR", "GENERATOR_SPEC", "CAPTURE_MODES", "FORMAT", "FORMAT_VERSION",
@@ -44,4 +46,5 @@ __all__ = [
     "missing_sources", "GoldenPlan", "layer_captures", "storage_kind", "to_storage", "drive",
     "run_golden", "write_golden", "write_tensors_atomic", "GoldenFile", "RunInfo", "load_golden",
     "TensorResult", "CompareReport", "compare_tensor", "compare_files", "replay",
+    "StreamingGolden", "stream_golden", "io_layout", "DEFAULT_CHUNK",
 ]

@@ -44,6 +44,10 @@ def _records_shared(config: AttnConfig, layer_id: int) -> bool:
                                       or c.is_candidate_source(layer_id))
 
 
+#: Whether the goldens record the shared slots after a layer (a file laid out up front asks).
+records_shared = _records_shared
+
+
 def forward_capture(mode: str) -> bool:
     """``io`` runs the forward without capture: its q and o would be [seqlen, H, hd] each."""
     return mode == "all"

@@ -9,6 +9,7 @@ goldens too, one tensor at a time; :func:`load_golden` reads a whole (small) one
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import safetensors.numpy
+from ml_dtypes import bfloat16 as BF16
 from safetensors import safe_open
 
 from .. import __version__
@@ -27,7 +29,7 @@ from .errors import GoldenError
 from .generator import GENERATOR, GENERATOR_SPEC
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunInfo", "GoldenFile", "load_golden",
-           "write_tensors_atomic", "check_target"]
+           "write_tensors_atomic", "check_target", "StreamingGolden", "SAFETENSORS_DTYPES"]
 
 FORMAT = "ds41numba-golden"
 FORMAT_VERSION = "1"
@@ -102,21 +104,27 @@ def write_tensors_atomic(path, tensors: dict[str, np.ndarray], metadata: dict[st
         with open(tmp, "rb+") as f:
             _sort_metadata(f)
             os.fsync(f.fileno())
-        # mkstemp and safetensors both make private (0600) files; a golden is an ordinary file.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        if force:
+        _publish(tmp, path, force)
+
+
+def _publish(tmp: str, path: str, force: bool):
+    """Rename the complete temporary file ``tmp`` to ``path`` (never over an existing file
+    without ``force``), as an ordinary file, and sync the directory."""
+    # mkstemp and safetensors both make private (0600) files; a golden is an ordinary file.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    if force:
+        os.replace(tmp, path)
+    else:
+        try:
+            os.link(tmp, path)     # fails if path exists: no clobbering, atomically
+        except FileExistsError:
+            raise GoldenError(f"--out: {path!r} appeared while writing (use --force)") from None
+        except OSError:            # a filesystem without hard links
+            if os.path.exists(path):
+                raise GoldenError(f"--out: {path!r} exists (use --force to overwrite it)") from None
             os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)     # fails if path exists: no clobbering, atomically
-            except FileExistsError:
-                raise GoldenError(f"--out: {path!r} appeared while writing (use --force)") from None
-            except OSError:            # a filesystem without hard links
-                if os.path.exists(path):
-                    raise GoldenError(f"--out: {path!r} exists (use --force to overwrite it)") from None
-                os.replace(tmp, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -131,6 +139,130 @@ def _fsync_dir(directory: str):
         pass
     finally:
         os.close(fd)
+
+
+# =========================================================================== streaming writing
+
+#: numpy dtype of each safetensors dtype a golden uses.
+SAFETENSORS_DTYPES = {"BF16": np.dtype(BF16), "F32": np.dtype(np.float32),
+                      "I32": np.dtype(np.int32), "U8": np.dtype(np.uint8)}
+
+
+class StreamingGolden:
+    """A safetensors file laid out up front and filled in place, a block of rows at a time.
+
+    ``layout`` lists every tensor, ``(name, dtype, shape)`` in file order (dtype a safetensors
+    name: ``BF16``, ``F32``, ``I32``, ``U8``); the header (metadata keys sorted, entries in
+    layout order, padded with spaces to 8 bytes) and every byte offset follow from it alone, so
+    the file is byte-identical whatever order or block sizes its rows are written in. It is
+    made under a hidden temporary name beside ``path`` (``.NAME.*.tmp``), sized at once,
+    :meth:`write_rows` puts rows in place, and :meth:`commit` checks every row was written,
+    syncs and renames it into place. Use it as a context manager: leaving it without a commit
+    (an error, Ctrl-C) removes the temporary file.
+    """
+
+    def __init__(self, path, layout, metadata: dict[str, str], force: bool = False):
+        self.path = os.fspath(path)
+        self.force = force
+        check_target(self.path, force)
+        header = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+        self.entries = {}
+        offset = 0
+        for name, dtype, shape in layout:
+            shape = tuple(int(d) for d in shape)
+            itemsize = SAFETENSORS_DTYPES[dtype].itemsize
+            size = math.prod(shape) * itemsize
+            if name in self.entries:
+                raise ValueError(f"StreamingGolden: tensor {name} appears twice in the layout")
+            row = size // shape[0] if shape and shape[0] else size
+            self.entries[name] = (dtype, shape, offset, row)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        self.data_start = 8 + len(text)
+        self.size = self.data_start + offset
+        self.rows_written = {name: 0 for name in self.entries}
+        directory, base = os.path.split(os.path.abspath(self.path))
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+        self._fd = fd
+        try:
+            os.write(fd, struct.pack("<Q", len(text)) + text)
+            os.ftruncate(fd, self.size)
+        except BaseException:
+            self.abort()
+            raise
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1]
+
+    def write_rows(self, name: str, first_row: int, array) -> None:
+        """Rows ``first_row ..`` of tensor ``name`` (a whole tensor at ``first_row`` 0), given in
+        its storage dtype; a wrong dtype, shape or row range is an error, not a corrupt file."""
+        dtype, shape, offset, row = self.entries[name]
+        a = np.ascontiguousarray(array)
+        n = a.shape[0] if a.ndim else 1
+        if a.dtype != SAFETENSORS_DTYPES[dtype] or tuple(a.shape[1:]) != shape[1:] or \
+                not 0 <= first_row <= shape[0] - n:
+            raise ValueError(f"StreamingGolden: {name} is {dtype} {list(shape)}; rows {first_row}.."
+                             f"{first_row + n - 1} of {a.dtype} {list(a.shape)} do not fit it")
+        data = memoryview(a.reshape(-1).view(np.uint8))
+        pos = self.data_start + offset + first_row * row
+        while len(data):
+            done = os.pwrite(self._fd, data, pos)
+            data, pos = data[done:], pos + done
+        self.rows_written[name] += n
+
+    def copy_tensor(self, source: str, name: str, block: int = 1 << 24) -> None:
+        """Tensor ``name`` as a copy of the already written ``source`` (same dtype and shape),
+        ``block`` bytes at a time."""
+        sdt, sshape, soff, _ = self.entries[source]
+        dt, shape, off, _ = self.entries[name]
+        if (sdt, sshape) != (dt, shape) or self.missing_rows(source):
+            raise ValueError(f"StreamingGolden: cannot copy {source} ({sdt} {list(sshape)}) to "
+                             f"{name} ({dt} {list(shape)})")
+        size = math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize
+        for a in range(0, size, block):
+            data = os.pread(self._fd, min(block, size - a), self.data_start + soff + a)
+            os.pwrite(self._fd, data, self.data_start + off + a)
+        self.rows_written[name] = shape[0] if shape else 1
+
+    def missing_rows(self, name: str) -> int:
+        shape = self.entries[name][1]
+        return (shape[0] if shape else 1) - self.rows_written[name]
+
+    def missing(self) -> list[str]:
+        """Tensors not all of whose rows were written."""
+        return [n for n, (_, shape, _, _) in self.entries.items()
+                if self.rows_written[n] < (shape[0] if shape else 1)]
+
+    def commit(self) -> None:
+        """Check every tensor is complete, sync, and rename the file into place."""
+        missing = self.missing()
+        if missing:
+            raise ValueError(f"StreamingGolden: {len(missing)} tensors incomplete, first {missing[0]}")
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        try:
+            _publish(self.tmp, self.path, self.force)
+        finally:
+            if os.path.exists(self.tmp):
+                os.unlink(self.tmp)
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._fd is not None:
+            self.abort()
 
 
 # =========================================================================== the run and reading

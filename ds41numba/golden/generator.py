@@ -169,9 +169,14 @@ def make_weights(config: AttnConfig, layers=None, seed: int = 0) -> dict[str, np
     return weights
 
 
-def make_input(name: str, shape, seed: int = 0) -> np.ndarray:
-    """A layer input (``step{s}.layers.{i}.x``): bf16 values with unit variance."""
-    return make_tensor(name, shape, seed, 0.0, math.sqrt(3.0), bf16=True)
+def make_input(name: str, shape, seed: int = 0, first_row: int = 0) -> np.ndarray:
+    """A layer input (``step{s}.layers.{i}.x``): bf16 values with unit variance.
+
+    ``first_row`` makes ``shape`` a block of rows of the whole input: rows ``first_row ..``,
+    bit-identical to that slice of the whole (a chunked prefill makes its input a chunk at a
+    time)."""
+    row = math.prod(int(d) for d in tuple(shape)[1:])
+    return make_tensor(name, shape, seed, 0.0, math.sqrt(3.0), bf16=True, start=int(first_row) * row)
 
 
 def checked_seed(seed) -> int:

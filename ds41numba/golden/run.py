@@ -17,15 +17,16 @@ import numpy as np
 
 from ..config import AttnConfig
 from ..stack import AttentionStack, weight_specs
-from .captures import (CAPTURE_MODES, WEIGHT_NAME, forward_capture, layer_captures,
-                       storage_kind, to_storage)
+from .captures import (CAPTURE_MODES, WEIGHT_NAME, forward_capture, records_shared,
+                       layer_captures, storage_kind, to_storage)
 from .compare import CompareReport, TensorResult, compare_tensor
 from .errors import GoldenError
-from .files import GoldenFile, RunInfo, check_target, write_tensors_atomic
+from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
 from .generator import checked_seed, make_input, make_weights
 
-__all__ = ["GoldenPlan", "missing_sources", "golden_steps", "drive", "run_golden",
-           "write_golden", "minimum_bytes", "replay"]
+__all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "drive",
+           "run_golden", "write_golden", "stream_golden", "io_layout", "DEFAULT_CHUNK",
+           "minimum_bytes", "replay"]
 
 
 def missing_sources(config: AttnConfig, layers) -> list[str]:
@@ -96,30 +97,44 @@ def golden_steps(prefill: int, decode: int):
         yield s, prefill + s - 1, 1
 
 
-def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, take,
-          progress=None):
-    """The step x layer loop of a golden run: every step of :func:`golden_steps`, the stack's
-    layers in increasing order within each.
+def prefill_chunks(prefill: int, chunk: int | None):
+    """``(first_row, rows)`` of each chunk of a prefill (one chunk when ``chunk`` is None)."""
+    size = prefill if chunk is None else max(1, int(chunk))
+    return [(a, min(prefill, a + size) - a) for a in range(0, prefill, size)]
 
-    ``x_of(name, seqlen)`` gives the input ``step{s}.layers.{i}.x`` to feed (``name``);
-    ``take(prefix, captures)`` receives the layer's :func:`layer_captures` under their prefix
-    ``step{s}.layers.{i}.`` (views of the stack's live state: convert or compare them before
-    returning; nothing holds them after). ``progress(n, where)``, if given, is called before
-    each forward with ``n = 0`` and after it with the tokens it processed; ``where`` says which
-    step and layer (a long prefill is one forward, so this is all a progress bar can show).
+
+def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, take,
+          progress=None, chunk: int | None = None):
+    """The step x layer loop of a golden run: every step of :func:`golden_steps`, the stack's
+    layers in increasing order within each; the prefill in chunks of ``chunk`` rows (default:
+    one), each chunk through every layer before the next (token-major, which gives the one-shot
+    prefill's rows: ``AttentionStack.forward``'s ``prefill_len``).
+
+    ``x_of(name, first_row, rows)`` gives those rows of the input ``step{s}.layers.{i}.x``;
+    ``take(prefix, captures, first_row)`` receives the layer's :func:`layer_captures` (the
+    rows ``first_row ..`` of each per-row tensor) under their prefix ``step{s}.layers.{i}.``
+    (views of the stack's live state: convert or compare them before returning; nothing holds
+    them after). ``progress(n, where)``, if given, is called before each forward with
+    ``n = 0`` and after it with the tokens it processed; ``where`` says which step, chunk and
+    layer.
     """
+    chunks = prefill_chunks(prefill, chunk)
     for s, start_pos, seqlen in golden_steps(prefill, decode):
-        for i in stack.layers:
-            prefix = f"step{s}.layers.{i}."
-            where = f"step {s} layer {i}"
-            if progress is not None:
-                progress(0, where)
-            run = stack.forward(i, x_of(prefix + "x", seqlen), start_pos,
-                                capture=forward_capture(capture))
-            take(prefix, layer_captures(stack, i, run, start_pos, capture))
-            del run
-            if progress is not None:
-                progress(seqlen, where)
+        pieces = chunks if s == 0 else [(start_pos, 1)]
+        for a, n in pieces:
+            for i in stack.layers:
+                prefix = f"step{s}.layers.{i}."
+                where = f"step {s} layer {i}" + (f" rows {a}-{a + n - 1}" if len(pieces) > 1 else "")
+                if progress is not None:
+                    progress(0, where)
+                first = a if s == 0 else 0
+                run = stack.forward(i, x_of(prefix + "x", first, n), a,
+                                    capture=forward_capture(capture),
+                                    prefill_len=prefill if s == 0 else None)
+                take(prefix, layer_captures(stack, i, run, a, capture), first)
+                del run
+                if progress is not None:
+                    progress(n, where)
 
 
 def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
@@ -135,12 +150,12 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     stack = AttentionStack(cfg, weights, layers=plan.layers)
     tensors: dict[str, np.ndarray] = {}
 
-    def stored_input(name, seqlen):
+    def stored_input(name, first_row, seqlen):
         # The stack takes the stored bfloat16 copy: half the memory of float32.
         tensors[name] = to_storage(name, make_input(name, (seqlen, cfg.dim), plan.seed), "BF16")
         return tensors[name]
 
-    def store(prefix, captures):
+    def store(prefix, captures, first_row):
         for what, value in captures.items():
             tensors[prefix + what] = to_storage(prefix + what, value, storage_kind(prefix + what))
 
@@ -154,24 +169,137 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     return stored
 
 
-def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None) -> dict:
-    """Run ``plan`` and write its golden to ``path`` atomically; returns a summary for printing."""
+#: Prefill rows a streamed golden runs at a time (``--chunk``): products of this many rows run
+#: at full speed, and a chunk's working set stays a few hundred MB at production shapes.
+DEFAULT_CHUNK = 4096
+
+
+def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
+                 chunk: int | None = DEFAULT_CHUNK) -> dict:
+    """Run ``plan`` and write its golden to ``path`` atomically; returns a summary for printing.
+
+    With ``capture="io"`` the file is streamed (:func:`stream_golden`): the prefill runs in
+    chunks of ``chunk`` rows and each chunk's rows go into place as they are made. ``all``
+    holds ``[seqlen, positions]`` captures per step and runs in memory, the prefill in one call.
+    """
     path = os.fspath(path)
     check_target(path, force)
-    _check_memory(plan)
+    _check_memory(plan, chunk)
     t0 = time.perf_counter()
-    tensors = run_golden(plan, progress)
-    write_tensors_atomic(path, tensors, plan.metadata(), force)
-    return {"path": os.path.abspath(path), "tensors": len(tensors),
+    if plan.capture == "io":
+        n = stream_golden(plan, path, force, progress, chunk)
+    else:
+        tensors = run_golden(plan, progress)
+        n = len(tensors)
+        write_tensors_atomic(path, tensors, plan.metadata(), force)
+    return {"path": os.path.abspath(path), "tensors": n,
             "bytes": os.path.getsize(path), "seconds": time.perf_counter() - t0}
 
 
-def minimum_bytes(plan: GoldenPlan) -> int:
-    """A lower bound on the memory a run needs: float32 weights plus the stored x and out."""
-    weights = sum(math.prod(shape) for i in plan.layers
-                  for shape, _ in weight_specs(plan.config, i).values())
-    tokens = (plan.prefill + plan.decode) * len(plan.layers)
-    return 4 * weights + 2 * 2 * tokens * plan.config.dim
+def _topk_width(config: AttnConfig, j: int, prefill: int, start_pos: int, seqlen: int) -> int:
+    """Columns of index source j's selection at a step (0 when it sees no compressed position)."""
+    r = config.ratio(j)
+    width = (prefill if start_pos == 0 else start_pos + seqlen) // r
+    return min(config.index_topk, width)
+
+
+def io_layout(plan: GoldenPlan):
+    """Every tensor of the plan's ``io`` golden, ``[(name, dtype, shape)]`` in file order, and
+    ``{name: source}`` for the tensors that repeat another's values: the selection a layer of
+    the first decode step finds before any index source of that step ran is the prefill's last
+    (all its rows), which the stream copies from the file instead of holding."""
+    if plan.capture != "io":
+        raise ValueError("io_layout: only an io golden is laid out up front")
+    c = plan.config
+    layout, copies = [], {}
+    for i in plan.layers:
+        for name, (shape, kind) in weight_specs(c, i).items():
+            layout.append((name, "F32" if kind == "f32" else "BF16", shape))
+    index_sources = [j for j in plan.layers if c.ratio(j) and c.is_index_source(j)]
+    slot = None                                  # (step, index source) the selection slot holds
+    for s, start_pos, seqlen in plan.steps():
+        nwin = min(plan.prefill, c.window_size) if s == 0 else c.window_size
+        for i in plan.layers:
+            pre = f"step{s}.layers.{i}."
+            if i in index_sources:
+                slot = (s, i)
+            layout.append((pre + "x", "BF16", (seqlen, c.dim)))
+            layout.append((pre + "out", "BF16", (seqlen, c.dim)))
+            ncomp = 0
+            if c.ratio(i):
+                ncomp = _topk_width(c, slot[1], plan.prefill, start_pos, seqlen)
+            layout.append((pre + "idx", "I32", (seqlen, nwin + ncomp)))
+            if records_shared(c, i) and slot is not None:
+                ss, j = slot
+                rows = plan.prefill if ss == 0 else 1
+                sp = 0 if ss == 0 else plan.prefill + ss - 1
+                layout.append((pre + "shared.topk_idxs", "I32",
+                               (rows, _topk_width(c, j, plan.prefill, sp, rows))))
+                if ss != s and ss == 0:
+                    copies[pre + "shared.topk_idxs"] = f"step0.layers.{j}.shared.topk_idxs"
+    return layout, copies
+
+
+def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
+                  chunk: int | None = DEFAULT_CHUNK) -> int:
+    """Run an ``io`` plan and stream its golden to ``path``: the file is laid out up front
+    (:func:`io_layout`, :class:`StreamingGolden`), the prefill runs ``chunk`` rows at a time
+    through every layer, and each chunk's inputs (made a chunk at a time by the generator),
+    outputs and index rows are written into place as they are made; no ``[seqlen, dim]``
+    tensor is ever held. The file is byte-identical whatever ``chunk`` or thread count, and
+    tensor for tensor what :func:`run_golden` computes. Returns the number of tensors."""
+    cfg = plan.config
+    layout, copies = io_layout(plan)
+    weights = make_weights(cfg, plan.layers, plan.seed)
+    kinds = {n: k for i in plan.layers for n, (_, k) in weight_specs(cfg, i).items()}
+    with StreamingGolden(path, layout, plan.metadata(), force) as out:
+        for name, array in weights.items():
+            out.write_rows(name, 0, to_storage(name, array, storage_kind(name, kinds)))
+        stack = AttentionStack(cfg, weights, layers=plan.layers)
+
+        def streamed_input(name, first_row, rows):
+            x = to_storage(name, make_input(name, (rows, cfg.dim), plan.seed, first_row), "BF16")
+            out.write_rows(name, first_row, x)
+            return x
+
+        def write(prefix, captures, first_row):
+            for what, value in captures.items():
+                name = prefix + what
+                if name in copies and value.shape[0] != out.shape(name)[0]:
+                    out.copy_tensor(copies[name], name)
+                else:
+                    out.write_rows(name, first_row, to_storage(name, value, storage_kind(name)))
+
+        drive(stack, plan.prefill, plan.decode, plan.capture, streamed_input, write, progress,
+              chunk=chunk)
+        del stack
+        out.commit()
+    return len(layout)
+
+
+def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:
+    """An estimate of a run's peak memory: the weights as the stack holds them (each parameter
+    as f32 plus its two packed product layouts, about 8 bytes), the caches the run fills, the
+    tensors it keeps (an ``io`` golden streams them; ``all`` holds every step's), and the
+    working set of a prefill chunk (``chunk`` rows; ``all`` runs the prefill in one)."""
+    c = plan.config
+    params = sum(math.prod(shape) for i in plan.layers for shape, _ in weight_specs(c, i).values())
+    tokens = plan.prefill + plan.decode
+    caches = 0
+    for i in plan.layers:
+        caches += 2 * c.window_size * c.head_dim * 4
+        if c.is_kv_source(i):
+            rows = tokens // c.ratio(i)
+            caches += rows * c.head_dim * 4
+            if c.is_index_source(i):
+                caches += rows * c.index_head_dim * 6
+    kept = 0 if plan.capture == "io" else 2 * 2 * tokens * len(plan.layers) * c.dim
+    rows = plan.prefill if plan.capture != "io" or chunk is None else min(plan.prefill, chunk)
+    tile = min(rows, 1024)
+    working = (rows * (8 * c.dim + 4 * c.q_lora_rank + 4 * (c.window_size + c.index_topk))
+               + tile * (3 * c.n_heads * c.head_dim * 4 + c.o_groups * c.o_lora_rank * 4)
+               + (1 << 26) * 2)
+    return 8 * params + caches + kept + working
 
 
 def _available_bytes() -> int | None:
@@ -185,12 +313,12 @@ def _available_bytes() -> int | None:
     return None
 
 
-def _check_memory(plan: GoldenPlan):
+def _check_memory(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK):
     """Refuse up front a run that cannot fit (e.g. all 43 v41-flash layers), not hours later."""
-    need, have = minimum_bytes(plan), _available_bytes()
+    need, have = minimum_bytes(plan, chunk), _available_bytes()
     if have is not None and need > have:
-        raise GoldenError(f"this run needs at least {need / 2**30:.1f} GiB (weights of "
-                          f"{len(plan.layers)} layers, inputs, outputs) but {have / 2**30:.1f} GiB "
+        raise GoldenError(f"this run needs about {need / 2**30:.1f} GiB (weights of "
+                          f"{len(plan.layers)} layers, caches, working set) but {have / 2**30:.1f} GiB "
                           f"is available; select fewer layers (e.g. --layers 20 for v41-flash)")
 
 
@@ -217,13 +345,13 @@ def replay(path, progress=None) -> CompareReport:
         report = CompareReport(golden.path, "replay")
         recomputed = set()
 
-        def recorded_input(name, seqlen):
+        def recorded_input(name, first_row, seqlen):
             if name not in names:
                 raise GoldenError(f"{golden.path!r}: input {name} is missing")
             recomputed.add(name)
             return np.asarray(golden.get(name), dtype=np.float32)
 
-        def compare(prefix, captures):
+        def compare(prefix, captures, first_row):
             for what, value in captures.items():
                 name = prefix + what
                 recomputed.add(name)

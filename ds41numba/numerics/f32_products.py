@@ -613,7 +613,7 @@ def _run_blocked(x2, wp, y, nb, n):
         (_blocked_parallel if big else _blocked_serial)(x2, wp, y, nb, n, groups, n_items)
 
 
-def linear_f32_ordered(x, w, out=None):
+def linear_f32_ordered(x, w, out=None, ref_rows: int | None = None, first_row: int = 0):
     """``x @ w.T`` in f32, summed as the reference's ``F.linear`` (MKL sgemm 'T','N', two threads).
 
     x is float32 ``[..., K]``; w is float32 ``[N, K]`` or an :class:`F32Matrix` (packed once
@@ -622,7 +622,10 @@ def linear_f32_ordered(x, w, out=None):
     x (all leading dimensions folded) pick the kernels as the reference's do; the small kernel's
     peel comes from x's leading dimension, the gemv's from w's. A row of the blocked kernel does
     not depend on the others: x may go through in pieces of 4, 8 or at least 12 rows with the
-    same result; a piece of another size would take the small kernels' order for some rows.
+    same result; a piece of another size would take the small kernels' order for some rows,
+    unless it says which rows of which call it is: ``ref_rows`` is the reference call's M
+    (default: x's rows) and ``first_row`` the index of x's first row in it, and then every row
+    takes the kernel (and the small kernel's peel) it takes in that call, whatever the piece.
     """
     name = "linear_f32_ordered"
     if isinstance(w, F32Matrix):
@@ -635,19 +638,24 @@ def linear_f32_ordered(x, w, out=None):
     n, k = wm.shape
     x2 = _check_x(x, k, name)
     m = x2.shape[0]
+    ref_m = m if ref_rows is None else int(ref_rows)
+    first_row = int(first_row)
+    if first_row < 0 or first_row + m > ref_m:
+        raise ValueError(f"{name}: rows {first_row}..{first_row + m - 1} are not rows of a call "
+                         f"of {ref_m} (ref_rows)")
     y = _check_out(out, (m, n), name)
     if m and n:
         if k == 0:
             y[...] = 0
         else:
-            nb = blocked_rows(m)
+            nb = min(m, max(0, blocked_rows(ref_m) - first_row))
             _run_blocked(x2, wm.packed, y, nb, n)
             if nb < m:
-                if m == 1:
+                if ref_m == 1:
                     peels = np.array([wm.gemv_peel], np.int64)
                 else:
                     ldx = _lead(x2)
-                    peels = (-(np.arange(nb, m, dtype=np.int64) * ldx)) % 4
+                    peels = (-(np.arange(first_row + nb, first_row + m, dtype=np.int64) * ldx)) % 4
                 big = worth_parallel((m - nb) * k * n)
                 (_small_parallel if big else _small_serial)(x2, wm.packed, y, nb, peels, n)
     return y.reshape(np.shape(x)[:-1] + (n,))

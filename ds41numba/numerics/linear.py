@@ -34,12 +34,14 @@ def _check_linear(x, w, name):
 _WIDEN_ROWS = 4096
 
 
-def linear_f32(x, w, out=None):
+def linear_f32(x, w, out=None, ref_rows: int | None = None, first_row: int = 0):
     """``x @ w.T`` in f32, f32 result (the ratio > 1 compressor's projections).
 
     With w an :class:`~ds41numba.f32_products.F32Matrix` the sums follow the reference's own
     order (its MKL sgemm, :func:`~ds41numba.f32_products.linear_f32_ordered`) for a call of
-    x's rows; a plain float32 ``w [out, in]`` goes through numpy's f32 BLAS, in BLAS's order.
+    ``ref_rows`` rows (default: x's) of which x holds rows ``first_row ..`` (a chunk of a
+    prefill: the reference's kernel for each row is chosen by the whole prefill's M); a plain
+    float32 ``w [out, in]`` goes through numpy's f32 BLAS, in BLAS's order.
     x is ``[..., in]``, float32 or ``ml_dtypes.bfloat16`` (widened exactly, a block of rows at a
     time); returns ``[..., out]`` float32, written into ``out`` when given.
     """
@@ -47,24 +49,40 @@ def linear_f32(x, w, out=None):
     x, w32 = _check_linear(x, w.f32 if ordered else w, "linear_f32")
     x2 = x.reshape(-1, w32.shape[1])
     y = output_buffer(out, (x2.shape[0], w32.shape[0]), "linear_f32")
-    product = ((lambda a, b: linear_f32_ordered(a, w, out=b)) if ordered
-               else (lambda a, b: np.matmul(a, w32.T, out=b)))
+    ref_m = x2.shape[0] if ref_rows is None else ref_rows
+    # A plain w pads a few rows standing for a longer call (ref_rows given) for BLAS.
+    blas_ref = 1 if ref_rows is None else ref_rows
+    product = ((lambda a, b, r0: linear_f32_ordered(a, w, out=b, ref_rows=ref_m,
+                                                    first_row=first_row + r0)) if ordered
+               else (lambda a, b, r0: _blas_product(a, w32, b, blas_ref)))
     if x.dtype == np.float32:
-        product(x2, y)
+        product(x2, y, 0)
     else:
-        for a, b in _row_blocks(x2.shape[0], _WIDEN_ROWS):
-            product(x2[a:b].astype(np.float32), y[a:b])
+        # Each block says which rows of the call it holds, so every row keeps its kernel.
+        for a in range(0, x2.shape[0], _WIDEN_ROWS):
+            b = min(x2.shape[0], a + _WIDEN_ROWS)
+            product(x2[a:b].astype(np.float32), y[a:b], a)
     return y.reshape(x.shape[:-1] + (w32.shape[0],))
 
 
-def _row_blocks(m: int, size: int) -> list[tuple[int, int]]:
-    """``0 .. m`` in blocks of ``size`` rows, a short remainder (under 12 rows) joined to the block
-    before it: the reference's f32 kernels are chosen by row count, and an M of at least 12
-    (or the whole call) keeps every row on the kernel the whole call's M gives it."""
-    cuts = list(range(0, m, size)) + [m]
-    if len(cuts) > 2 and cuts[-1] - cuts[-2] < 12:
-        del cuts[-2]
-    return list(zip(cuts[:-1], cuts[1:]))
+# OpenBLAS sums a product of few rows (one row: its gemv; a few: its small-matrix kernels) in
+# another order than the same rows of a longer product. A BLAS product that stands for a call of
+# more than MATVEC_MAX_ROWS rows (a prefill's tile, a chunk of it) runs on at least this many
+# rows, zero-padded, so each row's sum does not depend on how the rows were tiled or chunked
+# (checked bit for bit at the presets' and the goldens' shapes).
+_BLAS_MIN_ROWS = 64
+
+
+def _blas_product(x2, w32, y, ref_rows):
+    """``y = x2 @ w32.T`` through numpy's BLAS, padded as ``_BLAS_MIN_ROWS`` says."""
+    m = x2.shape[0]
+    if m >= _BLAS_MIN_ROWS or ref_rows <= MATVEC_MAX_ROWS or m == 0:
+        np.matmul(x2, w32.T, out=y)
+        return
+    padded = np.zeros((_BLAS_MIN_ROWS, x2.shape[1]), np.float32)
+    padded[:m] = x2
+    with np.errstate(invalid="ignore"):     # 0 * inf in the padding rows, which are dropped
+        y[...] = np.matmul(padded, w32.T)[:m]
 
 
 def linear_bf16(x, w, out=None, ref_rows: int | None = None):
@@ -91,8 +109,11 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     rows = x.size // max(x.shape[-1], 1)
     shape = x.shape[:-1] + (w.f32.shape[0],)
     n_out, k_in = w.f32.shape
-    ordered = (rows if ref_rows is None else ref_rows) * (n_out // w.groups) * k_in > TINY_BF16_LINEAR
-    if ordered and 0 < rows <= MATVEC_MAX_ROWS:
+    ref_m = rows if ref_rows is None else ref_rows
+    ordered = ref_m * (n_out // w.groups) * k_in > TINY_BF16_LINEAR
+    # The kernel is chosen by the reference's rows, not ours: a few rows of a long prefill (a
+    # tile's tail, a short chunk) run on the kernel its other rows run on.
+    if ordered and 0 < rows and ref_m <= MATVEC_MAX_ROWS:
         if out is None:
             return w.matvec(x, ref_rows)
         y = output_buffer(out, shape, "linear_bf16")
@@ -103,12 +124,13 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
         if w.dot_bf16(x.reshape(rows, w.in_features), y, ref_rows):
             return round_bf16_inplace(y).reshape(shape)
     if w.groups == 1:
-        return round_bf16_inplace(linear_f32(x, w.f32, out))
+        return round_bf16_inplace(linear_f32(x, w.f32, out, ref_rows=ref_m))
     per_group = x.reshape(-1, w.groups, w.f32.shape[1])
     rank = w.f32.shape[0] // w.groups
     y = output_buffer(out, (rows, w.f32.shape[0]), "linear_bf16")
     for g in range(w.groups):
-        linear_f32(per_group[:, g], w.f32[g * rank:(g + 1) * rank], out=y[:, g * rank:(g + 1) * rank])
+        linear_f32(per_group[:, g], w.f32[g * rank:(g + 1) * rank], out=y[:, g * rank:(g + 1) * rank],
+                   ref_rows=ref_m)
     return round_bf16_inplace(y).reshape(shape)
 
 
