@@ -126,6 +126,21 @@ class _Emit:
         v = self.b.insert_element(ir.Constant(_V16, ir.Undefined), scalar, ir.Constant(_I32, 0))
         return self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), None))
 
+    def broadcast_step(self, x_rows, b_base, b_stride, nv, update):
+        """The loop body of a register tile: at step k, ``nv`` vectors of row k of B against the
+        broadcast element k of each x row, ``acc = update(x, b, acc)`` for every accumulator
+        (row-major: row m's vectors at ``m * nv ..``)."""
+        def body(k, acc):
+            b_row = self.addr(b_base, self.b.mul(k, b_stride))
+            bv = [self.load(self.addr(b_row, 64 * v), _V16) for v in range(nv)]
+            k4 = self.b.mul(k, self.const(4))
+            new = []
+            for m, x_row in enumerate(x_rows):
+                xs = self.splat(self.load(self.addr(x_row, k4), _F32))
+                new += [update(xs, bv[v], acc[m * nv + v]) for v in range(nv)]
+            return new
+        return body
+
     def clamped_rows(self, base, stride, rows, n):
         """Addresses of rows 0..n-1, those past ``rows`` repeating the last row."""
         last = self.b.sub(rows, self.const(1))
@@ -200,15 +215,8 @@ def _fma_tile(typingctx, x, w, out, first):
         w_base, w_stride = e.base(1), e.stride(1, 0)
         o_base, o_stride = e.base(2), e.stride(2, 0)
 
-        def body(k, acc):
-            w_row = e.addr(w_base, builder.mul(k, w_stride))
-            wv = [e.load(e.addr(w_row, 64 * v), _V16) for v in range(_NV)]
-            k4 = builder.mul(k, e.const(4))
-            new = []
-            for m in range(TILE_ROWS):
-                xs = e.splat(e.load(e.addr(x_rows[m], k4), _F32))
-                new += [builder.call(fma, [xs, wv[v], acc[m * _NV + v]]) for v in range(_NV)]
-            return new
+        body = e.broadcast_step(x_rows, w_base, w_stride, _NV,
+                                lambda xs, wv, a: builder.call(fma, [xs, wv, a]))
 
         acc = e.loop(e.shape(1, 0), [ir.Constant(_V16, None)] * (TILE_ROWS * _NV), body)
 
@@ -292,16 +300,9 @@ def _chain_tile(typingctx, x, v, out):
         x_rows = e.clamped_rows(e.base(0), e.stride(0, 0), rows, _CHAIN_ROWS)
         v_base, v_stride = e.base(1), e.stride(1, 0)
 
-        def body(k, acc):
-            v_row = e.addr(v_base, builder.mul(k, v_stride))
-            vv = [e.load(e.addr(v_row, 64 * i), _V16) for i in range(_CHAIN_NV)]
-            k4 = builder.mul(k, e.const(4))
-            new = []
-            for m in range(_CHAIN_ROWS):
-                xs = e.splat(e.load(e.addr(x_rows[m], k4), _F32))
-                new += [builder.fadd(acc[m * _CHAIN_NV + i], builder.fmul(xs, vv[i]))
-                        for i in range(_CHAIN_NV)]
-            return new
+        # No FMA: each product rounded, then added.
+        body = e.broadcast_step(x_rows, v_base, v_stride, _CHAIN_NV,
+                                lambda xs, vv, a: builder.fadd(a, builder.fmul(xs, vv)))
 
         acc = e.loop(e.shape(1, 0), [ir.Constant(_V16, None)] * (_CHAIN_ROWS * _CHAIN_NV), body)
         o_base, o_stride = e.base(2), e.stride(2, 0)
