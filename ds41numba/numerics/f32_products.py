@@ -505,10 +505,7 @@ def pack_columns(w: np.ndarray) -> np.ndarray:
     """w ``[N, K]`` float32 as the kernels' operand ``[ceil(N / TILE_LANES), K, TILE_LANES]``:
     panel j holds output columns ``j*TILE_LANES ..`` side by side for each k (zero padded), so
     one vector load gives one k of a whole panel."""
-    w = _as_f32(w, "pack_columns: w")
-    if w.ndim != 2:
-        raise ValueError(f"pack_columns: w must be 2-D [N, K], got shape {w.shape}")
-    return _pack(_rows_contiguous(w), False)
+    return _pack(_rows_contiguous(_as_f32_2d(w, "pack_columns: w", "[N, K]")), False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -521,6 +518,14 @@ def _as_f32(a, name):
         raise TypeError(f"{name} must be a numpy float32 array, got {type(a).__name__}")
     if a.dtype != np.float32:
         raise TypeError(f"{name} must be float32, got {a.dtype}")
+    return a
+
+
+def _as_f32_2d(a, name, layout):
+    """``_as_f32`` of a matrix: ``name`` must be 2-D (``layout`` says which way round)."""
+    a = _as_f32(a, name)
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be 2-D {layout}, got shape {a.shape}")
     return a
 
 
@@ -549,10 +554,7 @@ class F32Matrix:
     __slots__ = ("f32", "_packed")
 
     def __init__(self, w):
-        w = _as_f32(w, "F32Matrix: w")
-        if w.ndim != 2:
-            raise ValueError(f"F32Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
-        self.f32 = _rows_contiguous(w)
+        self.f32 = _rows_contiguous(_as_f32_2d(w, "F32Matrix: w", "[out, in]"))
         self._packed = None
 
     @property
@@ -632,10 +634,7 @@ def linear_f32_ordered(x, w, out=None, ref_rows: int | None = None, first_row: i
     if isinstance(w, F32Matrix):
         wm = w
     else:
-        w = _as_f32(w, f"{name}: w")
-        if w.ndim != 2:
-            raise ValueError(f"{name}: w must be 2-D [N, K], got shape {w.shape}")
-        wm = F32Matrix(w)
+        wm = F32Matrix(_as_f32_2d(w, f"{name}: w", "[N, K]"))
     n, k = wm.shape
     x2 = _check_x(x, k, name)
     m = x2.shape[0]
@@ -671,10 +670,7 @@ def matmul_nn_f32_ordered(x, v, out=None):
     when given). v is packed for each call that has blocked rows (its size, once).
     """
     name = "matmul_nn_f32_ordered"
-    v = _as_f32(v, f"{name}: v")
-    if v.ndim != 2:
-        raise ValueError(f"{name}: v must be 2-D [K, N], got shape {v.shape}")
-    v = _rows_contiguous(v)
+    v = _rows_contiguous(_as_f32_2d(v, f"{name}: v", "[K, N]"))
     k, n = v.shape
     x2 = _check_x(x, k, name)
     m = x2.shape[0]
