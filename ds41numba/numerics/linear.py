@@ -11,6 +11,7 @@ from numba import njit, prange
 from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_dot_enabled, bf16_pairs, gemm_bf16, pack_bf16_pairs
 from .f32_products import F32Matrix, linear_f32_ordered
 from .formats import as_f32_array, bf16_scalar, output_buffer, round_bf16_inplace
+from .workers import worth_parallel
 
 __all__ = ["linear_bf16", "linear_f32", "Bf16Matrix", "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR",
            "bf16_k_block"]
@@ -173,9 +174,9 @@ def _widen(bits):
     return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
-@njit(parallel=True, cache=True)
-def _matvec_bf16_kernel(x, bits, out, groups, block):
-    """``out = bf16(x @ W.T)`` for W packed as bf16 bits ``[blocks, in, _MV_BLOCK]``.
+@njit(cache=True, nogil=True)
+def _matvec_bf16_block(x, bits, out, groups, block, b):
+    """Block ``b`` of ``out = bf16(x @ W.T)`` for W packed as bf16 bits ``[blocks, in, _MV_BLOCK]``.
 
     The blocks split evenly into ``groups``; block b belongs to group ``g = b // (blocks /
     groups)``, reads inputs ``x[:, g*in : (g+1)*in]`` and writes outputs ``g*rank + ...``
@@ -190,41 +191,54 @@ def _matvec_bf16_kernel(x, bits, out, groups, block):
     k_in = bits.shape[1]
     per_group = bits.shape[0] // groups
     rank = out.shape[1] // groups
+    g = b // per_group
+    x0_col = g * k_in
+    acc = np.zeros((m, _MV_BLOCK), np.float32)
+    part = np.empty(_MV_BLOCK, np.float32)
+    for i in range(m):
+        xi = x[i, x0_col:x0_col + k_in]
+        for k0 in range(0, k_in, block):
+            k1 = min(k_in, k0 + block)
+            # The first run sums straight into the output row, later ones from zero apart.
+            run = acc[i] if k0 == 0 else part
+            if k0:
+                run[:] = 0
+            k4 = k0 + (k1 - k0) // 4 * 4
+            for k in range(k0, k4, 4):
+                x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
+                for j in range(_MV_BLOCK):
+                    a = run[j]
+                    a = (a + x1 * _widen(bits[b, k + 1, j])) + x0 * _widen(bits[b, k, j])
+                    a = (a + x3 * _widen(bits[b, k + 3, j])) + x2 * _widen(bits[b, k + 2, j])
+                    run[j] = a
+            if k1 - k4 >= 2:
+                x0, x1 = xi[k4], xi[k4 + 1]
+                for j in range(_MV_BLOCK):
+                    run[j] = (run[j] + x1 * _widen(bits[b, k4 + 1, j])) + x0 * _widen(bits[b, k4, j])
+            if (k1 - k4) % 2:
+                for j in range(_MV_BLOCK):
+                    run[j] += xi[k1 - 1] * _widen(bits[b, k1 - 1, j])
+            if k0:
+                for j in range(_MV_BLOCK):
+                    acc[i, j] += part[j]
+    first = (b - g * per_group) * _MV_BLOCK
+    for i in range(m):
+        for j in range(min(_MV_BLOCK, rank - first)):
+            out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
+
+
+@njit(parallel=True, cache=True)
+def _matvec_bf16_parallel(x, bits, out, groups, block):
     for b in prange(bits.shape[0]):
-        g = b // per_group
-        x0_col = g * k_in
-        acc = np.zeros((m, _MV_BLOCK), np.float32)
-        part = np.empty(_MV_BLOCK, np.float32)
-        for i in range(m):
-            xi = x[i, x0_col:x0_col + k_in]
-            for k0 in range(0, k_in, block):
-                k1 = min(k_in, k0 + block)
-                # The first run sums straight into the output row, later ones from zero apart.
-                run = acc[i] if k0 == 0 else part
-                if k0:
-                    run[:] = 0
-                k4 = k0 + (k1 - k0) // 4 * 4
-                for k in range(k0, k4, 4):
-                    x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
-                    for j in range(_MV_BLOCK):
-                        a = run[j]
-                        a = (a + x1 * _widen(bits[b, k + 1, j])) + x0 * _widen(bits[b, k, j])
-                        a = (a + x3 * _widen(bits[b, k + 3, j])) + x2 * _widen(bits[b, k + 2, j])
-                        run[j] = a
-                if k1 - k4 >= 2:
-                    x0, x1 = xi[k4], xi[k4 + 1]
-                    for j in range(_MV_BLOCK):
-                        run[j] = (run[j] + x1 * _widen(bits[b, k4 + 1, j])) + x0 * _widen(bits[b, k4, j])
-                if (k1 - k4) % 2:
-                    for j in range(_MV_BLOCK):
-                        run[j] += xi[k1 - 1] * _widen(bits[b, k1 - 1, j])
-                if k0:
-                    for j in range(_MV_BLOCK):
-                        acc[i, j] += part[j]
-        first = (b - g * per_group) * _MV_BLOCK
-        for i in range(m):
-            for j in range(min(_MV_BLOCK, rank - first)):
-                out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
+        _matvec_bf16_block(x, bits, out, groups, block, b)
+
+
+@njit(cache=True)
+def _matvec_bf16_serial(x, bits, out, groups, block):
+    # Small weights (the indexer's head weights, its keys' projection): waking numba's workers
+    # would cost more than the product (workers.worth_parallel).
+    for b in range(bits.shape[0]):
+        _matvec_bf16_block(x, bits, out, groups, block, b)
 
 
 def _even_width(x):
@@ -340,5 +354,7 @@ class Bf16Matrix:
         out = np.empty((x2.shape[0], self.f32.shape[0]), np.float32)
         k_in = self.f32.shape[1]
         block = bf16_k_block(x2.shape[0] if ref_rows is None else ref_rows, k_in)
-        _matvec_bf16_kernel(x2, self._packed(), out, self.groups, block + block % 2)
+        kernel = _matvec_bf16_parallel if worth_parallel(x2.size * self.f32.shape[0] // self.groups) \
+            else _matvec_bf16_serial
+        kernel(x2, self._packed(), out, self.groups, block + block % 2)
         return out.reshape(x.shape[:-1] + (self.f32.shape[0],))
