@@ -56,7 +56,7 @@ class Decode:
     timeout = _TIMEOUT
 
     def setup_cache(self):
-        """Prefill each context once; pickle the layer's state (not its weights) to a file."""
+        """Prefill each context once; pickle the stack's snapshot (not its weights) to a file."""
         layer = common.DECODE_LAYER
         paths = {}
         for context in common.DECODE_CONTEXTS:
@@ -64,7 +64,7 @@ class Decode:
             stack.forward(layer, common.layer_input(layer, context), 0)
             path = os.path.abspath(f"decode_{layer}_{context}.pickle")
             with open(path, "wb") as f:
-                pickle.dump({"states": stack.states, "shared": stack.shared}, f, protocol=5)
+                pickle.dump(stack.snapshot(), f, protocol=5)
             paths[context] = path
             del stack
         return paths
@@ -77,7 +77,7 @@ class Decode:
             stack = common.build_stack(layer, context + common.DECODE_MARGIN)
             with open(paths[context], "rb") as f:
                 saved = pickle.load(f)
-            stack.states, stack.shared = saved["states"], saved["shared"]
+            stack.restore(saved)
             inputs = common.decode_inputs(layer, context, common.DECODE_MARGIN)
             _DECODE[context] = run = {"stack": stack, "inputs": inputs, "next": 0}
             self._step(run, context)   # warm: kernels loaded, bf16 weight bits packed

@@ -206,6 +206,18 @@ class AttentionStack:
         self.tile = None if tile is None else int(tile)
         self._order = StepOrder(config, self.layers, self.states, self.shared)
 
+    def snapshot(self) -> dict:
+        """What the stack carries from step to step (every layer's state, the shared slots and
+        the record of which steps ran), as one picklable dict: :meth:`restore` on a stack of the
+        same config and weights continues exactly where this one stood."""
+        return {"states": self.states, "shared": self.shared, "order": self._order}
+
+    def restore(self, snapshot: dict) -> None:
+        """Continue from a :meth:`snapshot` (for instance one unpickled from a file)."""
+        self.states, self.shared, self._order = (snapshot["states"], snapshot["shared"],
+                                                 snapshot["order"])
+        self._order.states, self._order.shared = self.states, self.shared
+
     def forward(self, layer_id: int, x, start_pos: int, capture: bool = False,
                 prefill_len: int | None = None) -> CompAttnRun:
         """Run layer ``layer_id`` on ``x [seqlen, dim]`` (bf16 values) at ``start_pos``.

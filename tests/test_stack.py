@@ -19,6 +19,7 @@ own process (thread counts are fixed at start-up) and prints a digest of every o
 and shared slot of the mixed golden's replay.
 """
 
+import pickle
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import pytest
 import naive
 from helpers import (DATA, captured_steps, random_config, random_weights, random_x, refused,
                      run_steps, xs)
-from ds41numba import AttentionStack, AttnConfig, preset
+from ds41numba import AttentionStack, AttnConfig, preset, to_bf16_rne
 from ds41numba.golden import GoldenError, GoldenPlan, make_weights
 from ds41numba.numerics import backend, bf16_dot_enabled, use_backend
 from ds41numba.stack import weight_specs
@@ -573,3 +574,21 @@ def weight_kind(name):
 def test_weights_must_be_a_mapping_and_config_an_attnconfig(tiny_weights):
     refused(lambda: AttentionStack(TINY, list(tiny_weights.values())), TypeError, "mapping")
     refused(lambda: AttentionStack(TINY.to_dict(), tiny_weights), TypeError, "AttnConfig")
+
+
+def test_snapshot_restores_a_stack_where_it_stood(tmp_path):
+    """A pickled snapshot of a prefilled stack, restored into a fresh stack of the same weights,
+    decodes exactly as the original does (the decode benchmark and checkpoints rely on it)."""
+    cfg = preset("tiny")
+    weights = make_weights(cfg, seed=3)
+    first, second = AttentionStack(cfg, weights), AttentionStack(cfg, weights)
+    rng = np.random.default_rng(3)
+    for i in range(cfg.n_layers):
+        first.forward(i, to_bf16_rne(rng.standard_normal((12, cfg.dim)).astype(np.float32)), 0)
+    second.restore(pickle.loads(pickle.dumps(first.snapshot())))
+    x = to_bf16_rne(rng.standard_normal((1, cfg.dim)).astype(np.float32))
+    for i in range(cfg.n_layers):
+        a, b = first.forward(i, x, 12), second.forward(i, x, 12)
+        assert np.array_equal(a.out.view(np.uint32), b.out.view(np.uint32))
+    with pytest.raises(ValueError, match="follow"):
+        AttentionStack(cfg, weights).forward(0, x, 12)
