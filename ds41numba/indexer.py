@@ -420,7 +420,7 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             weights: IndexerWeights, table, index_k: np.ndarray, offset: int,
             candidate_blocks: np.ndarray | None = None, tile: int | None = None,
-            capture: bool = False, packed_keys: PackedIndexKeys | None = None):
+            capture: bool = False, packed_keys: PackedIndexKeys | None = None, observer=None):
     """Select each query's compressed positions.
 
     ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows); ``offset`` is
@@ -432,6 +432,13 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     ``index_k`` holds bf16 values (the fp4-quantised keys). On a CPU with AVX512-BF16 the scores'
     dot products run there, against ``packed_keys`` when it is ``index_k``'s packed copy (a key
     owner's cache, kept up to date as keys are written) and otherwise against keys packed here.
+
+    ``observer`` (the golden captures' hook, :mod:`ds41numba.golden.captures`), if given, sees
+    every tile of queries while its buffers are live (copy what it keeps):
+    ``observer.index_scores(s0, iq, w, scores)`` with the fp4-rounded queries ``[T, ih, id]``,
+    the head weights ``[T, ih]`` and the scores after the visibility mask, before candidate
+    masking; then ``observer.index_selection(s0, scores, topk)`` with the scores top-k chose
+    from (candidate-masked) and the tile's rows of ``topk_idxs``. It changes nothing computed.
     """
     _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile)
     if packed_keys is not None and not isinstance(packed_keys, PackedIndexKeys):
@@ -487,6 +494,8 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width, out=score_buf[:s1 - s0])
         if capture:
             score_capture[s0:s1] = scores
+        if observer is not None:
+            observer.index_scores(s0, iq, w_all[s0:s1], scores)
         if cfg.candidate_source:
             published[s0:s1] = np.packbits(_candidate_block_mask(
                 scores, clen[s0:s1], cfg.candidate_topk_blocks, cfg.candidate_block_size), axis=1)
@@ -499,4 +508,6 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         # Positions past a query's visible range are dropped; a candidate-masked position
         # inside it that top-k still picked (fewer candidates than k) stays valid.
         topk_idxs[s0:s1] = np.where(picked >= clen[s0:s1, None], -1, picked + offset)
+        if observer is not None:
+            observer.index_selection(s0, scores, topk_idxs[s0:s1])
     return topk_idxs, published, score_capture

@@ -17,12 +17,12 @@ import numpy as np
 
 from ..config import AttnConfig
 from ..stack import AttentionStack, weight_specs
-from .captures import (CAPTURE_MODES, WEIGHT_NAME, forward_capture, layer_captures,
-                       storage_kind, to_storage)
-from .compare import CompareReport, TensorResult, compare_tensor
+from .captures import (CAPTURE_MODES, WEIGHT_NAME, StepObserver, forward_capture,
+                       layer_captures, storage_kind, to_storage)
+from .compare import CompareReport, Judge, TensorResult, _order, file_scores
 from .errors import GoldenError
 from .files import GoldenFile, RunInfo, check_target, write_tensors_atomic
-from .generator import checked_seed, make_input, make_weights
+from .generator import checked_profile, checked_seed, make_input, make_weights
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "drive", "run_golden",
            "write_golden", "minimum_bytes", "replay"]
@@ -46,6 +46,8 @@ class GoldenPlan:
     seed: int = 0
     capture: str = "all"
     preset: str = ""
+    profile: str = "default"
+    capture_rows: tuple[int, ...] = ()     # positions whose kernel inputs and outputs are sampled
 
     def __post_init__(self):
         c = self.config
@@ -61,6 +63,13 @@ class GoldenPlan:
             raise GoldenError(f"--prefill {self.prefill} + --decode {self.decode} tokens exceed the "
                               f"config's max_seq_len {c.max_seq_len}")
         checked_seed(self.seed)
+        checked_profile(self.profile)
+        rows = tuple(sorted({int(p) for p in self.capture_rows}))
+        total = self.prefill + self.decode
+        if rows and not 0 <= rows[0] <= rows[-1] < total:
+            raise GoldenError(f"--capture-rows: positions must lie in 0..{total - 1} (the run's "
+                              f"tokens), got {rows[0] if rows[0] < 0 else rows[-1]}")
+        object.__setattr__(self, "capture_rows", rows)
         if self.capture not in CAPTURE_MODES:
             raise GoldenError(f"--capture must be one of {', '.join(CAPTURE_MODES)}, got {self.capture!r}")
         if not self.layers:
@@ -86,7 +95,7 @@ class GoldenPlan:
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing."""
         return RunInfo(self.config, self.layers, self.prefill, self.decode, self.capture,
-                       self.seed, self.preset).metadata()
+                       self.seed, self.preset, self.profile, self.capture_rows).metadata()
 
 
 def golden_steps(prefill: int, decode: int):
@@ -97,29 +106,37 @@ def golden_steps(prefill: int, decode: int):
 
 
 def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, take,
-          progress=None):
+          progress=None, capture_rows=()):
     """The step x layer loop of a golden run: every step of :func:`golden_steps`, the stack's
     layers in increasing order within each.
 
-    ``x_of(name, seqlen)`` gives the input ``step{s}.layers.{i}.x`` to feed (``name``);
+    ``x_of(name, seqlen, start_pos)`` gives the input ``step{s}.layers.{i}.x`` to feed (``name``);
     ``take(prefix, captures)`` receives the layer's :func:`layer_captures` under their prefix
     ``step{s}.layers.{i}.`` (views of the stack's live state: convert or compare them before
     returning; nothing holds them after). ``progress(n, where)``, if given, is called before
     each forward with ``n = 0`` and after it with the tokens it processed; ``where`` says which
     step and layer (a long prefill is one forward, so this is all a progress bar can show).
+    The index scores and the samples of the positions ``capture_rows`` are collected by a
+    :class:`StepObserver` set on the stack's shared runtime for the run.
     """
-    for s, start_pos, seqlen in golden_steps(prefill, decode):
-        for i in stack.layers:
-            prefix = f"step{s}.layers.{i}."
-            where = f"step {s} layer {i}"
-            if progress is not None:
-                progress(0, where)
-            run = stack.forward(i, x_of(prefix + "x", seqlen), start_pos,
-                                capture=forward_capture(capture))
-            take(prefix, layer_captures(stack, i, run, start_pos, capture))
-            del run
-            if progress is not None:
-                progress(seqlen, where)
+    observer = StepObserver(stack.config, capture_rows)
+    stack.shared.observer = observer
+    try:
+        for s, start_pos, seqlen in golden_steps(prefill, decode):
+            for i in stack.layers:
+                prefix = f"step{s}.layers.{i}."
+                where = f"step {s} layer {i}"
+                if progress is not None:
+                    progress(0, where)
+                observer.begin(i, start_pos, seqlen)
+                run = stack.forward(i, x_of(prefix + "x", seqlen, start_pos), start_pos,
+                                    capture=forward_capture(capture))
+                take(prefix, layer_captures(stack, i, run, start_pos, capture, observer))
+                del run
+                if progress is not None:
+                    progress(seqlen, where)
+    finally:
+        stack.shared.observer = None
 
 
 def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
@@ -130,21 +147,23 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     ``progress`` as in :func:`drive`.
     """
     cfg = plan.config
-    weights = make_weights(cfg, plan.layers, plan.seed)
+    weights = make_weights(cfg, plan.layers, plan.seed, plan.profile)
     kinds = {n: k for i in plan.layers for n, (_, k) in weight_specs(cfg, i).items()}
     stack = AttentionStack(cfg, weights, layers=plan.layers)
     tensors: dict[str, np.ndarray] = {}
 
-    def stored_input(name, seqlen):
+    def stored_input(name, seqlen, start_pos):
         # The stack takes the stored bfloat16 copy: half the memory of float32.
-        tensors[name] = to_storage(name, make_input(name, (seqlen, cfg.dim), plan.seed), "BF16")
+        x = make_input(name, (seqlen, cfg.dim), plan.seed, plan.profile, start_pos)
+        tensors[name] = to_storage(name, x, "BF16")
         return tensors[name]
 
     def store(prefix, captures):
         for what, value in captures.items():
             tensors[prefix + what] = to_storage(prefix + what, value, storage_kind(prefix + what))
 
-    drive(stack, plan.prefill, plan.decode, plan.capture, stored_input, store, progress)
+    drive(stack, plan.prefill, plan.decode, plan.capture, stored_input, store, progress,
+          plan.capture_rows)
     del stack
     # Weights last: the stack shared the float32 arrays, now they can go one by one.
     stored = {}
@@ -194,8 +213,10 @@ def _check_memory(plan: GoldenPlan):
                           f"is available; select fewer layers (e.g. --layers 20 for v41-flash)")
 
 
-def replay(path, progress=None) -> CompareReport:
-    """Recompute every capture of a golden from its own weights and inputs and compare.
+def replay(path, progress=None, index_tolerance: float | None = None,
+           exact_index: bool = False) -> CompareReport:
+    """Recompute every capture of a golden from its own weights and inputs and compare, by the
+    rules of :func:`compare_files` (tie-aware index rows unless ``exact_index``).
 
     Works on this tool's safetensors goldens and on the reference's ``.npz`` goldens (whose
     captures are then checked against ds41numba). ``progress(n, where)`` as in :func:`drive`.
@@ -214,23 +235,25 @@ def replay(path, progress=None) -> CompareReport:
             stack = AttentionStack(cfg, weights, layers=info.layers)
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
-        report = CompareReport(golden.path, "replay")
+        judge = Judge(info, file_scores(golden), index_tolerance, exact_index)
+        report = CompareReport(golden.path, "replay", index_rule=judge.rule)
         recomputed = set()
 
-        def recorded_input(name, seqlen):
+        def recorded_input(name, seqlen, start_pos):
             if name not in names:
                 raise GoldenError(f"{golden.path!r}: input {name} is missing")
             recomputed.add(name)
             return np.asarray(golden.get(name), dtype=np.float32)
 
         def compare(prefix, captures):
-            for what, value in captures.items():
+            for what in sorted(captures, key=lambda w: _order(prefix + w)):
                 name = prefix + what
                 recomputed.add(name)
                 if name in names:
-                    report.add(compare_tensor(name, golden.get(name), value))
+                    report.add(judge.compare(name, golden.get(name), captures[what], golden))
 
-        drive(stack, info.prefill, info.decode, info.capture, recorded_input, compare, progress)
+        drive(stack, info.prefill, info.decode, info.capture, recorded_input, compare, progress,
+              info.capture_rows)
         for name in golden.names:
             if name not in recomputed and not WEIGHT_NAME.fullmatch(name):
                 report.add(TensorResult(name, "only-golden", ok=False,
