@@ -1,8 +1,10 @@
 """The ``ds41numba`` command: argument parsing and printing only (the work is in ``golden/``).
 
 Exit status: 0 success; 1 a replay or comparison that disagrees; 2 a bad argument, an unreadable
-config or file, or an output that exists without ``--force`` (always one line on stderr);
-130 interrupted (no partial output is left behind).
+config or file (a candidate too: truncated, of another format, a tensor of the wrong shape or
+dtype, NaN where an index belongs), or an output that exists without ``--force`` (always one
+line on stderr); 130 interrupted (no partial output is left behind). Output into a pipe that
+closes early (``| head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from tqdm import tqdm
 
 from . import golden
 from .config import AttnConfig, preset
-from .golden import CAPTURE_MODES, GoldenError
+from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError
 
-__all__ = ["main", "parse_layers", "default_run", "load_config"]
+__all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config"]
 
 PROG = "ds41numba"
 _EPILOG = "Exit status: 0 ok, 1 disagreement, 2 bad usage or unreadable input, 130 interrupted."
@@ -59,11 +61,23 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")
     g.add_argument("--capture", choices=tuple(CAPTURE_MODES), default="all",
                    help="io: out, idx and shared.topk_idxs; all (default): everything the "
-                   "reference goldens carry")
+                   "reference goldens carry (both: the scores behind each selection)")
+    g.add_argument("--capture-rows", metavar="ROWS", help="also record, for these query "
+                   "positions of every step, what each kernel consumes and produces (sample.*): "
+                   "a list and ranges (0,5,100-120) or random:N (N positions drawn with --seed)")
+    g.add_argument("--profile", choices=PROFILES, default="default", help="generator profile: "
+                   "default, or ties (tie-heavy index scores, NaN and +-inf rows)")
     g.add_argument("--out", metavar="FILE", help="output file (default: "
                    "./ds41numba-golden-PRESET.safetensors)")
     g.add_argument("--force", action="store_true", help="overwrite an existing output file")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    def index_rules(sub):
+        sub.add_argument("--index-tolerance", type=float, metavar="T", help="a boundary swap's "
+                         "score gap, relative to the row's largest |selected score| (default "
+                         f"{DEFAULT_INDEX_TOLERANCE:g})")
+        sub.add_argument("--exact-index", action="store_true", help="index rows must be "
+                         "identical (no boundary swaps)")
 
     r = sub.add_parser("replay", help="recompute a golden's captures from its own weights and "
                        "inputs and report agreement", epilog=_EPILOG)
@@ -71,9 +85,11 @@ def _build_parser() -> argparse.ArgumentParser:
                    "reference golden (.npz)")
     r.add_argument("--json", action="store_true", help="machine-readable report")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    index_rules(r)
 
     c = sub.add_parser("compare", help="compare a candidate's tensors with a golden's",
-                       epilog=_EPILOG, description="Index tensors must be identical; float "
+                       epilog=_EPILOG, description="Index rows must be identical or differ by "
+                       "boundary swaps (tie-aware, with the scores the golden records); float "
                        f"tensors within the SPEC tolerance ({golden.TOLERANCE}). Either file may "
                        "be a ds41numba .safetensors golden or a reference .npz golden.")
     c.add_argument("golden", metavar="GOLDEN")
@@ -81,6 +97,9 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--subset", action="store_true", help="the candidate may leave out tensors "
                    "of the golden (e.g. only a kernel's outputs)")
+    c.add_argument("--plot", metavar="FILE.png", help="draw where the differences sit "
+                   "(needs matplotlib: pip install 'ds41numba[plot]')")
+    index_rules(c)
     return p
 
 
@@ -147,10 +166,13 @@ def _golden(args) -> int:
     layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
               else tuple(range(config.n_layers)))
     prefill, decode = default_run(preset_name)
-    plan = golden.GoldenPlan(config=config, layers=layers,
-                             prefill=prefill if args.prefill is None else args.prefill,
-                             decode=decode if args.decode is None else args.decode,
-                             seed=args.seed, capture=args.capture, preset=preset_name)
+    prefill = prefill if args.prefill is None else args.prefill
+    decode = decode if args.decode is None else args.decode
+    rows = () if args.capture_rows is None else parse_rows(args.capture_rows, prefill + decode,
+                                                           args.seed)
+    plan = golden.GoldenPlan(config=config, layers=layers, prefill=prefill, decode=decode,
+                             seed=args.seed, capture=args.capture, preset=preset_name,
+                             profile=args.profile, capture_rows=rows)
     if args.out is not None:
         out = args.out
     else:
@@ -170,19 +192,39 @@ def _replay(args) -> int:
         info = f.run_info()
     total = (info.prefill + info.decode) * len(info.layers)
     with _progress(total, args.quiet, "replay") as progress:
-        report = golden.replay(args.file, progress=progress)
-    if args.json:
-        print(report.to_json())
-    else:
-        print(report.table())
-        print(report.text())
+        report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
+                               exact_index=args.exact_index)
+    _print(report.to_json() if args.json else report.table() + "\n" + report.text())
     return 0 if report.ok else 1
 
 
 def _compare(args) -> int:
-    report = golden.compare_files(args.golden, args.candidate, subset=args.subset)
-    print(report.to_json() if args.json else report.text())
+    if args.plot is not None:
+        from .golden.plot import check_plot_target
+        check_plot_target(args.plot)
+    report = golden.compare_files(args.golden, args.candidate, subset=args.subset,
+                                  index_tolerance=args.index_tolerance,
+                                  exact_index=args.exact_index)
+    bad = [r for r in report.results if r.kind in ("unusable", "shape")]
+    if bad:
+        raise GoldenError(f"{args.candidate!r} cannot be compared: {bad[0].line()}"
+                          + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
+    if args.plot is not None:
+        from .golden.plot import plot_report
+        plot_report(report, args.golden, args.candidate, args.plot)
+    _print(report.to_json() if args.json else report.text())
     return 0 if report.ok else 1
+
+
+def _print(text: str):
+    """Print to stdout; a reader that closed the pipe early (``| head``) ends it quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python would report the failed flush of sys.stdout at exit: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -207,6 +249,35 @@ def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
                                   f"(0..{n_layers - 1})")
         layers.update(range(lo, hi + 1))
     return tuple(sorted(layers))
+
+
+def parse_rows(text: str, total: int, seed: int = 0) -> tuple[int, ...]:
+    """``--capture-rows``: ``"0,5,100-120"`` (positions, sorted, duplicates dropped) or
+    ``"random:N"``: N distinct positions of ``0 .. total - 1`` drawn with ``seed``
+    (numpy's ``default_rng(seed).choice``), sorted."""
+    text = str(text).strip()
+    m = re.fullmatch(r"random:(\d+)", text)
+    if m:
+        n = int(m.group(1))
+        if not 1 <= n <= total:
+            raise GoldenError(f"--capture-rows: random:{n} needs 1 .. {total} (the run's tokens)")
+        import numpy as np
+        return tuple(sorted(int(p) for p in np.random.default_rng(seed).choice(total, n, replace=False)))
+    rows = set()
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not m:
+            raise GoldenError(f"--capture-rows: {part!r} is not a position, a range or random:N "
+                              f"(write e.g. 0,5,100-120 or random:16)")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise GoldenError(f"--capture-rows: range {part!r} runs backwards")
+        if hi >= total:
+            raise GoldenError(f"--capture-rows: position {hi} is past the run's {total} tokens")
+        rows.update(range(lo, hi + 1))
+    return tuple(sorted(rows))
 
 
 def default_run(preset_name: str | None) -> tuple[int, int]:

@@ -36,6 +36,11 @@ def _metadata(path):
         return f.metadata()
 
 
+def _without_scores(names):
+    """A golden's tensor names less the score captures (which the reference goldens lack)."""
+    return [n for n in names if n.rsplit(".", 1)[-1] not in golden.SCORE_CAPTURES]
+
+
 def _rewrite(src, dst, change):
     """Copy a golden with ``change(tensors)`` applied, metadata kept."""
     tensors = dict(load_file(src))
@@ -58,9 +63,10 @@ def test_default_command_writes_the_tiny_golden(tmp_path, monkeypatch, capsys):
     assert meta["generator"] == golden.GENERATOR and "splitmix64" in meta["generator_spec"].lower()
     for key in ("format", "format_version", "ds41numba_version", "seed"):
         assert meta[key]
-    # The same tensors, by name, as the reference golden of the same run.
+    # The same tensors, by name, as the reference golden of the same run, plus the scores
+    # behind every index source's selection.
     with golden.GoldenFile(path) as mine, golden.GoldenFile(DATA / "tiny.npz") as ref:
-        assert mine.names == ref.names
+        assert _without_scores(mine.names) == ref.names
     assert os.listdir(tmp_path) == [path.name]
 
 
@@ -99,7 +105,7 @@ def test_golden_then_replay_agrees_exactly(tmp_path, capsys, name, args):
 def test_mixed_default_run_has_the_reference_layout(tmp_path):
     path = _golden(tmp_path, "mixed.safetensors", "--preset", "mixed")
     with golden.GoldenFile(path) as mine, golden.GoldenFile(DATA / "mixed.npz") as ref:
-        assert mine.names == ref.names
+        assert _without_scores(mine.names) == ref.names
         for name in ("step0.layers.5.shared.candidates", "step7.layers.3.shared.compress_kv",
                      "step0.layers.1.index_score", "step3.layers.6.idx"):
             assert mine.get(name).shape == ref.get(name).shape, name
@@ -111,7 +117,7 @@ def test_io_capture_matches_the_full_capture(tmp_path):
     io_path = _golden(tmp_path, "io.safetensors", *args, "--capture", "io")
     io = load_file(io_path)
     whats = {n.split(".", 3)[3] for n in io if n.startswith("step")}
-    assert whats == {"x", "out", "idx", "shared.topk_idxs"}
+    assert whats == {"x", "out", "idx", "shared.topk_idxs", *golden.SCORE_CAPTURES}
     for name, value in io.items():
         assert np.array_equal(value.view(np.uint8), full[name].view(np.uint8)), name
     assert main(["replay", "--quiet", str(io_path)]) == 0
@@ -281,7 +287,9 @@ def test_replay_detects_a_tampered_capture(tmp_path, capsys):
     capsys.readouterr()
     assert main(["replay", "--quiet", str(bad)]) == 1
     out = capsys.readouterr().out
-    assert "step1.layers.4.idx" in out and "1 of 1 rows differ" in out and "FAIL" in out
+    assert "step1.layers.4.idx" in out and "1 of 1 rows wrong" in out and "FAIL" in out
+    assert main(["replay", "--quiet", "--exact-index", str(bad)]) == 1
+    assert "1 of 1 rows differ" in capsys.readouterr().out
 
 
 def test_replay_of_a_reference_golden():
@@ -309,8 +317,8 @@ def test_compare_self_passes_and_perturbed_copy_fails(tmp_path, capsys):
     assert main(["compare", str(path), str(bad)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert any(l.startswith("step2.layers.3.out [1, 64]:") and "> tolerance" in l for l in lines)
-    assert any(l.startswith("step0.layers.2.shared.topk_idxs") and "rows differ (first: 3)" in l
-               for l in lines)
+    assert any(l.startswith("step0.layers.2.shared.topk_idxs") and "1 of 6 rows wrong (row 3: "
+               "2 -1 where the golden has a position)" in l for l in lines)
     assert any(l.startswith("step1.layers.0.q:") and "missing" in l for l in lines)
     assert lines[-1].startswith("FAIL (3 tensors disagree)")
     assert main(["compare", "--json", str(path), str(bad)]) == 1

@@ -112,7 +112,8 @@ class TensorResult:
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        d.pop("differ_rows", None)
+        for k in ("differ_rows", "swap_list", "wrong_list"):
+            d.pop(k, None)
         for k in ("max_abs_diff", "max_bf16_steps", "tolerance", "max_score_gap",
                   "max_relative_gap", "swap_max_abs_diff"):
             if not math.isfinite(d[k]):
@@ -168,6 +169,8 @@ def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
         res.rows_not_compared = int(np.count_nonzero(~rows))
         want, got = want[rows], got[rows]
         res.size = int(want.size)
+        if want.shape[0] == 0:
+            return res
     if index and index_tolerance is not None:
         return _judge_index(res, want, got, scores, bounds, index_tolerance)
     if index:
@@ -185,7 +188,8 @@ def _judge_index(res, want, got, scores, bounds, tolerance) -> TensorResult:
     res.reasons = j.reasons
     res.scores_from = scores.source if scores is not None else "none"
     res.ok = j.wrong == 0
-    res.differ_rows = j.differ_rows
+    # Not in the JSON (first_rows lists them): every differing row, for --plot and the caller.
+    res.differ_rows, res.swap_list, res.wrong_list = j.differ_rows, j.swap_rows, j.wrong_rows
     return res
 
 
