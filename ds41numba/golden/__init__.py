@@ -36,7 +36,7 @@ from .captures import (CAPTURE_MODES, RUNNERS_UP, SAMPLE_CAPTURES, SCORE_CAPTURE
                        layer_captures, storage_kind, to_storage)
 from .compare import (TOLERANCE, CompareReport, Judge, TensorResult, compare_files,
                       compare_tensor, file_scores)
-from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_FACTOR, IndexJudgement, RowBounds,
+from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, IndexJudgement, RowBounds,
                    RowScores, judge_index_rows)
 from .errors import GoldenError
 from .files import FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, load_golden, write_tensors_atomic
@@ -51,6 +51,6 @@ __all__ = [
     "run_golden", "write_golden", "write_tensors_atomic", "GoldenFile", "RunInfo", "load_golden",
     "TensorResult", "CompareReport", "compare_tensor", "compare_files", "replay", "PROFILES",
     "RUNNERS_UP", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "StepObserver", "Judge", "file_scores",
-    "DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_FACTOR", "IndexJudgement", "RowBounds", "RowScores",
+    "DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_RANGE", "IndexJudgement", "RowBounds", "RowScores",
     "judge_index_rows",
 ]
