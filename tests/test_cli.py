@@ -318,7 +318,7 @@ def test_compare_self_passes_and_perturbed_copy_fails(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert any(l.startswith("step2.layers.3.out [1, 64]:") and "> tolerance" in l for l in lines)
     assert any(l.startswith("step0.layers.2.shared.topk_idxs") and "1 of 6 rows wrong (row 3: "
-               "2 -1 where the golden has a position)" in l for l in lines)
+               "2 -1 where the golden has a position" in l for l in lines)
     assert any(l.startswith("step1.layers.0.q:") and "missing" in l for l in lines)
     assert lines[-1].startswith("FAIL (3 tensors disagree)")
     assert main(["compare", "--json", str(path), str(bad)]) == 1

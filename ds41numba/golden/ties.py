@@ -178,6 +178,9 @@ def _row_reason(want, got, scores: RowScores | None, bounds: RowBounds | None, s
             return f"the golden's selection does not hold its own entry {p} (scores misaligned)"
         gap = _gap(score_of[p], kth)
         if gap > tol:
+            if gv.size < wv.size:
+                return (f"{wv.size - gv.size} -1 where the golden has a position (dropped {p}, "
+                        f"{gap:.3g} above the boundary)")
             return f"dropped {p}, {gap:.3g} above the boundary (tolerance {tol:.3g})"
         gaps.append(gap)
     runners = scores.runner_idxs[s].astype(np.int64)
