@@ -589,3 +589,106 @@ def test_exact_index_restores_the_old_rule(tie_golden, tmp_path):
     assert _tampered(tie_golden, tmp_path, "same.safetensors", swap_one).ok
     path, _ = tie_golden
     assert golden.compare_files(path, path, exact_index=True).index_rule == "exact"
+
+
+# =============================================================================== the ties profile
+
+
+def test_ties_profile_changes_what_its_docstring_says():
+    cfg = _tie_plan().config
+    d = golden.make_weights(cfg, [2], seed=5)
+    t = golden.make_weights(cfg, [2], seed=5, profile="ties")
+    p = "layers.2.attn."
+    idim = cfg.index_head_dim
+    q = t[p + "indexer.wq_b.weight"].reshape(cfg.index_n_heads, idim, -1)
+    assert (q == q[:1]).all() and np.array_equal(q[0], d[p + "indexer.wq_b.weight"][:idim])
+    assert not t[p + "indexer.wk.weight"][1:].any()
+    assert np.array_equal(t[p + "indexer.wk.weight"][0], d[p + "indexer.wk.weight"][0])
+    for name in ("wq_a.weight", "wkv.weight", "compressor.wkv.weight"):
+        assert not t[p + name][:, -1].any() and np.array_equal(t[p + name][:, :-1], d[p + name][:, :-1])
+    assert (t[p + "indexer.weights_proj.weight"][:, -1] == 1024).all()
+    same = [n for n in d if n.rsplit(".attn.", 1)[1] in ("attn_sink", "wq_b.weight", "wo_a.weight")]
+    assert all(np.array_equal(d[n], t[n]) for n in same)
+    x = golden.make_input("step0.layers.2.x", (130, cfg.dim), 5, "ties")
+    col = x[:, -1]
+    assert set(np.flatnonzero(col > 0)) == {17, 78} and set(np.flatnonzero(col < 0)) == {41, 102}
+    assert np.array_equal(x[:, :-1], golden.make_input("step0.layers.2.x", (130, cfg.dim), 5)[:, :-1])
+    # A decode step's row continues the pattern at its position.
+    assert golden.make_input("step3.layers.2.x", (1, cfg.dim), 5, "ties", start_pos=139)[0, -1] > 0
+    with pytest.raises(GoldenError, match="--profile"):
+        golden.make_weights(cfg, [2], profile="flat")
+
+
+def test_ties_profile_ties_most_rows_at_the_boundary():
+    t = golden.run_golden(_tie_plan(profile="ties", decode=1))
+    rows = ties = nan_rows = pos_inf = neg_inf = 0
+    for layer in (1, 2, 3):
+        p = f"step0.layers.{layer}."
+        sel, sc = t[p + "shared.topk_idxs"], t[p + "topk_scores"].astype(np.float32)
+        runners = t[p + "runner_scores"].astype(np.float32)
+        scores = t[p + "index_score"].astype(np.float32)
+        for s in range(sel.shape[0]):
+            rows += 1
+            valid = sc[s][sel[s] >= 0]
+            finite = valid[~np.isnan(valid)]
+            kth = finite.min() if finite.size else np.nan
+            ties += bool(runners[s, 0] == kth or (np.isnan(kth) and np.isnan(runners[s, 0])))
+            nan_rows += bool(np.isnan(scores[s]).any())
+            pos_inf += bool((scores[s] == np.inf).any())
+            neg_inf += s % 61 == 41 and bool(np.isnan(scores[s]).any())
+    assert ties > 0.6 * rows, (ties, rows)
+    assert nan_rows >= 10 and pos_inf >= 5 and neg_inf >= 5
+    # Scores land on few values: 0 and one other per row (NaN/inf rows aside).
+    s = t["step0.layers.2.index_score"].astype(np.float32)[210]
+    assert len(np.unique(s[np.isfinite(s)])) <= 2 and (s == 0).sum() > 20
+
+
+# =============================================================================== kernel-boundary samples
+
+
+def test_capture_rows_hold_each_kernels_inputs_and_outputs():
+    import naive
+    from ds41numba import testing
+    rows = (0, 7, 150, 299, 301)
+    t = golden.run_golden(_tie_plan(capture_rows=rows))
+    cfg = _tie_plan().config
+    for s, layer in [(0, 1), (0, 2), (0, 3), (2, 3), (2, 0)]:
+        p = f"step{s}.layers.{layer}."
+        want = [r for r in rows if r < 300] if s == 0 else [0]
+        assert t[p + "sample.rows"].tolist() == want, p
+        for what in ("q", "o"):
+            assert np.array_equal(t[p + "sample." + what].view(np.uint16),
+                                  t[p + what][want].view(np.uint16)), p + what
+        kv_all, idx = t[p + "kv"].astype(np.float32), t[p + "idx"][want]
+        gathered = np.where(idx[..., None] >= 0, kv_all[np.maximum(idx, 0)], 0)
+        assert np.array_equal(t[p + "sample.kv"].astype(np.float32), gathered), p
+        # Sparse attention on the sample alone reproduces o.
+        q = t[p + "sample.q"].astype(np.float32)
+        kv = t[p + "sample.kv"].astype(np.float32)
+        sink = t[f"layers.{layer}.attn.attn_sink"]
+        local = np.where(idx >= 0, np.arange(idx.shape[1]), -1)
+        for i in range(len(want)):
+            o = naive.sparse_attn(q[i:i + 1], kv[i], local[i:i + 1], sink, cfg.head_dim ** -0.5)
+            testing.assert_close(o, t[p + "sample.o"][i:i + 1], p + "sample.o")
+        if layer == 0:
+            assert p + "sample.index_score" not in t and p + "sample.compress_kv" not in t
+            continue
+        r = cfg.ratio(layer)
+        width = (300 if s == 0 else 301 + s) // r
+        assert np.array_equal(t[p + "sample.compress_kv"].view(np.uint16),
+                              t[p + "shared.compress_kv"].view(np.uint16)[:width])
+        keys = t[p + "sample.index_k"].astype(np.float32)
+        assert np.array_equal(keys, t[p + "shared.index_k"].astype(np.float32)[:width])
+        # The indexer's scores from the sample's fp4 queries, head weights and keys.
+        clen = golden.compare.visible_lengths(0 if s == 0 else 299 + s, 300 if s == 0 else 1, r)
+        got = naive.tile_scores(t[p + "sample.index_q"].astype(np.float32),
+                                t[p + "sample.index_weights"].astype(np.float32), keys,
+                                clen[want])
+        assert np.array_equal(got, t[p + "sample.index_score"].astype(np.float32)), p
+        assert np.array_equal(t[p + "sample.index_score"].view(np.uint16),
+                              t[p + "index_score"][want].view(np.uint16)), p
+
+
+def test_capture_rows_must_lie_in_the_run():
+    with pytest.raises(GoldenError, match="--capture-rows"):
+        _tie_plan(capture_rows=(303,))
