@@ -27,7 +27,8 @@ from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, RowBounds, RowScor
                    judge_index_rows)
 
 __all__ = ["TOLERANCE", "ROWS_LISTED", "SELECTIONS", "DOWNSTREAM", "TensorResult",
-           "CompareReport", "Judge", "compare_tensor", "compare_files"]
+           "CompareReport", "Judge", "compare_tensor", "compare_files", "file_scores",
+           "compare_order", "group_of"]
 
 TOLERANCE = "|got - want| <= 2 * 2^-8 * max|want| + 1e-6 per tensor"
 ROWS_LISTED = 1000   # differing index rows a result lists (the text line shows the first 10)
@@ -388,7 +389,7 @@ class CompareReport:
         groups: dict[str, list] = {}
         for r in self.results:
             if r.kind in ("index", "float", "shape", "unusable"):
-                groups.setdefault(_group_of(r.name), []).append(r)
+                groups.setdefault(group_of(r.name), []).append(r)
         head = (f"{'tensor':<20} {'count':>6} {'failing':>7} {'rows differing':>15} "
                 f"{'max steps':>9} {'within 1 step':>13} {'bit-identical':>13}")
         lines = [head, "-" * len(head)]
@@ -410,7 +411,8 @@ class CompareReport:
                           indent=1)
 
 
-def _group_of(name: str) -> str:
+def group_of(name: str) -> str:
+    """The kind of tensor a name is (``out``, ``idx``, ``weights``, ...): a report's group."""
     m = STEP_NAME.fullmatch(name)
     if m:
         return m.group(3)
@@ -422,7 +424,7 @@ def _step_layer(name: str):
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
-def _order(name: str):
+def compare_order(name: str):
     """Within a step and layer, selections first: the float rows after them need their verdict."""
     sl = _step_layer(name)
     if sl is None:
@@ -432,7 +434,7 @@ def _order(name: str):
 
 class Judge:
     """The comparison of one golden with one candidate, tensor by tensor (:meth:`compare`), in
-    the order :func:`_order` gives (a step and layer's selections before its floats).
+    the order :func:`compare_order` gives (a step and layer's selections before its floats).
 
     ``run`` is the golden's run (config and steps: the rows' bounds), ``scores(step, layer)``
     the :class:`RowScores` of an index source's selection, or None. With ``exact_index`` index
@@ -558,7 +560,7 @@ def compare_files(golden_path, candidate_path, subset: bool = False,
         judge = Judge(golden.step_info(), file_scores(golden, cand), index_tolerance, exact_index)
         report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)
         cand_names = set(cand.names)
-        for name in sorted(golden.names, key=_order):
+        for name in sorted(golden.names, key=compare_order):
             if name in cand_names:
                 report.add(judge.compare(name, golden.get(name), cand.get(name), golden, cand))
             else:

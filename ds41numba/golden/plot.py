@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from .captures import STEP_NAME
-from .compare import CompareReport, _group_of
+from .compare import CompareReport, group_of
 from .errors import GoldenError
 from .files import GoldenFile
 
@@ -71,7 +71,7 @@ def plot_report(report: CompareReport, golden_path, candidate_path, out_path) ->
             continue
         if r.ok and not (r.rows_differ or r.swap_rows):
             continue
-        groups.setdefault(_group_of(r.name), []).append((int(m.group(1)), int(m.group(2)), r))
+        groups.setdefault(group_of(r.name), []).append((int(m.group(1)), int(m.group(2)), r))
     with GoldenFile(golden_path) as golden, GoldenFile(candidate_path) as cand:
         info = golden.step_info() or cand.step_info()
         prefill = info.prefill if info is not None else 0

@@ -19,7 +19,7 @@ from ..config import AttnConfig
 from ..stack import AttentionStack, weight_specs
 from .captures import (CAPTURE_MODES, WEIGHT_NAME, StepObserver, forward_capture,
                        layer_captures, storage_kind, to_storage)
-from .compare import CompareReport, Judge, TensorResult, _order, file_scores
+from .compare import CompareReport, Judge, TensorResult, compare_order, file_scores
 from .errors import GoldenError
 from .files import GoldenFile, RunInfo, check_target, write_tensors_atomic
 from .generator import checked_profile, checked_seed, make_input, make_weights
@@ -246,7 +246,7 @@ def replay(path, progress=None, index_tolerance: float | None = None,
             return np.asarray(golden.get(name), dtype=np.float32)
 
         def compare(prefix, captures):
-            for what in sorted(captures, key=lambda w: _order(prefix + w)):
+            for what in sorted(captures, key=lambda w: compare_order(prefix + w)):
                 name = prefix + what
                 recomputed.add(name)
                 if name in names:
