@@ -70,6 +70,12 @@ class RowScores:
                 raise ValueError(f"RowScores: {name} has shape {list(a.shape)}, expected "
                                  f"{list(ref.shape)} with {self.topk_idxs.shape[0]} rows")
 
+    def take(self, rows) -> "RowScores":
+        """The record of some rows only (e.g. a golden's ``sample.rows``)."""
+        rows = np.asarray(rows, np.int64)
+        return RowScores(self.topk_idxs[rows], self.topk_scores[rows], self.runner_idxs[rows],
+                         self.runner_scores[rows], self.source)
+
 
 @dataclass
 class RowBounds:
