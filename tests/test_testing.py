@@ -93,3 +93,88 @@ def test_assert_candidate_file(tiny_golden, tmp_path):
     save_file(only, tmp_path / "bad.safetensors")
     with pytest.raises(AssertionError, match=r"(?s)step2.layers.5.out \[1, 64\].*\nFAIL \(1 tensors disagree\)"):
         testing.assert_candidate_file(tiny_golden, tmp_path / "bad.safetensors")
+
+
+# --------------------------------------------------------------------------- the README's examples
+# "Testing your kernel": the four pytest examples, on a tiny golden (layer 4: ratio 1, index
+# source), with ds41numba's slow reference kernels (tests/naive.py) standing in for yours.
+
+
+@pytest.fixture(scope="module")
+def sampled_golden(tmp_path_factory):
+    path = tmp_path_factory.mktemp("readme") / "golden.safetensors"
+    plan = golden.GoldenPlan(preset("tiny"), tuple(range(6)), 12, 3, capture="io",
+                             capture_rows=(3, 8, 11))
+    golden.write_golden(plan, path)
+    return path
+
+
+P = "step0.layers.4."
+
+
+def my_index_scores(iq, w, keys, visible):
+    import naive
+    return naive.tile_scores(iq, w, keys, visible)
+
+
+def my_topk(scores, k, visible):
+    from ds41numba import torch_cpu_topk_set
+    out = np.array([sorted(torch_cpu_topk_set(row, k)) for row in scores])
+    return np.where(out < np.asarray(visible)[:, None], out, -1)
+
+
+def my_sparse_attn(q, kv, valid, sink, scale):
+    import naive
+    local = np.where(valid, np.arange(valid.shape[1]), -1)
+    return np.concatenate([naive.sparse_attn(q[i:i + 1], kv[i], local[i:i + 1], sink, scale)
+                           for i in range(q.shape[0])])
+
+
+def test_readme_indexer_scores(sampled_golden):
+    with golden.GoldenFile(sampled_golden) as g:
+        rows = g.get(P + "sample.rows")
+        iq = g.get(P + "sample.index_q").astype(np.float32)
+        w = g.get(P + "sample.index_weights").astype(np.float32)
+        keys = g.get(P + "sample.index_k").astype(np.float32)
+        scores = my_index_scores(iq, w, keys, visible=rows + 1)
+        testing.assert_golden_tensor(g, P + "sample.index_score", scores)
+
+
+def test_readme_topk(sampled_golden):
+    with golden.GoldenFile(sampled_golden) as g:
+        rows = g.get(P + "sample.rows")
+        scores = g.get(P + "sample.index_score").astype(np.float32)
+        got = my_topk(scores, k=6, visible=rows + 1)
+        got = np.where(got >= 0, got + 12, -1)
+        res = testing.assert_index_rows(got, g.get(P + "shared.topk_idxs")[rows],
+                                        testing.golden_scores(g, 0, 4).take(rows),
+                                        offset=12, visible=rows + 1)
+        assert res.rows == 3 and res.rows_wrong == 0
+        got[0, 0] = got[0, 1]
+        with pytest.raises(AssertionError, match="duplicate"):
+            testing.assert_index_rows(got, g.get(P + "shared.topk_idxs")[rows],
+                                      testing.golden_scores(g, 0, 4).take(rows),
+                                      offset=12, visible=rows + 1)
+
+
+def test_readme_sparse_attention(sampled_golden):
+    cfg = preset("tiny")
+    with golden.GoldenFile(sampled_golden) as g:
+        rows = g.get(P + "sample.rows")
+        q = g.get(P + "sample.q").astype(np.float32)
+        kv = g.get(P + "sample.kv").astype(np.float32)
+        valid = g.get(P + "idx")[rows] >= 0
+        sink = g.get("layers.4.attn.attn_sink")
+        o = my_sparse_attn(q, kv, valid, sink, cfg.head_dim ** -0.5)
+        testing.assert_golden_tensor(g, P + "sample.o", o)
+        with pytest.raises(AssertionError, match="> tolerance"):
+            testing.assert_golden_tensor(g, P + "sample.o", my_sparse_attn(q, kv, valid, sink - 5,
+                                                                           cfg.head_dim ** -0.5))
+
+
+def test_readme_whole_layer(sampled_golden, tmp_path):
+    from safetensors.numpy import save_file
+    plan = golden.GoldenPlan(preset("tiny"), tuple(range(6)), 12, 3, capture="io")
+    mine = {n: a for n, a in golden.run_golden(plan).items() if n.endswith((".out", ".idx"))}
+    save_file(mine, tmp_path / "mine.safetensors")
+    testing.assert_candidate_file(sampled_golden, tmp_path / "mine.safetensors")
