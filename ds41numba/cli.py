@@ -230,25 +230,30 @@ def _print(text: str):
 # --------------------------------------------------------------------------- arguments
 
 
-def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
-    """``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``; sorted, duplicates dropped."""
-    layers = set()
+def _number_list(text: str, flag: str, noun: str, limit: int, past: str) -> tuple[int, ...]:
+    """The integers ``"2,3,20-24"`` names, sorted, duplicates dropped; ``noun`` says what a part
+    must be, and a number >= ``limit`` is refused with ``past`` (formatted with it as ``i``)."""
+    items = set()
     for part in str(text).split(","):
         part = part.strip()
         m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
         if not m:
-            raise GoldenError(f"--layers: {part!r} is not a layer number or range "
-                              f"(write e.g. 20 or 2,3,20-24)")
+            raise GoldenError(f"{flag}: {part!r} is not {noun}")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
-            raise GoldenError(f"--layers: range {part!r} runs backwards")
+            raise GoldenError(f"{flag}: range {part!r} runs backwards")
         for i in (lo, hi):
-            if i >= n_layers:
-                raise GoldenError(f"--layers: layer {i} is not a layer of this config "
-                                  f"(0..{n_layers - 1})")
-        layers.update(range(lo, hi + 1))
-    return tuple(sorted(layers))
+            if i >= limit:
+                raise GoldenError(f"{flag}: " + past.format(i=i))
+        items.update(range(lo, hi + 1))
+    return tuple(sorted(items))
+
+
+def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
+    """``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``; sorted, duplicates dropped."""
+    return _number_list(text, "--layers", "a layer number or range (write e.g. 20 or 2,3,20-24)",
+                        n_layers, f"layer {{i}} is not a layer of this config (0..{n_layers - 1})")
 
 
 def parse_rows(text: str, total: int, seed: int = 0) -> tuple[int, ...]:
@@ -263,21 +268,9 @@ def parse_rows(text: str, total: int, seed: int = 0) -> tuple[int, ...]:
             raise GoldenError(f"--capture-rows: random:{n} needs 1 .. {total} (the run's tokens)")
         import numpy as np
         return tuple(sorted(int(p) for p in np.random.default_rng(seed).choice(total, n, replace=False)))
-    rows = set()
-    for part in text.split(","):
-        part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
-        if not m:
-            raise GoldenError(f"--capture-rows: {part!r} is not a position, a range or random:N "
-                              f"(write e.g. 0,5,100-120 or random:16)")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
-        if hi < lo:
-            raise GoldenError(f"--capture-rows: range {part!r} runs backwards")
-        if hi >= total:
-            raise GoldenError(f"--capture-rows: position {hi} is past the run's {total} tokens")
-        rows.update(range(lo, hi + 1))
-    return tuple(sorted(rows))
+    return _number_list(text, "--capture-rows", "a position, a range or random:N (write e.g. "
+                        "0,5,100-120 or random:16)", total,
+                        f"position {{i}} is past the run's {total} tokens")
 
 
 def default_run(preset_name: str | None) -> tuple[int, int]:
