@@ -192,19 +192,28 @@ def layer_flops(config, layer: int, start_pos: int, seqlen: int) -> dict[str, in
 # ------------------------------------------------------------------------------ numpy baselines
 
 
-def matmul_rate(n: int = 2048, reps: int = 7) -> dict:
-    """numpy's f32 ``[n, n] @ [n, n]`` in GFLOP/s: the median of ``reps`` timed products."""
+def matmul_rate(n: int = 2048, reps: int = 7, warmup_seconds: float = 1.0) -> dict:
+    """numpy's f32 ``[n, n] @ [n, n]`` in GFLOP/s: the median of ``reps`` timed products, taken
+    after a warm-up of at least ``warmup_seconds`` (and two products) whose rates are returned
+    apart (``warmup``), never mixed in: BLAS's threads, the pages and the CPU's clock take a
+    while to settle, and a median over cold and warm samples sits between two modes.
+    ``spread`` is (min, max) of the timed samples."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     out = np.empty((n, n), np.float32)
-    np.matmul(a, b, out=out)   # warm: threads up, pages touched
-    rates = []
-    for _ in range(reps):
+
+    def one():
         t0 = time.perf_counter()
         np.matmul(a, b, out=out)
-        rates.append(2.0 * n ** 3 / (time.perf_counter() - t0) / 1e9)
-    return {"gflops": statistics.median(rates), "samples": rates, "n": n}
+        return 2.0 * n ** 3 / (time.perf_counter() - t0) / 1e9
+
+    warmup, t_end = [], time.perf_counter() + warmup_seconds
+    while len(warmup) < 2 or time.perf_counter() < t_end:
+        warmup.append(one())
+    rates = [one() for _ in range(reps)]
+    return {"gflops": statistics.median(rates), "samples": rates, "spread": (min(rates), max(rates)),
+            "warmup": warmup, "n": n}
 
 
 #: The projections of a decode step, as (weight leaf, input width source) -- see matvec_set.
@@ -420,21 +429,19 @@ def _index_scores_case(path: str):
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
 
     def build():
-        from ds41numba.numerics import BF16_DOT, fp4_quant_e8m0_inplace, pack_bf16_pairs
+        from ds41numba.indexer import IndexKeyCache
+        from ds41numba.numerics import fp4_quant_e8m0_inplace
 
         iq = fp4_quant_e8m0_inplace(_normal((_TILE, ih, idim), 17))
         w = _normal((_TILE, ih), 18) * np.float32(0.01)
-        keys = _index_keys(_CTX, idim, 16)
-        packed = pack_bf16_pairs(keys) if (BF16_DOT and path == "default") else None
-        return {"iq": iq, "w": _bf16(w), "keys": keys, "packed": packed,
-                "clen": np.full(_TILE, _CTX, np.int64)}
+        keys = IndexKeyCache(_index_keys(_CTX, idim, 16))
+        return {"iq": iq, "w": _bf16(w), "keys": keys, "clen": np.full(_TILE, _CTX, np.int64)}
 
     def run(st):
-        ix = importlib.import_module("ds41numba.indexer")   # the package re-exports a function of that name
-        if st["packed"] is not None:
-            ix._tile_scores_bf16(st["iq"], st["w"], st["packed"], st["clen"], _CTX)
-        else:
-            ix._tile_scores(st["iq"], st["w"], st["keys"], st["clen"], _CTX)
+        from ds41numba.numerics import backend, use_backend
+
+        with use_backend(backend() if path == "default" else "blas"):
+            st["keys"].scores(st["iq"], st["w"], st["clen"], _CTX)
 
     name, what = (("indexer_scores_tile", "indexer scoring only") if path == "default" else
                   ("indexer_scores_tile_f32", "indexer scoring on f32 BLAS"))

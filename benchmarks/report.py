@@ -278,7 +278,9 @@ def run_job(j: dict, args) -> dict:
 
 
 def summarise(kernels, layer_runs, parent_mm) -> dict:
-    mm_parent = _median(parent_mm)
+    """``parent_mm``: numpy's matmul rate measured (warm) before and after everything else; the
+    kernels, measured right after the first, are compared with that one."""
+    mm_parent = parent_mm[0]["gflops"]
     for k in kernels:
         if "seconds" in k:
             k["gflops"] = k["flops"] / k["seconds"] / 1e9 if k["flops"] else None
@@ -328,7 +330,7 @@ def summarise(kernels, layer_runs, parent_mm) -> dict:
             if tgt is not None:
                 targets[f"decode_{d['context']}"] = {"ratio": drow["ratio"], "target": tgt,
                                                      "met": drow["ratio"] <= tgt}
-    return {"matmul_gflops_parent": mm_parent, "matmul_samples_parent": parent_mm,
+    return {"matmul_gflops_parent": mm_parent, "matmul_parent": parent_mm,
             "kernels": kernels, "prefill": prefill, "decode": decode, "targets": targets}
 
 
@@ -360,8 +362,11 @@ def print_text(s: dict, meta: dict):
       f"{meta['numba_threads']}, BLAS {meta['blas']}, AVX512-BF16 products {meta['bf16_dot']}, "
       f"load average {meta['load_before']} -> "
       f"{meta['load_after']})")
-    w(f"numpy f32 matmul 2048x2048x2048 in this process: {s['matmul_gflops_parent']:.1f} GFLOP/s "
-      f"(median; samples {', '.join(f'{v:.0f}' for v in s['matmul_samples_parent'])})")
+    for when, m in zip(("before", "after"), s["matmul_parent"]):
+        w(f"numpy f32 matmul 2048x2048x2048 in this process, {when} the rest: {m['gflops']:.1f} "
+          f"GFLOP/s (median of {len(m['samples'])} after {len(m['warmup'])} warm-up products; "
+          f"spread {m['spread'][0]:.0f}-{m['spread'][1]:.0f}; warm-up "
+          f"{', '.join(f'{v:.0f}' for v in m['warmup'])})")
     if s["kernels"]:
         _table_head(w, "Kernels, in this process (median time; GFLOP/s = useful FLOPs / time; "
                        "'vs matmul' = GFLOP/s / numpy matmul; peak RSS = this process's peak during "
@@ -450,11 +455,11 @@ def _meta() -> dict:
                          if i.get("user_api") == "blas") or "?"
     except ImportError:
         blas = "?"
-    from ds41numba.numerics import BF16_DOT
+    from ds41numba.numerics import backend
 
     return {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "numba_threads": numba.get_num_threads(), "blas": blas,
-            "bf16_dot": "on" if BF16_DOT else "off",
+            "bf16_dot": "on" if backend() == "avx512bf16" else "off",
             "python": platform.python_version(),
             "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg())}
 
@@ -501,7 +506,7 @@ def main(argv=None) -> int:
 
     meta = _meta()
     t_start = time.perf_counter()
-    parent_mm = common.matmul_rate(reps=7)["samples"]
+    parent_mm = [common.matmul_rate(reps=7)]
     kernels = [] if args.no_kernels else run_kernels(args.quick)
     layer_runs = []
     for j in plan_jobs(args):
@@ -509,7 +514,7 @@ def main(argv=None) -> int:
                                          ("long", j["long"])) if on)
         _log(f"layer {j['layer']} at {j['tokens']} tokens ({what}), subprocess ...")
         layer_runs.append(run_job(j, args))
-    parent_mm += common.matmul_rate(reps=7)["samples"]
+    parent_mm.append(common.matmul_rate(reps=7))
     meta["load_after"] = " ".join(f"{v:.1f}" for v in os.getloadavg())
     meta["wall_seconds"] = time.perf_counter() - t_start
     summary = summarise(kernels, layer_runs, parent_mm)

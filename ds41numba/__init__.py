@@ -29,7 +29,7 @@ compute; where the reference has a function for it, it is:
   the state they share (SPEC.md "The shared runtime and the layer stack").
 
 The rest (the roundings ``to_bf16_rne``, ``to_e4m3_rne``, ``to_e2m1_rne``, ``pow2ceil``,
-``is_bf16_valued``; ``window_index_rows``, ``output_projection``, ``PackedIndexKeys``, ...) are
+``is_bf16_valued``; ``window_index_rows``, ``output_projection``, ``IndexKeyCache``, ...) are
 ds41numba's own names for what the reference does inline.
 """
 
@@ -52,7 +52,7 @@ from .rope import apply_rotary, yarn_freqs_cis
 from .topk import torch_cpu_topk_rows, torch_cpu_topk_set
 from .config import PRESETS, AttnConfig, preset
 from .compressor import CompressorState, CompressorWeights, compressor
-from .indexer import IndexerCfg, IndexerWeights, PackedIndexKeys, indexer, select_candidate_blocks
+from .indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer, select_candidate_blocks
 from .attention import CompAttnRun, attention_any, output_projection, sparse_attn, window_index_rows
 from .stack import AttentionStack, AttnWeights, LayerAttnState, SharedRuntime, weight_specs
 

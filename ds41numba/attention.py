@@ -19,14 +19,16 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
-from .numerics import (MATVEC_MAX_ROWS, _output, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
-                       in_workers, linear_bf16, nan_max, rms_norm, round_bf16_inplace,
-                       single_threaded_blas, split_range)
-from .rope import apply_rotary, yarn_freqs_cis
+from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, bf16_scalar, fp4_quant_e4m3_inplace,
+                       linear_bf16, nan_max, output_buffer, rms_norm, single_threaded_blas)
+from .rope import apply_rotary, fma_f32, yarn_freqs_cis
 
 __all__ = ["CompAttnRun", "attention_any", "sparse_attn", "window_index_rows", "index_rows",
            "output_projection", "layer_rope_table"]
@@ -101,103 +103,487 @@ def index_rows(start_pos: int, seqlen: int, window: int, compressed=None) -> np.
     return win if compressed is None else np.concatenate([win, compressed], axis=1)
 
 
-# Queries whose attention runs as one batch of small products: enough to spread numpy's
-# per-call cost, few enough that the gathered rows ([block, rows, hd]) stay near the caches
-# (1 to 8 measured within noise of each other here).
-_ATTN_BLOCK = 4
+# ------------------------------------------------------------------------------------------------
+# Sparse attention in the reference's f32 order
+#
+# The reference multiplies, per query, all H heads at once: scores = q [H, hd] . rows^T (MKL
+# sgemm, T layout), torch's AVX512 softmax over [H, W + 1] (the sink the last column), and
+# P [H, W] @ rows (MKL sgemm, NN layout) over every list position, -1 entries included (their
+# probability is exactly 0). MKL picks its kernel by the row count M = H
+# (../shared/orders/README.md, Q1):
+# * blocked (M >= 4): the inner dimension in blocks of 192 from its start, a fused multiply-add
+#   chain from zero inside each block, block results added in order. q.k blocks hd; P @ rows
+#   blocks the W list positions, so its block edges fall at list positions 192, 384, ...
+# * 2-3 rows: q.k a 4-lane dot without FMA (lane l takes k = peel + 4i + l), P @ rows one
+#   chain over all W positions without FMA; one row: q.k the gemv variant of the same dot.
+# * with the reference's 2 threads and 4 < M < 12, M % 4 != 0: rows 4 * (M // 4) .. M - 1 take
+#   the 2-3 row kernels, the rest the blocked one.
+# Only the blocked kernel is verified at attention shapes (V4.1 has 64 heads and every golden
+# 4): the emulation of this whole order reproduces 100% of the reference's production-dimension
+# samples (tests/data/sparse_attn_v41flash.npz). The other row kernels follow the measured MKL
+# rules for linears and are not verified here.
+#
+# Skipping -1 entries: a -1 entry's probability is exactly +0 and the reference's row for it
+# holds finite values (zeros in the emulation), so its q.k is never needed and in P @ rows each
+# of its multiply-adds is acc + (+0): an identity except that it turns an accumulated -0 into
+# +0, and a run of them does exactly what one does. Each maximal run of -1 entries inside a
+# product block is kept as one zero row with probability +0; every other -1 entry is skipped.
+# Block edges stay at list positions: the bits are those of the full list.
+
+#: MKL sgemm's inner-dimension block (the blocked kernel).
+_KC = 192
+#: Lanes of torch's Vectorized<float> on AVX512: the softmax's sum runs 16 lane accumulators.
+_LANES = 16
+#: q.k micro-kernel tile: 6 listed rows x 64 heads (4 vectors), 24 vector accumulators.
+_QK_ROWS = 6
+_QK_HEADS = 64
+#: P @ rows micro-kernel tile: 8 heads x 48 hd columns (3 vectors), 24 vector accumulators
+#: (measured faster than 6 x 64 here: a block's 48-column slice of the rows stays in L1 while
+#: the head tiles pass over it).
+_PV_HEADS = 8
+_PV_COLS = 48
+#: List rows ahead whose slice the P @ rows tile prefetches (the rows lie scattered in memory).
+_PV_PREFETCH = 4
+#: Entries of the address table past the list that the tiles may read.
+_LIST_SLACK = max(_QK_ROWS - 1, _PV_PREFETCH)
 
 
-@njit(nogil=True, cache=True)
-def _gather_valid_rows(parts, starts, idx, rows):
-    """For each query b, its listed rows (``idx[b] >= 0``, in list order) into ``rows[b, :n]``
-    and zeros after them (padding gets weight 0, and 0 times a stale NaN would be NaN).
-    ``parts`` are row blocks that stack to the KV rows; ``starts`` their first row ids. Runs
-    without the GIL, in a worker thread."""
-    for b in range(idx.shape[0]):
-        n = 0
-        for e in range(idx.shape[1]):
-            r = idx[b, e]
-            if r < 0:
-                continue
-            p = len(starts) - 1
-            while starts[p] > r:
-                p -= 1
-            rows[b, n, :] = parts[p][r - starts[p]]
-            n += 1
-        rows[b, n:, :] = 0
+def _fma_tile(rows, nvec, by_address, prefetch=0):
+    """An intrinsic running MKL's blocked kernel inside one block on a tile of accumulators:
+    for ``i < rows`` and the ``16 * nvec`` lanes ``c``, the FMA chain ``acc = fma(a[k, i],
+    b[k, c], acc)`` over ``k = 0 .. K-1`` from +0, then ``out[i, c] = acc`` or, if
+    ``accumulate``, ``out[i, c] + acc`` (this block added to the earlier ones).
 
-
-@njit(nogil=True, cache=True)
-def _shifted_scores(scores, counts, sink, scale):
-    """In place: ``scores[b, j, h] * scale - m[b, h]`` for listed rows, -inf for padding, where
-    ``m`` is the larger of the best scaled score and the sink (NaN if either is). Returns ``m``.
-
-    Shifting by the larger of the best score and the sink means a sink far above every score
-    underflows the scores instead of overflowing ``exp(sink - m)`` to inf.
+    The listed KV rows are read where they lie, through a table of their addresses (int64),
+    as one operand, so they are never copied:
+    * ``by_address == "a"`` (q.k): ``tile(addr, offset, b, out, accumulate)``; ``a[k, i]`` is
+      the float at ``addr[i] + 4 * (offset + k)``; K is ``b.shape[0]``.
+    * ``by_address == "b"`` (P @ rows): ``tile(a, addr, offset, width, out, accumulate)``;
+      ``b[k, c]`` is the float at ``addr[k] + 4 * (offset + c)`` for ``c < width`` (lanes from
+      ``width`` on read nothing and hold 0); K is ``a.shape[0]``.
+    The array operands are float32 2-d views: ``a`` any strides, ``b`` and ``out`` contiguous
+    rows; the caller checks the shapes. numba has no vector types, so the loop is written in
+    LLVM IR: the accumulators stay in registers for the whole chain and each step is one vector
+    FMA per (row, vector), as in MKL's kernel.
     """
-    B, _, H = scores.shape
-    m = np.empty((B, H), np.float32)
-    for b in range(B):
-        n = counts[b]
-        best = np.full(H, -np.inf, np.float32)
-        for j in range(n):
-            row = scores[b, j]
-            for h in range(H):
-                v = row[h] * scale
-                row[h] = v
-                best[h] = nan_max(best[h], v)
+    def codegen(context, builder, signature, values):
+        i1, i8, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        f32 = ir.FloatType()
+        v16f = ir.VectorType(f32, 16)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
+
+        def const(v):
+            return ir.Constant(i64, v)
+
+        def at(base, offset, ty):
+            return builder.inttoptr(builder.add(base, offset), ty.as_pointer())
+
+        def view(n):
+            ary = context.make_array(signature.args[n])(context, builder, values[n])
+            return (builder.ptrtoint(ary.data, i64), cgutils.unpack_tuple(builder, ary.strides),
+                    cgutils.unpack_tuple(builder, ary.shape))
+
+        if by_address == "a":
+            addr, _, _ = view(0)
+            offset = builder.mul(values[1], const(4))
+            b_base, (b_k, _), (n_k, _) = view(2)
+            o_base, (o_i, _), _ = view(3)
+            accumulate = values[4]
+            a_rows = [builder.add(builder.load(at(addr, const(8 * i), i64)), offset)
+                      for i in range(rows)]
+
+            def load_a(k, i):
+                return builder.load(at(a_rows[i], builder.mul(k, const(4)), f32), align=4)
+
+            def load_b(k):
+                row = builder.add(b_base, builder.mul(k, b_k))
+                return [builder.load(at(row, const(64 * v), v16f), align=4) for v in range(nvec)]
+        else:
+            a_base, (a_k, a_i), (n_k, _) = view(0)
+            addr, _, _ = view(1)
+            offset = builder.mul(values[2], const(4))
+            o_base, (o_i, _), _ = view(4)
+            accumulate = values[5]
+            masked_load = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v16f, [v16f.as_pointer(), i32, ir.VectorType(i1, 16), v16f]),
+                "llvm.masked.load.v16f32.p0v16f32")
+            lane = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
+            width = builder.insert_element(ir.Constant(ir.VectorType(i64, 16), ir.Undefined),
+                                           values[3], ir.Constant(i32, 0))
+            width = builder.shuffle_vector(width, width, ir.Constant(ir.VectorType(i32, 16), None))
+            masks = [builder.icmp_signed("<", builder.add(lane, ir.Constant(lane.type, [16 * v] * 16)),
+                                         width)
+                     for v in range(nvec)]
+
+            def load_a(k, i):
+                row = builder.add(a_base, builder.mul(k, a_k))
+                return builder.load(at(row, builder.mul(a_i, const(i)), f32), align=4)
+
+            prefetch_fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+                "llvm.prefetch.p0i8")
+
+            def load_b(k):
+                row = builder.add(builder.load(at(addr, builder.mul(k, const(8)), i64)), offset)
+                if prefetch:      # read, into L1 (locality 3), data
+                    ahead = builder.mul(builder.add(k, const(prefetch)), const(8))
+                    ahead = builder.add(builder.load(at(addr, ahead, i64)), offset)
+                    for line in range(0, 64 * nvec, 64):
+                        builder.call(prefetch_fn, [at(ahead, const(line), i8), ir.Constant(i32, 0),
+                                                   ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                return [builder.call(masked_load, [at(row, const(64 * v), v16f), ir.Constant(i32, 4),
+                                                   masks[v], zero])
+                        for v in range(nvec)]
+
+        zero = ir.Constant(v16f, [ir.Constant(f32, 0.0)] * 16)
+        entry = builder.basic_block
+        loop = builder.append_basic_block("fmatile.loop")
+        done = builder.append_basic_block("fmatile.done")
+        builder.cbranch(builder.icmp_signed(">", n_k, const(0)), loop, done)
+
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(const(0), entry)
+        acc = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(rows)]
+        for row in acc:
+            for x in row:
+                x.add_incoming(zero, entry)
+        bv = load_b(k)
+        splat_mask = ir.Constant(ir.VectorType(i32, 16), None)
+        new = []
+        for i in range(rows):
+            s = load_a(k, i)
+            splat = builder.insert_element(ir.Constant(v16f, ir.Undefined), s, ir.Constant(i32, 0))
+            splat = builder.shuffle_vector(splat, splat, splat_mask)
+            new.append([builder.call(fma, [splat, bv[v], acc[i][v]]) for v in range(nvec)])
+        k_next = builder.add(k, const(1))
+        k.add_incoming(k_next, loop)
+        for i in range(rows):
+            for v in range(nvec):
+                acc[i][v].add_incoming(new[i][v], loop)
+        builder.cbranch(builder.icmp_signed("<", k_next, n_k), loop, done)
+
+        builder.position_at_end(done)
+        result = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(rows)]
+        for i in range(rows):
+            for v in range(nvec):
+                result[i][v].add_incoming(zero, entry)
+                result[i][v].add_incoming(new[i][v], loop)
+        add = builder.icmp_signed("!=", accumulate, ir.Constant(accumulate.type, 0))
+        for i in range(rows):
+            for v in range(nvec):
+                p = at(o_base, builder.add(builder.mul(o_i, const(i)), const(64 * v)), v16f)
+                summed = builder.fadd(builder.load(p, align=4), result[i][v])
+                builder.store(builder.select(add, summed, result[i][v]), p, align=4)
+        return context.get_dummy_value()
+
+    if by_address == "a":
+        @intrinsic
+        def tile(typingctx, addr, offset, b, out, accumulate):
+            return types.void(addr, offset, b, out, accumulate), codegen
+    else:
+        @intrinsic
+        def tile(typingctx, a, addr, offset, width, out, accumulate):
+            return types.void(a, addr, offset, width, out, accumulate), codegen
+    return tile
+
+
+# q.k tiles for 16, 32, 48 and 64 heads; the P @ rows tile.
+_qk_tile1 = _fma_tile(_QK_ROWS, 1, "a")
+_qk_tile2 = _fma_tile(_QK_ROWS, 2, "a")
+_qk_tile3 = _fma_tile(_QK_ROWS, 3, "a")
+_qk_tile4 = _fma_tile(_QK_ROWS, _QK_HEADS // 16, "a")
+_pv_tile = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH)
+
+
+@njit(cache=True)
+def _blocked_heads(H):
+    """How many of the H heads (from head 0) take MKL's blocked kernel in the reference; the
+    rest take the 2-3 row kernels (the reference's 2-thread rule, see above)."""
+    if H < 4:
+        return 0
+    if 4 < H < 12 and H % 4:
+        return 4 * (H // 4)
+    return H
+
+
+# Sleef_expf16_u10 (Sleef 3's xexpf), torch's Vectorized<float>::exp on AVX512; its multiply-adds
+# are fused (vfmadd).
+_R_LN2F = np.float32(1.442695040888963407359924681001892137426645954152985934135449406931)
+_L2UF = np.float32(0.693145751953125)
+_L2LF = np.float32(1.428606765330187045e-06)
+_EXP_C0 = np.float32(0.000198527617612853646278381)
+_EXP_C1 = np.float32(0.00139304355252534151077271)
+_EXP_C2 = np.float32(0.00833336077630519866943359)
+_EXP_C3 = np.float32(0.0416664853692054748535156)
+_EXP_C4 = np.float32(0.166666671633720397949219)
+_EXP_C5 = np.float32(0.5)
+# Adding and subtracting 1.5 * 2^23 rounds |t| < 2^22 to an integer, ties to even (as cvtps2dq).
+_RINT_MAGIC = np.float32(12582912.0)
+
+
+@njit(cache=True)
+def _pow2i(e):
+    """2^e as f32 for -126 <= e <= 127 (Sleef's vpow2i: the exponent field alone)."""
+    return np.uint32((e + 127) << 23).view(np.float32)
+
+
+@njit(cache=True)
+def _expf_u10(d):
+    """e^d as Sleef_expf16_u10 computes it, bit for bit (d float32)."""
+    t = d * _R_LN2F
+    if not abs(t) < np.float32(4096.0):
+        t = np.float32(0.0)          # non-finite or far out of range: the selects below decide
+    q = (t + _RINT_MAGIC) - _RINT_MAGIC
+    s = fma_f32(q, -_L2UF, d)
+    s = fma_f32(q, -_L2LF, s)
+    u = fma_f32(_EXP_C0, s, _EXP_C1)
+    u = fma_f32(u, s, _EXP_C2)
+    u = fma_f32(u, s, _EXP_C3)
+    u = fma_f32(u, s, _EXP_C4)
+    u = fma_f32(u, s, _EXP_C5)
+    u = np.float32(1.0) + fma_f32(s * s, u, s)
+    qi = np.int64(q)
+    h = qi >> 1
+    u = (u * _pow2i(h)) * _pow2i(qi - h)
+    if d < np.float32(-104.0):
+        u = np.float32(0.0)
+    if d > np.float32(100.0):
+        u = np.float32(np.inf)
+    return u
+
+
+@njit(cache=True, nogil=True)
+def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
+    """One query's list, compacted: its listed rows in list order and one zero row (``listed``
+    False) for each run of -1 entries inside a product block (see above). For each: ``addr``
+    the row's address, ``src`` the row (``zero_row`` for a run), ``pos`` its list position;
+    ``edges[b]`` the first of product block b. ``addr`` is filled with the zero row's address
+    past the end (the last q.k tile reads up to 5 more). ``parts`` are row blocks that stack to
+    the KV rows, ``starts`` their first row ids. Returns ``(n, number listed)``."""
+    W = row_idx.shape[0]
+    zero_addr = zero_row.ctypes.data
+    n = 0
+    n_listed = 0
+    for b in range(len(edges) - 1):
+        edges[b] = n
+        in_gap = False
+        for j in range(b * _KC, min(W, (b + 1) * _KC)):
+            r = row_idx[j]
+            if r >= 0:
+                p = len(starts) - 1
+                while starts[p] > r:
+                    p -= 1
+                part = parts[p]
+                addr[n] = part.ctypes.data + (r - starts[p]) * part.strides[0]
+                src[n, 0] = p
+                src[n, 1] = r - starts[p]
+                listed[n] = True
+                n_listed += 1
+            elif in_gap:
+                continue
+            else:
+                addr[n] = zero_addr
+                src[n, 0] = -1
+                listed[n] = False
+            in_gap = r < 0
+            pos[n] = j
+            n += 1
+    edges[len(edges) - 1] = n
+    addr[n:] = zero_addr
+    return n, n_listed
+
+
+@njit(cache=True, nogil=True)
+def _row(parts, src, zero_row, c):
+    """Row c of the compacted list (see _list_rows)."""
+    p = src[c, 0]
+    return zero_row if p < 0 else parts[p][src[c, 1]]
+
+
+@njit(cache=True, nogil=True)
+def _qk_blocked(qT, addr, n, x, heads):
+    """``x[c, h] = q_h . row_c`` for ``c < n`` and the first ``heads`` heads (up to a multiple
+    of 16 are computed: qT's extra columns are zero), MKL's blocked order over hd."""
+    hd = qT.shape[0]
+    for h0 in range(0, heads, _QK_HEADS):
+        nv = min(_QK_HEADS // 16, (heads - h0 + 15) // 16)
+        for d0 in range(0, hd, _KC):
+            b = qT[d0:min(hd, d0 + _KC), h0:h0 + 16 * nv]
+            for c0 in range(0, n, _QK_ROWS):
+                a = addr[c0:c0 + _QK_ROWS]
+                t = x[c0:c0 + _QK_ROWS, h0:h0 + 16 * nv]
+                if nv == 4:
+                    _qk_tile4(a, d0, b, t, d0 > 0)
+                elif nv == 3:
+                    _qk_tile3(a, d0, b, t, d0 > 0)
+                elif nv == 2:
+                    _qk_tile2(a, d0, b, t, d0 > 0)
+                else:
+                    _qk_tile1(a, d0, b, t, d0 > 0)
+
+
+@njit(cache=True, nogil=True)
+def _dot_no_fma(qh, row, hd, peel):
+    """MKL's small/gemv dot (no FMA): ``peel`` products summed first, then 4 lane sums (lane l
+    takes k = peel + 4i + l, lane 0 continuing the peel's sum) reduced ``(l0 + l2) + (l1 + l3)``,
+    then the leftover products one by one."""
+    s0 = np.float32(0.0)
+    for k in range(min(peel, hd)):
+        s0 += qh[k] * row[k]
+    s1 = s2 = s3 = np.float32(0.0)
+    k = peel
+    while k + 4 <= hd:
+        s0 += qh[k] * row[k]
+        s1 += qh[k + 1] * row[k + 1]
+        s2 += qh[k + 2] * row[k + 2]
+        s3 += qh[k + 3] * row[k + 3]
+        k += 4
+    r = (s0 + s2) + (s1 + s3)
+    while k < hd:
+        r += qh[k] * row[k]
+        k += 1
+    return r
+
+
+@njit(cache=True, nogil=True)
+def _qk_small(qs, parts, src, zero_row, listed, n, x, first):
+    """Heads ``first ..`` by the reference's 1-3 row kernels: one head alone the gemv dot, whose
+    peel follows the rows' alignment (64-byte aligned, ``hd`` apart); otherwise the small dot,
+    whose peel follows the query row's (q 64-byte aligned, head rows ``hd`` apart)."""
+    H, hd = qs.shape
+    for h in range(first, H):
+        peel = 4 - (-hd) % 4 if H == 1 else (-(h * hd)) % 4
+        for c in range(n):
+            if listed[c]:
+                x[c, h] = _dot_no_fma(qs[h], _row(parts, src, zero_row, c), hd, peel)
+
+
+@njit(cache=True, nogil=True)
+def _softmax_rows(x, pos, listed, n, W, sink, scale, H, lanes):
+    """In place over ``x[:n, :H]`` (the dot products of the compacted list): torch's AVX512
+    ``_vec_softmax_lastdim`` of each head's row ``[scores * scale (-inf at -1 entries), sink]``
+    of W + 1 columns, the sink's column dropped: ``x`` becomes the probabilities.
+
+    Max over the row (NaN wins), ``e = exp(v - max)`` (Sleef), the sum by ``vec::reduce_all``:
+    16 lane sums (lane l takes the columns l, l + 16, ... in order; the last partial vector,
+    the sink's column among it, joins lanes 0 ..), then lanes i + 8, i + 4, i + 2, i + 1 added
+    into lane i; a row shorter than 16 is summed column by column. Then ``p = e * (1 / sum)``.
+    The columns a compacted list leaves out are -1 entries: their e is +0, which leaves every
+    lane sum as it is (or the whole row is NaN anyway).
+    """
+    m = sink[:H].copy()
+    for c in range(n):
         for h in range(H):
-            m[b, h] = nan_max(best[h], sink[h])
-        for j in range(n):
-            row = scores[b, j]
+            v = x[c, h] * scale if listed[c] else np.float32(-np.inf)
+            x[c, h] = v
+            m[h] = nan_max(m[h], v)
+    e_sink = np.empty(H, np.float32)
+    for h in range(H):
+        e_sink[h] = _expf_u10(sink[h] - m[h])
+    for c in range(n):
+        for h in range(H):
+            x[c, h] = _expf_u10(x[c, h] - m[h])
+    total = np.zeros(H, np.float32)
+    if W + 1 < _LANES:
+        for c in range(n):
             for h in range(H):
-                row[h] -= m[b, h]
-        scores[b, n:, :] = -np.inf
-    return m
-
-
-@njit(nogil=True, cache=True)
-def _row_sums(p, counts):
-    """``sum_j p[b, j, h]`` over each query's listed rows, in row order."""
-    B, _, H = p.shape
-    out = np.zeros((B, H), np.float32)
-    for b in range(B):
-        acc = out[b]
-        for j in range(counts[b]):
-            row = p[b, j]
+                total[h] += x[c, h]
+        for h in range(H):
+            total[h] += e_sink[h]
+    else:
+        lanes[:, :H] = 0
+        for c in range(n):
+            lane = lanes[pos[c] % _LANES]
             for h in range(H):
-                acc[h] += row[h]
-    return out
+                lane[h] += x[c, h]
+        lane = lanes[W % _LANES]
+        for h in range(H):
+            lane[h] += e_sink[h]
+        half = _LANES // 2
+        while half:
+            for i in range(half):
+                for h in range(H):
+                    lanes[i, h] += lanes[i + half, h]
+            half //= 2
+        total[:] = lanes[0, :H]
+    for h in range(H):
+        total[h] = np.float32(1.0) / total[h]
+    for c in range(n):
+        for h in range(H):
+            x[c, h] *= total[h]
 
 
-def _attend_block(q, rows, counts, sink, scale):
-    """Attention of queries ``q [B, h, hd]`` over their gathered rows ``rows [B, n, hd]`` (row
-    ``j >= counts[b]`` is padding); returns ``[B, h, hd]`` f32 (zeros for a query with no row)."""
-    # Scores as [B, rows, heads]: both products then run untransposed through BLAS.
-    scores = np.matmul(rows, q.transpose(0, 2, 1))
-    m = _shifted_scores(scores, counts, sink, scale)
-    p = np.exp(scores, out=scores)
-    denom = _row_sums(p, counts) + np.exp(sink - m)
-    out = np.matmul(p.transpose(0, 2, 1), rows)
-    out /= denom[:, :, None]
-    out[counts == 0] = 0
-    return out
+@njit(cache=True, nogil=True)
+def _pv_blocked(p, addr, edges, out, heads, hd):
+    """``out[h] = sum_c p[c, h] row_c`` for the first ``heads`` heads (up to a multiple of 6
+    are computed), MKL's blocked order over the list: one FMA chain per block, blocks added in
+    order."""
+    for d0 in range(0, hd, _PV_COLS):
+        for b in range(len(edges) - 1):
+            lo, hi = edges[b], edges[b + 1]
+            for h0 in range(0, heads, _PV_HEADS):
+                _pv_tile(p[lo:hi, h0:h0 + _PV_HEADS], addr[lo:hi], d0, hd - d0,
+                         out[h0:h0 + _PV_HEADS, d0:d0 + _PV_COLS], b > 0)
 
 
-def _gathered(parts, starts, idx):
-    """``(rows [B, n, hd], counts [B])``: each query's listed rows, padded to the longest list."""
-    counts = np.count_nonzero(idx >= 0, axis=1)
-    rows = np.empty((idx.shape[0], int(counts.max(initial=0)), parts[0].shape[1]), np.float32)
-    _gather_valid_rows(parts, starts, idx, rows)
-    return rows, counts
+@njit(cache=True, nogil=True)
+def _pv_small(p, parts, src, zero_row, n, out, first, H, hd):
+    """Heads ``first .. H-1``: the reference's 1-3 row NN kernel, one chain over the whole list
+    without FMA (each product rounded, then added)."""
+    for h in range(first, H):
+        acc = out[h]
+        acc[:hd] = 0
+        for c in range(n):
+            w = p[c, h]
+            row = _row(parts, src, zero_row, c)
+            for d in range(hd):
+                acc[d] += w * row[d]
 
 
-def _attend_queries(q, parts, starts, idx, sink, scale, o, lo, hi):
-    """Queries ``lo .. hi-1`` of :func:`sparse_attn`, a block at a time, written into ``o``."""
-    for a in range(lo, hi, _ATTN_BLOCK):
-        b = min(hi, a + _ATTN_BLOCK)
-        rows, counts = _gathered(parts, starts, idx[a:b])
-        o[a:b] = _attend_block(q[a:b], rows, counts, sink, scale)
+@njit(parallel=True, cache=True, nogil=True)
+def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers):
+    """:func:`sparse_attn` into ``o``: worker w takes the queries w, w + workers, ..., each
+    whole (its arithmetic does not depend on which worker runs it), in buffers of its own."""
+    S, H, hd = q.shape
+    W = idx.shape[1]
+    blocked = _blocked_heads(H)
+    n_blocks = (W + _KC - 1) // _KC
+    hq = (H + 15) // 16 * 16                   # qT's columns: q.k tiles read 16 heads at a time
+    # P's columns (a multiple of 16: rows 64-byte aligned) and the output tile's rows: P @ rows
+    # tiles read and write 8 heads at a time.
+    hp = (max(hq, (H + _PV_HEADS - 1) // _PV_HEADS * _PV_HEADS) + 15) // 16 * 16
+    hd_pad = (hd + _PV_COLS - 1) // _PV_COLS * _PV_COLS
+    cap = W + _LIST_SLACK
+    for w in prange(workers):
+        zero_row = np.zeros(hd_pad, np.float32)
+        addr = np.zeros(cap, np.int64)
+        src = np.zeros((cap, 2), np.int64)
+        pos = np.zeros(cap, np.int64)
+        listed = np.zeros(cap, np.bool_)
+        edges = np.zeros(n_blocks + 1, np.int64)
+        qT = np.zeros((hd, hq), np.float32)
+        x = np.zeros((cap, hp), np.float32)
+        acc = np.zeros((hp, hd_pad), np.float32)
+        lanes = np.zeros((_LANES, hp), np.float32)
+        for s in range(w, S, workers):
+            n, n_listed = _list_rows(parts, starts, idx[s], zero_row, addr, src, pos, listed, edges)
+            if n_listed == 0:
+                o[s] = 0
+                continue
+            qs = q[s]
+            for h in range(H):
+                for d in range(hd):
+                    qT[d, h] = qs[h, d]
+            _qk_blocked(qT, addr, n, x, blocked)
+            _qk_small(qs, parts, src, zero_row, listed, n, x, blocked)
+            _softmax_rows(x, pos, listed, n, W, sink, scale, H, lanes)
+            _pv_blocked(x, addr, edges, acc, blocked, hd)
+            _pv_small(x, parts, src, zero_row, n, acc, blocked, H, hd)
+            for h in range(H):
+                for d in range(hd):
+                    o[s, h, d] = bf16_scalar(acc[h, d])
 
 
 def _check_sparse_attn(q, kv, idx, attn_sink):
@@ -232,36 +618,24 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     scores plus the sink, which joins only the denominator. A query with no listed row outputs
     zeros. Result rounded to bf16, written into ``out`` (a C-contiguous float32 buffer) if given.
 
-    All heads of a query read the same rows, so each query is two small matrix products
-    (``[n, hd] x [hd, H]`` and ``[H, n] x [n, hd]``) over its gathered valid rows, run for a block
-    of queries at a time (rows padded to the block's longest list; padding scores -inf). Such
-    products are too small to split well across BLAS threads, so a prefill's blocks are split
-    across ``numba.get_num_threads()`` workers instead, each with single-threaded BLAS; a step
-    with fewer queries than workers (a decode step, about a millisecond of products) runs in
-    the calling thread, which costs less than handing it over. A query's arithmetic is the
-    same whichever thread runs it.
+    Every f32 operation is the reference's, in its order (see the notes above
+    ``_fma_tile``): the last bit of a score, a probability or an output is what the reference
+    computes, including NaN and inf propagation. Queries are spread over
+    ``numba.get_num_threads()`` workers, each query computed whole by one of them, so the
+    result does not depend on the thread count.
     """
     _check_sparse_attn(q, kv, idx, attn_sink)
     S, H, hd = q.shape
     scale = np.float32(softmax_scale)
-    sink = attn_sink.astype(np.float32)
+    sink = np.ascontiguousarray(attn_sink, dtype=np.float32)
     parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
-    o = _output(out, (S, H, hd), "sparse_attn")       # every query's row is written below
-    workers = numba.get_num_threads()
-    if S >= workers:
-        # Whole blocks to each worker: a block's products, and so its rounding, do not depend
-        # on the number of workers.
-        blocks = -(-S // _ATTN_BLOCK)
-        in_workers(_attend_queries, [(q, parts, starts, idx, sink, scale, o, lo * _ATTN_BLOCK,
-                                      min(S, hi * _ATTN_BLOCK))
-                                     for lo, hi in split_range(blocks, workers)])
-    else:
-        # A decode step: ~1 ms of BLAS, less than splitting it across threads costs.
-        rows, counts = _gathered(parts, starts, idx)
-        with single_threaded_blas():
-            o[:] = _attend_block(q, rows, counts, sink, scale)
-    return round_bf16_inplace(o)
+    o = output_buffer(out, (S, H, hd), "sparse_attn")       # every query's row is written below
+    if S:
+        _sparse_attn_kernel(np.ascontiguousarray(q), parts, starts,
+                            np.ascontiguousarray(idx, dtype=np.int64), sink, scale, o,
+                            max(1, min(S, numba.get_num_threads())))
+    return o
 
 
 def output_projection(o: np.ndarray, wo_a, wo_b, out=None, mid=None,
@@ -323,11 +697,8 @@ def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos,
             # slot keeps the previous writer's cache (even another ratio's), as in the
             # reference, and this layer scores against that.
             keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps)
-            state.index_cache[first_row:first_row + len(keys)] = keys
+            state.index_cache.write(first_row, keys)
             shared.index_k = state.index_cache
-            shared.index_k_packed = state.index_packed
-            if state.index_packed is not None:
-                state.index_packed.write(first_row, len(keys))
         if width == 0:
             shared.topk_idxs = np.zeros((seqlen, 0), np.int32)
         else:
@@ -335,7 +706,7 @@ def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos,
             shared.topk_idxs, published, index_score = indexer(
                 x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
                 shared.index_k, offset, candidate_blocks=cands, capture=capture,
-                packed_keys=shared.index_k_packed, observer=shared.observer)
+                observer=shared.observer)
             if published is not None:
                 shared.candidate_blocks = published
                 shared.candidate_width = width

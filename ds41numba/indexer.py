@@ -11,7 +11,7 @@ The scores are computed a tile of queries at a time, so a prefill never holds a
 ``[seqlen, positions]`` tensor unless the caller asks to capture it. Their dot products are of
 fp4 values, exact in f32 whatever the summation order (unless a row's block scales lie ~2^10
 apart), so they run wherever they run fastest: on AVX512-BF16 against a packed copy of the keys
-(:class:`PackedIndexKeys`), else through numpy's f32 BLAS; both give the same scores.
+(:class:`IndexKeyCache`), else through numpy's f32 BLAS; both give the same scores.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import numpy as np
 from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
-from .numerics import (BF16_DOT, DOT_LANES, DOT_ROWS, _bf16_dot_tile, _output, bf16_pairs,
+from .numerics import (DOT_LANES, DOT_ROWS, bf16_dot_enabled, bf16_dot_tile, bf16_pairs,
                        bf16_scalar, fp4_quant_e8m0_inplace, in_workers, linear_bf16, nan_max,
-                       pack_bf16_pairs, rms_norm, split_range, to_bf16_rne)
+                       output_buffer, pack_bf16_pairs, rms_norm, split_range, to_bf16_rne,
+                       worth_parallel)
 from .rope import apply_rotary
 from .topk import partial_sort_set_into, topk_set_into, torch_cpu_topk_rows
 
-__all__ = ["IndexerWeights", "IndexerCfg", "PackedIndexKeys", "indexer", "index_keys",
+__all__ = ["IndexerWeights", "IndexerCfg", "IndexKeyCache", "indexer", "index_keys",
            "select_candidate_blocks", "candidate_mask", "visible_lengths"]
 
 # Elements of one tile's [tile, positions] scores: 64 MB of f32, whatever the sequence length.
@@ -38,8 +39,6 @@ _TILE_ELEMS = 1 << 24
 _SCORE_CHUNK_ELEMS = 1 << 20
 # Rows of the indexer's query projection run as one product.
 _PROJ_ROWS = 1024
-# Fewer multiply-adds than this (about a millisecond of BLAS) are scored in one thread.
-_SPLIT_MIN_MACS = 1 << 26
 
 
 @dataclass
@@ -175,7 +174,7 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
     vector); a decode step's few heads position-major (``keys @ iq^T``, faster for that shape).
     """
     T, ih, idim = iq.shape
-    out = _output(out, (T, width), "_tile_scores")
+    out = output_buffer(out, (T, width), "_tile_scores")
     out.fill(-np.inf)
     n_vis = int(clen.max(initial=0))
     flat = iq.reshape(T * ih, idim)
@@ -197,31 +196,9 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
 
     # Handing work to the worker threads costs a few hundred microseconds: a short decode
     # step's scores (a few MFLOP) run in the calling thread.
-    workers = numba.get_num_threads() if T * n_vis * ih * idim >= _SPLIT_MIN_MACS else 1
+    workers = numba.get_num_threads() if worth_parallel(T * n_vis * ih * idim, pool=True) else 1
     in_workers(score_range, split_range(n_vis, workers))
     return out
-
-
-class PackedIndexKeys:
-    """A key cache (``source``, f32 ``[rows, id]`` of bf16 values) kept a second time in the layout
-    the AVX512-BF16 scorer reads (``blocks``, see :func:`~ds41numba.numerics.pack_bf16_pairs`).
-
-    A decode step scores every key: repacking them all each step would cost more than scoring
-    them (15 ms at 65,536 keys), so a key owner packs the rows it writes as it writes them.
-    """
-
-    __slots__ = ("source", "blocks")
-
-    def __init__(self, source: np.ndarray, rows: int | None = None):
-        self.source = source
-        self.blocks = np.zeros((-(-source.shape[0] // DOT_LANES), source.shape[1] // 2, DOT_LANES),
-                               np.uint32)
-        self.write(0, source.shape[0] if rows is None else rows)
-
-    def write(self, first_row: int, n: int) -> None:
-        """Pack rows ``first_row .. first_row + n`` of ``source`` (after writing them there)."""
-        if n:
-            pack_bf16_pairs(self.source[first_row:first_row + n], self.blocks, first_row)
 
 
 @njit(parallel=True, cache=True)
@@ -248,7 +225,7 @@ def _scores_bf16_kernel(qp, w, keys, clen, n_blocks, workers, out):
             first = s_lo * ih // DOT_ROWS * DOT_ROWS
             d[first:] = 0
             for r in range(first, T * ih, DOT_ROWS):
-                _bf16_dot_tile(qp[r:r + DOT_ROWS], keys[b], d[r:r + DOT_ROWS])
+                bf16_dot_tile(qp[r:r + DOT_ROWS], keys[b], d[r:r + DOT_ROWS])
             _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
 
 
@@ -263,7 +240,7 @@ def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.
     """:func:`_tile_scores` against packed keys (``[blocks, id / 2, DOT_LANES]``); ``qbuf`` a
     reusable uint32 buffer of at least the tile's padded query rows."""
     T, ih, idim = iq.shape
-    out = _output(out, (T, width), "_tile_scores_bf16")
+    out = output_buffer(out, (T, width), "_tile_scores_bf16")
     out.fill(-np.inf)
     size = _query_pairs_size(T, ih, idim)
     if qbuf is None or qbuf.size < size:
@@ -280,6 +257,54 @@ def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.
         _scores_bf16_kernel(qp, np.ascontiguousarray(w, np.float32), keys, clen, n_blocks,
                             min(numba.get_num_threads(), n_blocks), out)
     return out
+
+
+class IndexKeyCache:
+    """The index keys a key owner writes and every index source scores against.
+
+    ``keys`` holds the rows (f32 ``[capacity, id]``, bf16 values: the fp4-quantised keys). When
+    the products run on AVX512-BF16 (:func:`~ds41numba.numerics.backend`) the cache keeps the
+    same rows a second time in the layout that scorer reads (``blocks``, see
+    :func:`~ds41numba.numerics.pack_bf16_pairs`), written together with them: a decode step
+    scores every key, and repacking them all each step would cost more than scoring them
+    (15 ms at 65,536 keys). :meth:`scores` picks the kernel; both give the same scores.
+    """
+
+    __slots__ = ("keys", "blocks")
+
+    def __init__(self, keys: np.ndarray, packed_rows: int | None = None):
+        """Wrap ``keys`` (kept as given, not copied); its first ``packed_rows`` rows (all by
+        default) hold keys already and are packed."""
+        self.keys = keys
+        self.blocks = None
+        if bf16_dot_enabled():
+            self._pack_all(keys.shape[0] if packed_rows is None else packed_rows)
+
+    @classmethod
+    def empty(cls, capacity: int, head_dim: int) -> "IndexKeyCache":
+        """A key owner's cache of ``capacity`` rows, none written yet."""
+        return cls(np.zeros((capacity, head_dim), np.float32), packed_rows=0)
+
+    def _pack_all(self, rows: int) -> None:
+        n, d = self.keys.shape
+        self.blocks = np.zeros((-(-n // DOT_LANES), d // 2, DOT_LANES), np.uint32)
+        if rows:
+            pack_bf16_pairs(self.keys[:rows], self.blocks, 0)
+
+    def write(self, first_row: int, keys: np.ndarray) -> None:
+        """Keys of rows ``first_row .. first_row + len(keys)``, into both layouts."""
+        self.keys[first_row:first_row + len(keys)] = keys
+        if self.blocks is not None and len(keys):
+            pack_bf16_pairs(self.keys[first_row:first_row + len(keys)], self.blocks, first_row)
+
+    def scores(self, iq: np.ndarray, w: np.ndarray, clen: np.ndarray, width: int,
+               out: np.ndarray | None = None, qbuf: np.ndarray | None = None) -> np.ndarray:
+        """A tile's scores ``[T, width]`` after the visibility mask (see :func:`_tile_scores`)."""
+        if not bf16_dot_enabled():
+            return _tile_scores(iq, w, self.keys[:width], clen, width, out=out)
+        if self.blocks is None:     # made while the products ran on BLAS
+            self._pack_all(self.keys.shape[0])
+        return _tile_scores_bf16(iq, w, self.blocks, clen, width, out=out, qbuf=qbuf)
 
 
 @njit(parallel=True, cache=True)
@@ -391,6 +416,8 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
         bad(f"start_pos and offset must be integers >= 0, got {start_pos!r} and {offset!r}")
     if tile is not None and not is_int(tile, 1):
         bad(f"tile must be None or a positive integer, got {tile!r}")
+    if isinstance(index_k, IndexKeyCache):
+        index_k = index_k.keys
     for name, a in (("x", x), ("qr", qr), ("index_k", index_k)):
         dtypes = (np.float32, BF16) if name == "x" else (np.float32,)
         if not isinstance(a, np.ndarray) or a.dtype not in dtypes or a.ndim != 2:
@@ -418,20 +445,19 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
 
 
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
-            weights: IndexerWeights, table, index_k: np.ndarray, offset: int,
+            weights: IndexerWeights, table, index_k, offset: int,
             candidate_blocks: np.ndarray | None = None, tile: int | None = None,
-            capture: bool = False, packed_keys: PackedIndexKeys | None = None, observer=None):
+            capture: bool = False, observer=None):
     """Select each query's compressed positions.
 
-    ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows); ``offset`` is
-    added to every kept index (the number of window rows ahead of the compressed rows).
-    Returns ``(topk_idxs [seqlen, k] int32, candidate_blocks or None, index_score or None)``:
-    the candidate source's per-block mask (bits packed along rows, see :func:`candidate_mask`),
-    and with ``capture`` the scores after the visibility mask and before candidate masking.
-
-    ``index_k`` holds bf16 values (the fp4-quantised keys). On a CPU with AVX512-BF16 the scores'
-    dot products run there, against ``packed_keys`` when it is ``index_k``'s packed copy (a key
-    owner's cache, kept up to date as keys are written) and otherwise against keys packed here.
+    ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows): an
+    :class:`IndexKeyCache` (a key owner's, kept in the scorer's layout as keys are written) or
+    an array of bf16 values (the fp4-quantised keys), packed here when the scorer needs it.
+    ``offset`` is added to every kept index (the number of window rows ahead of the compressed
+    rows). Returns ``(topk_idxs [seqlen, k] int32, candidate_blocks or None, index_score or
+    None)``: the candidate source's per-block mask (bits packed along rows, see
+    :func:`candidate_mask`), and with ``capture`` the scores after the visibility mask and
+    before candidate masking.
 
     ``observer`` (the golden captures' hook, :mod:`ds41numba.golden.captures`), if given, sees
     every tile of queries while its buffers are live (copy what it keeps):
@@ -441,8 +467,6 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     from (candidate-masked) and the tile's rows of ``topk_idxs``. It changes nothing computed.
     """
     _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile)
-    if packed_keys is not None and not isinstance(packed_keys, PackedIndexKeys):
-        raise TypeError(f"indexer: packed_keys must be a PackedIndexKeys, got {type(packed_keys).__name__}")
     seqlen = x.shape[0]
     end_pos = start_pos + seqlen
     r = cfg.ratio
@@ -450,7 +474,11 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     k = min(cfg.topk, width)
     clen = visible_lengths(start_pos, seqlen, r)
     positions = np.arange(start_pos, end_pos, dtype=np.int64)
-    keys = index_k[:width]
+    if not isinstance(index_k, IndexKeyCache):
+        try:
+            index_k = IndexKeyCache(index_k[:width])
+        except ValueError:
+            raise ValueError("indexer: index_k must hold bf16 values (the fp4-quantised keys)") from None
     scale = np.float32(cfg.head_dim ** -0.5 * cfg.n_heads ** -0.5)
     w_all = to_bf16_rne(linear_bf16(x, weights.weights_proj) * scale)
 
@@ -469,16 +497,8 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     # Buffers reused by every tile (fresh arrays this size cost page faults each time).
     iq_buf = np.empty((min(proj_rows, seqlen), cfg.n_heads, cfg.head_dim), np.float32)
     score_buf = np.empty((min(tile, seqlen), width), np.float32)
-    key_blocks = qbuf = None
-    if BF16_DOT:
-        if packed_keys is not None and packed_keys.source is index_k:
-            key_blocks = packed_keys.blocks
-        else:
-            try:
-                key_blocks = pack_bf16_pairs(keys)
-            except ValueError:
-                raise ValueError("indexer: index_k must hold bf16 values (the fp4-quantised keys)") from None
-        qbuf = np.empty(_query_pairs_size(min(tile, seqlen), cfg.n_heads, cfg.head_dim), np.uint32)
+    qbuf = (np.empty(_query_pairs_size(min(tile, seqlen), cfg.n_heads, cfg.head_dim), np.uint32)
+            if bf16_dot_enabled() else None)
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
         if s0 % proj_rows == 0:
@@ -487,11 +507,8 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             iq_rows = iq_rows.reshape(p1 - s0, cfg.n_heads, cfg.head_dim)
             iq_rows = fp4_quant_e8m0_inplace(apply_rotary(iq_rows, positions[s0:p1], table, inplace=True))
         iq = iq_rows[s0 % proj_rows:s0 % proj_rows + s1 - s0]
-        if key_blocks is not None:
-            scores = _tile_scores_bf16(iq, w_all[s0:s1], key_blocks, clen[s0:s1], width,
-                                       out=score_buf[:s1 - s0], qbuf=qbuf)
-        else:
-            scores = _tile_scores(iq, w_all[s0:s1], keys, clen[s0:s1], width, out=score_buf[:s1 - s0])
+        scores = index_k.scores(iq, w_all[s0:s1], clen[s0:s1], width, out=score_buf[:s1 - s0],
+                                qbuf=qbuf)
         if capture:
             score_capture[s0:s1] = scores
         if observer is not None:

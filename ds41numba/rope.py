@@ -17,12 +17,12 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numerics import bf16_scalar
+from .numerics import bf16_scalar, worth_parallel
 
-__all__ = ["yarn_freqs_cis", "apply_rotary"]
+__all__ = ["yarn_freqs_cis", "apply_rotary", "fma_f32"]
 
-# Below this many rotated pairs the thread start-up of a parallel kernel costs more than the work.
-_PARALLEL_MIN = 1 << 14
+# A rotated pair (or a table entry), in multiply-adds (numerics.worth_parallel).
+_PAIR_COST = 16
 
 # torch's CPU complex64 multiply (the reference's rotation) runs each inner loop of the broadcast
 # product in blocks of 2 x Vectorized<complex<float>>::size() pairs with separately rounded products,
@@ -32,7 +32,7 @@ TORCH_VEC_PAIRS = 8
 
 
 @intrinsic
-def _fma_f32(typingctx, a, b, c):
+def fma_f32(typingctx, a, b, c):
     """a * b + c with one rounding (LLVM's fma intrinsic; exact even without hardware FMA)."""
     sig = types.float32(types.float32, types.float32, types.float32)
 
@@ -126,7 +126,7 @@ def yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_
     freqs = _inv_freqs(dim, original_seq_len, base, factor, beta_fast, beta_slow)
     cos = np.empty((seqlen, dim // 2), dtype=np.float32)
     sin = np.empty((seqlen, dim // 2), dtype=np.float32)
-    if seqlen * (dim // 2) >= _PARALLEL_MIN:
+    if worth_parallel(seqlen * (dim // 2), _PAIR_COST):
         _table_kernel(freqs, cos, sin, max(1, 4096 // (dim // 2)))
     elif seqlen:
         _table_rows(freqs, cos, sin, 0, seqlen)
@@ -157,8 +157,8 @@ def _rotate_rows(y, pos, cos, sin, negate, coalesce, lo, hi):
                     im = a * s + b * c
                 else:
                     # Scalar ``a*c - b*d``, ``a*d + b*c`` contracted: the first product stays exact.
-                    re = _fma_f32(a, c, -(b * s))
-                    im = _fma_f32(a, s, b * c)
+                    re = fma_f32(a, c, -(b * s))
+                    im = fma_f32(a, s, b * c)
                 y[i, h, off + 2 * k] = bf16_scalar(re)
                 y[i, h, off + 2 * k + 1] = bf16_scalar(im)
 
@@ -243,7 +243,7 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None, inplace
     else:
         coalesce = bool(coalesce_rows)
     negate = bool(inverse)
-    if n * heads * (rd // 2) >= _PARALLEL_MIN and n > 1:
+    if worth_parallel(n * heads * (rd // 2), _PAIR_COST) and n > 1:
         _rotate_kernel(y, pos, cos, sin, negate, coalesce)
     elif n and heads and rd:
         _rotate_rows(y, pos, cos, sin, negate, coalesce, 0, n)

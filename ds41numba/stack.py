@@ -20,9 +20,8 @@ import numpy as np
 from .attention import CompAttnRun, attention_any
 from .compressor import CompressorState, CompressorWeights
 from .config import FALLBACK_KEY_OWNER, AttnConfig
-from .indexer import IndexerWeights, PackedIndexKeys, candidate_mask
-from .f32_products import F32Matrix
-from .numerics import BF16_DOT, Bf16Matrix, is_bf16_valued
+from .indexer import IndexerWeights, IndexKeyCache, candidate_mask
+from .numerics import Bf16Matrix, F32Matrix, is_bf16_valued
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "StepOrder",
            "weight_specs"]
@@ -132,8 +131,7 @@ class LayerAttnState:
     window_kv: np.ndarray
     compressor: CompressorState | None = None
     compress_cache: np.ndarray | None = None
-    index_cache: np.ndarray | None = None
-    index_packed: PackedIndexKeys | None = None   # index_cache for the AVX512-BF16 scorer
+    index_cache: IndexKeyCache | None = None
     end_pos: int = 0               # the next position this layer expects
     last_step: tuple[int, int] | None = None   # (start_pos, seqlen) of the step it last ran
 
@@ -153,9 +151,7 @@ class LayerAttnState:
             st.compressor = CompressorState.fresh(r, hd)
             st.compress_cache = np.zeros((config.max_seq_len // r, hd), np.float32)
             if config.is_index_source(layer_id):
-                st.index_cache = np.zeros((config.max_seq_len // r, config.index_head_dim), np.float32)
-                if BF16_DOT:
-                    st.index_packed = PackedIndexKeys(st.index_cache, rows=0)
+                st.index_cache = IndexKeyCache.empty(config.max_seq_len // r, config.index_head_dim)
         return st
 
 
@@ -163,8 +159,8 @@ class LayerAttnState:
 class SharedRuntime:
     """The four slots carried down the stack within a step; never reset, as in the reference.
 
-    ``compress_kv`` and ``index_k`` are the latest writer's whole cache (``index_k_packed`` the
-    writer's packed copy of its keys, on a CPU with AVX512-BF16); ``topk_idxs`` is the
+    ``compress_kv`` and ``index_k`` are the latest writer's whole cache (``index_k`` an
+    :class:`~ds41numba.indexer.IndexKeyCache`: its ``keys`` are the rows); ``topk_idxs`` is the
     latest index source's selection (``[seqlen, k]`` int32, offsets applied); the candidate
     source's mask is kept per block, one bit each (``candidate_blocks``, packed along rows) and
     expanded to positions on demand by :attr:`candidates`.
@@ -175,8 +171,7 @@ class SharedRuntime:
     """
 
     compress_kv: np.ndarray | None = None
-    index_k: np.ndarray | None = None
-    index_k_packed: PackedIndexKeys | None = None
+    index_k: IndexKeyCache | None = None
     topk_idxs: np.ndarray | None = None
     candidate_blocks: np.ndarray | None = None
     candidate_width: int = 0
@@ -356,7 +351,7 @@ class StepOrder:
                                      f"against the ones the key owners left, but key owner layer {j} "
                                      f"has not run the previous step (start_pos {start_pos - 1}): "
                                      f"every step runs all the key owners, in layer order")
-        keys = self.shared.index_k
+        keys = None if self.shared.index_k is None else self.shared.index_k.keys
         if keys is not None and keys.shape[0] >= width:
             return
         who = self.index_k_writer

@@ -762,6 +762,152 @@ def output_projection(o, wo_a, wo_b, groups):
     return np.array(out, F32).reshape(S, wo_b.shape[0])
 
 
+# --- sparse attention in the reference's order ---
+# The reference's per-query order (../shared/orders/README.md, Q1; torch 2.13's AVX512 softmax):
+# scores = q [H, hd] . rows^T and o = P [H, W] @ rows by MKL sgemm over the FULL index list (a -1
+# entry's row taken as zeros), the kernel of each head row chosen by the row count H; between
+# them torch's _vec_softmax_lastdim over [scores * scale with -inf at -1 entries, sink]. Literal and
+# slow: one f32 operation (or one fused multiply-add, fma_f32) at a time, vectorised only
+# across independent outputs.
+
+_SA_KC = 192
+
+
+def mkl_row_kernels(M):
+    """MKL's kernel for each of the M rows of a product, with the reference's 2 threads."""
+    if M == 1:
+        return ["gemv"]
+    if M <= 3:
+        return ["small"] * M
+    if 4 < M < 12 and M % 4:
+        return ["blocked"] * (4 * (M // 4)) + ["small"] * (M % 4)
+    return ["blocked"] * M
+
+
+def _sa_blocked(a, b):
+    """sum_k a[..., k] * b[..., k] as MKL's blocked kernel: k in blocks of 192, an FMA chain from
+    +0 inside each, block results added in order (the first one as it is)."""
+    K = a.shape[-1]
+    total = None
+    for k0 in range(0, K, _SA_KC):
+        acc = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]), F32)
+        for k in range(k0, min(K, k0 + _SA_KC)):
+            acc = fma_f32(a[..., k], b[..., k], acc)
+        total = acc if total is None else (total + acc).astype(F32)
+    return total
+
+
+def _sa_small_dot(a, b, peel):
+    """MKL's small / gemv dot, no FMA: products rounded; the first ``peel`` summed in order; then
+    lane l = sum of products peel + 4i + l (lane 0 starting from the peel's sum); (l0 + l2) +
+    (l1 + l3); then the leftover products one by one."""
+    p = (a * b).astype(F32)
+    K = p.shape[-1]
+    lanes = [np.zeros(p.shape[:-1], F32) for _ in range(4)]
+    for k in range(min(peel, K)):
+        lanes[0] = lanes[0] + p[..., k]
+    k = peel
+    while k + 4 <= K:
+        for lane in range(4):
+            lanes[lane] = lanes[lane] + p[..., k + lane]
+        k += 4
+    r = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+    for j in range(k, K):
+        r = r + p[..., j]
+    return r
+
+
+def sleef_expf_u10(d):
+    """Sleef_expf16_u10 (Sleef 3's xexpf), its multiply-adds fused, element by element."""
+    d = np.asarray(d, F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        log2e = F32(1.442695040888963407359924681001892137426645954152985934135449406931)
+        t = (d * log2e).astype(F32)
+        q = np.where(np.abs(t) < 1000, np.rint(t), 0).astype(F32)  # else: selects below
+        s = fma_f32(q, -F32(0.693145751953125), d)
+        s = fma_f32(q, -F32(1.428606765330187045e-06), s)
+        u = np.full(d.shape, F32(0.000198527617612853646278381), F32)
+        for c in (0.00139304355252534151077271, 0.00833336077630519866943359, 0.0416664853692054748535156,
+                  0.166666671633720397949219, 0.5):
+            u = fma_f32(u, s, F32(c))
+        u = (F32(1) + fma_f32((s * s).astype(F32), u, s)).astype(F32)
+        qi = q.astype(np.int64)
+        half = qi >> 1
+        u = (u * np.ldexp(F32(1), half).astype(F32)).astype(F32)
+        u = (u * np.ldexp(F32(1), qi - half).astype(F32)).astype(F32)
+        u = np.where(d < -104, F32(0), u)
+        u = np.where(d > 100, F32(np.inf), u)
+    return u.astype(F32)
+
+
+def reduce_all_sum(x):
+    """torch's vec::reduce_all(x + y) over the last axis, Vectorized<float> of 16 lanes: fewer
+    than 16 columns one by one; else a vector of lane sums over the whole vectors, the partial
+    last vector added into lanes 0.., then lanes i^8, i^4, i^2, i^1 added into lane i."""
+    x = np.asarray(x, F32)
+    n = x.shape[-1]
+    if n < 16:
+        r = x[..., 0].copy()
+        for i in range(1, n):
+            r = (r + x[..., i]).astype(F32)
+        return r
+    acc = x[..., :16].copy()
+    d = 16
+    while d < n - n % 16:
+        acc = (acc + x[..., d:d + 16]).astype(F32)
+        d += 16
+    if n > d:
+        acc[..., :n - d] = (acc[..., :n - d] + x[..., d:]).astype(F32)
+    for w in (8, 4, 2, 1):
+        acc = (acc + acc[..., np.arange(16) ^ w]).astype(F32)
+    return acc[..., 0]
+
+
+def sparse_attn_ordered(q, kv, idx, sink, scale):
+    """sparse_attn in the reference's exact f32 order (see above); zeros for a query with no
+    valid entry (the SPEC's rule; the reference gives zeros too unless the sink is -inf).
+    ``q [S, H, hd]``, ``kv [n, hd]``, ``idx [S, W]``, ``sink [H]``; returns bf16 values as f32."""
+    q = np.asarray(q, F32)
+    kv = np.asarray(kv, F32)
+    sink = np.asarray(sink, F32)
+    S, H, hd = q.shape
+    kinds = mkl_row_kernels(H)
+    out = np.zeros((S, H, hd), F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for s in range(S):
+            valid = idx[s] >= 0
+            if not valid.any():
+                continue
+            rows = np.where(valid[:, None], kv[np.where(valid, idx[s], 0)], F32(0))
+            W = rows.shape[0]
+            scores = np.empty((H, W), F32)
+            blocked = [h for h in range(H) if kinds[h] == "blocked"]
+            if blocked:                                         # every blocked head at once
+                scores[blocked] = _sa_blocked(q[s, blocked][:, None, :], rows[None])
+            for h in range(H):
+                if kinds[h] != "blocked":
+                    # gemv: peel from the rows' alignment (64-byte aligned, hd apart); small: from
+                    # the query row's (q 64-byte aligned, heads hd apart)
+                    peel = 4 - (-hd) % 4 if kinds[h] == "gemv" else (-(h * hd)) % 4
+                    scores[h] = _sa_small_dot(q[s, h][None, :], rows, peel)
+            x = (scores * F32(scale)).astype(F32)
+            x[:, ~valid] = -np.inf
+            x = np.concatenate([x, sink[:, None]], axis=1)
+            m = x.max(axis=1)                                   # NaN propagates
+            e = sleef_expf_u10((x - m[:, None]).astype(F32))
+            r = (F32(1) / reduce_all_sum(e)).astype(F32)
+            p = (e * r[:, None]).astype(F32)[:, :W]
+            if blocked:
+                out[s, blocked] = _sa_blocked(p[blocked][:, None, :], rows.T[None])
+            for h in range(H):
+                if kinds[h] != "blocked":                       # one chain over W, no FMA
+                    acc = np.zeros(hd, F32)
+                    for j in range(W):
+                        acc = (acc + (p[h, j] * rows[j]).astype(F32)).astype(F32)
+                    out[s, h] = acc
+    return to_bf16_rne(out)
+
+
 # --- golden ---
 
 

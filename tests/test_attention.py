@@ -8,15 +8,20 @@ least 99.9% identical (the SPEC's "How exact is exact"); the naive versions sum 
 products exactly, so they do not share any BLAS's order.
 """
 
+import json
+
+import numba
 import numpy as np
 import pytest
+from numba import njit
 
 import naive
-from helpers import (assert_bf16_close, bf16, captured_steps, nan_rows, nan_stack, random_config,
+from helpers import (DATA, assert_bf16_close, bf16, captured_steps, nan_rows, nan_stack, random_config,
                      random_weights, xs)
-from ds41numba import (AttentionStack, act_quant_fp8_inplace, apply_rotary, linear_bf16,
-                       linear_f32, output_projection, sparse_attn, to_bf16_rne, window_index_rows)
-from ds41numba.attention import layer_rope_table
+from ds41numba import (AttentionStack, act_quant_fp8_inplace, apply_rotary, fp4_quant_e4m3_inplace,
+                       linear_bf16, linear_f32, output_projection, sparse_attn, to_bf16_rne,
+                       window_index_rows)
+from ds41numba.attention import _expf_u10, layer_rope_table
 from ds41numba.numerics import Bf16Matrix
 
 
@@ -121,9 +126,9 @@ def test_sparse_attn_sink_only_in_the_denominator():
 
 
 def test_sparse_attn_queries_of_a_block_stay_apart():
-    """Queries attend in blocks whose rows are padded to the longest list: a NaN row listed by
-    one query, a query with a longer list, or one with none must not change its neighbours,
-    and a decode-sized call (one query) gives each query's own result."""
+    """Queries share work buffers (a worker's, reused query after query): a NaN row listed by one
+    query, a query with a longer list, or one with none must not change its neighbours, and a
+    decode-sized call (one query) gives each query's own result."""
     rng = np.random.default_rng(24)
     q, kv, idx, sink = _attn_case(rng, S=8, W=20)
     kv[7] = np.nan
@@ -161,6 +166,148 @@ def test_sparse_attn_kv_as_row_blocks_is_identical():
         three = sparse_attn(q, [kv[:5], kv[5:win], kv[win:]], rows, sink, scale)
         assert np.array_equal(whole, split) and np.array_equal(whole, three)
         assert_bf16_close(whole, naive.sparse_attn(q, kv, rows, sink, scale), "sparse_attn")
+
+
+def _bits_equal(got, want):
+    """Bit-identical, NaN for NaN (the payload aside)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    nan = np.isnan(want)
+    return (got.shape == want.shape and np.array_equal(np.isnan(got), nan)
+            and np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)))
+
+
+def test_softmax_exp_is_sleef_expf_u10_bit_for_bit():
+    """The softmax's exp (torch's Vectorized<float>::exp, Sleef_expf16_u10) against the naive
+    twin: random f32 over [-200, 10] (underflow below -104, denormal results between), whole
+    numbers and half-way points of the range reduction, tiny values, +-0, +-inf, NaN."""
+    @njit
+    def exp_all(d):
+        out = np.empty_like(d)
+        for i in range(d.shape[0]):
+            out[i] = _expf_u10(d[i])
+        return out
+
+    rng = np.random.default_rng(7)
+    d = np.concatenate([rng.uniform(-200, 10, 200_000), rng.uniform(-1, 0, 50_000),
+                        np.arange(-120, 101) * np.log(2), np.arange(-241, 201) * 0.5 * np.log(2),
+                        [0.0, -0.0, 1e-30, -1e-30, -103.97, -104.0, -104.01, 88.7, 100.0, 100.01,
+                         -1e30, 1e30, -np.inf, np.inf, np.nan]]).astype(np.float32)
+    assert _bits_equal(exp_all(d), naive.sleef_expf_u10(d))
+
+
+@pytest.mark.parametrize("H", [1, 2, 3, 4, 5, 7, 64])
+def test_sparse_attn_follows_the_reference_order_bit_for_bit(H):
+    """Against naive.sparse_attn_ordered (the reference's MKL and torch order, literally):
+    every bit, for each MKL row-kernel mix (1 row gemv, 2-3 small, 5 and 7 blocked + small rows,
+    4 and 64 blocked), lists with -1 entries, an all -1 row, W < 16 (the softmax's scalar sum),
+    W across product blocks (200 > 192, 400), hd not a multiple of 4 or 16 (the small kernels'
+    peels, the masked tile columns), bf16 inputs as in the model and full f32 ones (where q.k's
+    FMAs matter), and the kv rows as one array or as row blocks."""
+    rng = np.random.default_rng(100 + H)
+    for hd, W, n, as_bf16 in [(64, 20, 50, True), (42, 200, 300, False), (33, 9, 40, True),
+                              (48, 400, 500, True), (16, 13, 30, False)]:
+        S = 3 if H == 64 else 4
+        q = rng.standard_normal((S, H, hd)).astype(np.float32)
+        kv = rng.standard_normal((n, hd)).astype(np.float32)
+        if as_bf16:
+            q, kv = to_bf16_rne(q), to_bf16_rne(kv)
+            if hd % 32 == 0:
+                kv = act_quant_fp8_inplace(kv)
+        idx = np.array([rng.permutation(n)[:W] for _ in range(S)], np.int32)
+        idx[rng.random(idx.shape) < 0.25] = -1
+        idx[1] = -1                                          # nothing valid: zeros
+        idx[2, W // 2:] = -1                                 # a -1 tail, as the model's lists
+        sink = rng.standard_normal(H).astype(np.float32)
+        scale = hd ** -0.5
+        want = naive.sparse_attn_ordered(q, kv, idx, sink, scale)
+        got = sparse_attn(q, kv, idx, sink, scale)
+        assert _bits_equal(got, want), (hd, W)
+        assert np.array_equal(got[1], np.zeros_like(got[1]))
+        split = sparse_attn(q, (kv[:n // 3], kv[n // 3:]), idx, sink, scale)
+        assert np.array_equal(split.view(np.uint32), got.view(np.uint32))
+
+
+def test_sparse_attn_signed_zeros_and_non_finite_values_as_the_reference():
+    """The edge cases of the order, against the naive twin: an accumulated -0 that a -1 entry's
+    zero row (0 * 0 added) turns into +0 and that a listed -0 row keeps; a NaN row listed by one
+    query (NaN for every head of it, as torch's max lets NaN through); inf in q (scores of inf, -inf
+    and NaN: NaN); a -inf sink (the softmax without it) and a +inf one (NaN). A query with no
+    valid entry gives zeros whatever the sink."""
+    hd = 16
+    kv = np.zeros((4, hd), np.float32)
+    kv[0, 0], kv[0, 1], kv[1, 0] = -1e-10, -95.0, -0.0   # p_0 * kv[0, 0] underflows to -0
+    kv[2] = np.linspace(-1, 1, hd)
+    kv[3] = np.nan
+    q = np.zeros((7, 4, hd), np.float32)
+    q[:, :, 1] = 1
+    q[5, 2, 1] = np.inf
+    idx = np.array([[0, -1, 1], [0, 1, -1], [0, 1, 1], [2, 3, -1], [-1, -1, -1], [2, 0, 1],
+                    [2, 1, 0]], np.int32)
+    for sink in (np.zeros(4, np.float32), np.array([0, -np.inf, np.inf, 1], np.float32)):
+        got = sparse_attn(q, kv, idx, sink, 1.0)
+        want = naive.sparse_attn_ordered(q, kv, idx, sink, 1.0)
+        assert _bits_equal(got, want)
+        assert np.all(np.isnan(got[3])) and np.all(np.isnan(got[5, 2]))
+        assert np.array_equal(got[4].view(np.uint32), np.zeros((4, hd), np.uint32))
+    got = sparse_attn(q, kv, idx, np.zeros(4, np.float32), 1.0)
+    assert list(np.signbit(got[:3, 0, 0])) == [False, False, True]
+
+
+def test_sparse_attn_reproduces_the_reference_at_production_dimensions():
+    """tests/data/sparse_attn_v41flash.npz (made by tests/data/make_sparse_attn_v41flash.py): 4
+    sampled prefill queries of V4.1-Flash layer 20 (v41flash_L20_ref.safetensors, 2048-token
+    prefill) and 4 of layer 2 (v41flash_kv_sources_ref.safetensors, 1024 tokens): 64 heads of 512,
+    640-entry lists (full and with -1 tails). q, o and idx are the golden's ``sample.q``,
+    ``sample.o`` and ``step0.layers.{L}.idx`` rows, unchanged (bf16 bit patterns); kv holds only
+    the rows those lists name (``rows``: their ids; idx remapped onto them): the compressed ones
+    the golden's ``shared.compress_kv``, the prefill's window rows ds41numba's own (not stored in
+    the golden; checked against its window ring); sink the generator's ``attn_sink``. The rows
+    are what they claim: window rows fp8 and compressed rows fp4 e4m3 fixed points.
+    Every element bit-identical."""
+    d = np.load(DATA / "sparse_attn_v41flash.npz")
+    notes = json.loads(str(d["provenance"]))
+    as_f32 = lambda a: a.astype(np.uint32) << 16   # noqa: E731  bf16 bits -> f32 bits
+    for name in ("L20", "L2"):
+        q, kv, o = (as_f32(d[f"{name}.{k}"]).view(np.float32) for k in ("q", "kv", "o"))
+        window = d[f"{name}.rows"] < notes[name]["window_rows"]
+        assert window.any() and (~window).any()
+        assert np.array_equal(act_quant_fp8_inplace(kv[window].copy()), kv[window])
+        assert np.array_equal(fp4_quant_e4m3_inplace(kv[~window].copy()), kv[~window])
+        got = sparse_attn(q, kv, d[f"{name}.idx"], d[f"{name}.sink"], 512 ** -0.5)
+        same = got.view(np.uint32) == o.view(np.uint32)
+        assert same.all(), f"{name}: {int((~same).sum())} of {same.size} elements differ"
+
+
+def test_sparse_attn_does_not_depend_on_the_thread_count():
+    """Each query is computed whole by one work item: 1 and 2 numba threads give the same bits."""
+    rng = np.random.default_rng(41)
+    q, kv, idx, sink = _attn_case(rng, S=9, H=64, hd=96, n=300, W=250)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = sparse_attn(q, kv, idx, sink, 0.1)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = sparse_attn(q, kv, idx, sink, 0.1)
+    finally:
+        numba.set_num_threads(before)
+    assert np.array_equal(one.view(np.uint32), two.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["tiny", "mixed", "edge_prefill1", "edge_prefill_window",
+                                  "edge_r128_short", "edge_r128_groups"])
+def test_sparse_attn_reproduces_every_recorded_o_bit_for_bit(reference_golden, name):
+    """Every ``o`` a small golden records, from its own q, kv, idx and sink: bit-identical (4
+    heads, MKL's blocked kernel; the earlier numpy-BLAS order missed 0 to 47 elements per golden)."""
+    d = reference_golden(name)
+    hd = d.config.head_dim
+    keys = [k for k in d.tensors if k.endswith(".o")]
+    assert keys
+    for k in keys:
+        pre = k[:-1]
+        layer = int(pre.split(".")[2])
+        got = sparse_attn(d[pre + "q"], d[pre + "kv"], d[pre + "idx"],
+                          d[f"layers.{layer}.attn.attn_sink"], hd ** -0.5)
+        assert np.array_equal(got.view(np.uint32), d[k].view(np.uint32)), k
 
 
 # =============================================================================== output projection

@@ -10,8 +10,8 @@ import pytest
 
 import naive
 from helpers import linear_case, linear_case_names
-from ds41numba import f32_products as fp
-from ds41numba.f32_products import (KC, TILE_LANES, F32Matrix, blocked_rows, linear_f32_ordered,
+from ds41numba.numerics import workers
+from ds41numba.numerics.f32_products import (KC, TILE_LANES, F32Matrix, blocked_rows, linear_f32_ordered,
                                     matmul_nn_f32_ordered, pack_columns)
 
 F32 = np.float32
@@ -140,7 +140,7 @@ def test_results_do_not_depend_on_the_thread_count(m, monkeypatch):
     got = []
     try:
         for threads, parallel_min in [(1, 0), (2, 0), (2, 1 << 62)]:   # parallel, then serial
-            monkeypatch.setattr(fp, "_PARALLEL_MIN_MACS", parallel_min)
+            monkeypatch.setattr(workers, "PARALLEL_MIN_MACS", parallel_min)
             numba.set_num_threads(threads)
             got.append((linear_f32_ordered(x, w), matmul_nn_f32_ordered(x, v)))
     finally:

@@ -254,7 +254,7 @@ def test_fuzz_stack(plan, seed, poison, twin):
                 assert "shared index keys" in str(e), e
                 keys = stack.shared.index_k
                 width = (start_pos + seqlen) // cfg.ratio(i)
-                assert keys is None or keys.shape[0] < width, e
+                assert keys is None or keys.keys.shape[0] < width, e
                 return
             src = cfg.index_source_of(i) if cfg.ratio(i) else None
             exact = finite and not (src is not None and cfg.uses_candidates(src))

@@ -441,8 +441,13 @@ def test_another_head_order_passes_as_boundary_swaps(tmp_path, monkeypatch):
     plan = _tie_plan(candidates=False)
     path = tmp_path / "golden.safetensors"
     golden.write_golden(plan, path)
-    cand = _made_with(tmp_path, monkeypatch, "heads.safetensors", plan, BF16_DOT=False,
-                      _tile_scores=_reversed_head_sum_scores)
+    indexer = importlib.import_module("ds41numba.indexer")
+
+    def scores(self, iq, w, clen, width, out=None, qbuf=None):
+        return _reversed_head_sum_scores(iq, w, self.keys[:width], clen, width, out)
+
+    monkeypatch.setattr(indexer.IndexKeyCache, "scores", scores)
+    cand = _made_with(tmp_path, monkeypatch, "heads.safetensors", plan)
     s = _assert_passes_with_swaps(golden.compare_files(path, cand), "head order")
     assert 0 < s["max_relative_gap"] < golden.DEFAULT_INDEX_TOLERANCE
     # Today's rule would have failed it, and a swap's float rows are judged apart.

@@ -8,17 +8,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ds41numba"
 
-#: TEMPORARY: the private names of ds41numba.numerics other modules still import, as
-#: (importing module, name). numerics is being split into a package (issue 11), whose public
-#: names these become; then remove them here, until this is empty. A name that is no longer
-#: imported must leave the list (the test says so).
-NUMERICS_PRIVATE_IMPORTS = {
-    ("ds41numba.attention", "_output"),
-    ("ds41numba.indexer", "_bf16_dot_tile"),
-    ("ds41numba.indexer", "_output"),
-}
-
-
 def _modules() -> dict[str, Path]:
     """``{"ds41numba.golden.files": path, ...}`` for every module of the package."""
     out = {}
@@ -57,15 +46,9 @@ def _private(name: str | None) -> bool:
 
 def test_no_module_imports_a_private_name_of_another():
     modules = _modules()
-    found = {(importer, target, name) for importer, target, name in _imports(modules)
-             if _private(name)}
-    allowed = {(importer, name) for importer, target, name in found
-               if target == "ds41numba.numerics" and (importer, name) in NUMERICS_PRIVATE_IMPORTS}
-    bad = sorted(f"{importer} imports {name} from {target}" for importer, target, name in found
-                 if (importer, name) not in allowed)
+    bad = sorted(f"{importer} imports {name} from {target}"
+                 for importer, target, name in _imports(modules) if _private(name))
     assert not bad, "private names imported across modules: " + "; ".join(bad)
-    stale = NUMERICS_PRIVATE_IMPORTS - allowed
-    assert not stale, f"no longer imported, remove from NUMERICS_PRIVATE_IMPORTS: {sorted(stale)}"
 
 
 def test_the_import_graph_has_no_cycle():

@@ -18,7 +18,7 @@ from helpers import EPS, bf16, captured_steps, random_config, random_weights
 from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, linear_bf16,
                        select_candidate_blocks, to_bf16_rne)
 from ds41numba.attention import layer_rope_table
-from ds41numba.numerics import BF16_DOT, pack_bf16_pairs
+from ds41numba.numerics import bf16_dot_enabled, pack_bf16_pairs, use_backend, workers
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
 indexer_mod = importlib.import_module("ds41numba.indexer")
@@ -81,7 +81,7 @@ def _index_inputs(rng, T, ih, idim, n):
 
 
 LAYOUTS = {"position-major": 1 << 30, "head-major": 1}
-needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="the AVX512-BF16 kernel is off (no "
+needs_bf16_dot = pytest.mark.skipif(not bf16_dot_enabled(), reason="the AVX512-BF16 kernel is off (no "
                                     "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
 # The f32 BLAS path in both of its layouts, and the AVX512-BF16 kernel.
 SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot)]
@@ -115,7 +115,7 @@ def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
 def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
     """Small chunks, split across the workers: every chunk boundary, a NaN and an inf key."""
     monkeypatch.setattr(indexer_mod, "_SCORE_CHUNK_ELEMS", 64)
-    monkeypatch.setattr(indexer_mod, "_SPLIT_MIN_MACS", 0)
+    monkeypatch.setattr(workers, "POOL_MIN_MACS", 0)
     rng = np.random.default_rng(12)
     T, ih, idim, n = 3, 2, 32, 600
     iq, w, keys = _index_inputs(rng, T, ih, idim, n)
@@ -159,13 +159,13 @@ def _indexer_case(rng, seqlen=40, n_keys=60, ih=4, idim=32, dim=48, q_rank=24):
     return args
 
 
-def test_indexer_same_selection_on_both_scoring_paths(monkeypatch):
+def test_indexer_same_selection_on_both_scoring_paths():
     """The AVX512-BF16 kernel and the f32 BLAS path (CPUs without it) pick the same rows."""
     args = _indexer_case(np.random.default_rng(14))
     results = []
-    for use_bf16 in (False, BF16_DOT):
-        monkeypatch.setattr(indexer_mod, "BF16_DOT", use_bf16)
-        results.append(indexer_mod.indexer(**args, capture=True))
+    for path in ("blas", "avx512bf16" if bf16_dot_enabled() else "blas"):
+        with use_backend(path):
+            results.append(indexer_mod.indexer(**args, capture=True))
     assert np.array_equal(results[0][0], results[1][0])
     assert np.array_equal(results[0][2], results[1][2])
     want = naive.tile_scores(*_indexer_scoring_inputs(args))
@@ -185,24 +185,24 @@ def _indexer_scoring_inputs(args):
 
 
 @needs_bf16_dot
-def test_packed_index_keys_follow_their_cache_and_only_it():
+def test_index_key_cache_keeps_both_layouts_as_keys_are_written():
     rng = np.random.default_rng(15)
     args = _indexer_case(rng)
-    cache = np.zeros_like(args["index_k"])
-    packed = indexer_mod.PackedIndexKeys(cache, rows=0)
+    cache = indexer_mod.IndexKeyCache.empty(*args["index_k"].shape)
     for lo, hi in [(0, 33), (33, 34), (34, 60)]:       # a prefill, then rows a step at a time
-        cache[lo:hi] = args["index_k"][lo:hi]
-        packed.write(lo, hi - lo)
-    assert np.array_equal(packed.blocks, pack_bf16_pairs(args["index_k"]))
+        cache.write(lo, args["index_k"][lo:hi])
+    assert np.array_equal(cache.keys, args["index_k"])
+    assert np.array_equal(cache.blocks, pack_bf16_pairs(args["index_k"]))
     want = indexer_mod.indexer(**args)[0]
-    args["index_k"] = cache
-    assert np.array_equal(indexer_mod.indexer(**args, packed_keys=packed)[0], want)
-    # A packed copy of some other cache is not used: the indexer packs index_k itself.
-    stale = indexer_mod.PackedIndexKeys(np.zeros_like(cache))
-    assert np.array_equal(indexer_mod.indexer(**args, packed_keys=stale)[0], want)
-    with pytest.raises(TypeError, match="PackedIndexKeys"):
-        indexer_mod.indexer(**args, packed_keys=packed.blocks)
-    args["index_k"] = cache + np.float32(2.0 ** -12)
+    assert np.array_equal(indexer_mod.indexer(**dict(args, index_k=cache))[0], want)
+    # A cache made while the products ran on BLAS holds no packed copy; scoring on AVX512-BF16
+    # later packs it once.
+    with use_backend("blas"):
+        late = indexer_mod.IndexKeyCache(args["index_k"].copy())
+    assert late.blocks is None
+    assert np.array_equal(indexer_mod.indexer(**dict(args, index_k=late))[0], want)
+    assert np.array_equal(late.blocks, cache.blocks)
+    args["index_k"] = args["index_k"] + np.float32(2.0 ** -12)
     with pytest.raises(ValueError, match="bf16 values"):
         indexer_mod.indexer(**args)
 

@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 import naive
 from helpers import REFERENCE_GOLDENS, linear_case, linear_case_names
 from ds41numba import numerics as nm
+from ds41numba.numerics import linear as linear_mod
 
 F32 = np.float32
 U32 = np.uint32
@@ -346,12 +347,12 @@ def test_quantiser_validation(fn):
 def test_row_helpers_work_on_views():
     rng = np.random.default_rng(5)
     x = random_blocks(rng, 8, 64, 32)
-    for helper, ref, block in [(nm._fp8_quant_row, naive.act_quant_fp8_inplace, 32),
-                               (nm._fp4_e8m0_row, naive.fp4_quant_e8m0_inplace, 32),
-                               (nm._fp4_e4m3_row, naive.fp4_quant_e4m3_inplace, 16)]:
+    for kind, ref, block in [(nm.Q_FP8, naive.act_quant_fp8_inplace, 32),
+                             (nm.Q_FP4_E8M0, naive.fp4_quant_e8m0_inplace, 32),
+                             (nm.Q_FP4_E4M3, naive.fp4_quant_e4m3_inplace, 16)]:
         y = x.copy()
         for r in range(y.shape[0]):
-            helper(y[r], block)
+            nm.quant_row(y[r], block, kind)
         assert_same_bits(y, ref(x, block))
 
 
@@ -448,7 +449,7 @@ def test_linear_bf16_and_f32():
 
 # ------------------------------------------------------------------------ AVX512-BF16 dot products
 
-needs_bf16_dot = pytest.mark.skipif(not nm.BF16_DOT, reason="the AVX512-BF16 kernel is off (no "
+needs_bf16_dot = pytest.mark.skipif(not nm.bf16_dot_enabled(), reason="the AVX512-BF16 kernel is off (no "
                                     "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
 
 
@@ -456,7 +457,7 @@ needs_bf16_dot = pytest.mark.skipif(not nm.BF16_DOT, reason="the AVX512-BF16 ker
 def _dot_all(a, b, out):
     """Each block of B against the same rows of A, through the micro-kernel."""
     for k in range(b.shape[0]):
-        nm._bf16_dot_tile(a, b[k], out[k])
+        nm.bf16_dot_tile(a, b[k], out[k])
 
 
 def _dot(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0):
@@ -521,7 +522,7 @@ def test_linear_bf16_many_rows_of_a_bf16_matrix(monkeypatch, m, k, n, groups):
     last shapes span several work items, inner-dimension panels, and input chunks of 16 rows),
     else BLAS. Either way at most one bf16 step from the exact dot products, and independent of
     the thread count."""
-    monkeypatch.setattr(nm, "_WIDEN_ROWS", 16 if m == 61 else nm._WIDEN_ROWS)
+    monkeypatch.setattr(linear_mod, "_WIDEN_ROWS", 16 if m == 61 else linear_mod._WIDEN_ROWS)
     rng = np.random.default_rng(m + k)
     x = naive.to_bf16_rne(rng.standard_normal((m, groups * k)).astype(F32))
     w = naive.to_bf16_rne((rng.standard_normal((n, k)) / np.sqrt(k)).astype(F32))
@@ -581,12 +582,12 @@ def test_every_bf16_linear_case_of_the_reference_is_bit_exact(linear_cases):
     checked = 0
     for name in linear_case_names("y"):
         x, w, want = linear_case(linear_cases, name)
-        if x.shape[0] > nm.MATVEC_MAX_ROWS and not nm.BF16_DOT:
+        if x.shape[0] > nm.MATVEC_MAX_ROWS and not nm.bf16_dot_enabled():
             continue
         got = nm.linear_bf16(x, nm.Bf16Matrix(np.ascontiguousarray(w)))
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
         checked += 1
-    assert checked == (100 if nm.BF16_DOT else 60)
+    assert checked == (100 if nm.bf16_dot_enabled() else 60)
 
 
 @pytest.mark.parametrize("m, k, n, groups, ref_rows", [
@@ -602,7 +603,7 @@ def test_linear_bf16_follows_the_reference_order(m, k, n, groups, ref_rows):
     want = np.concatenate([naive.linear_bf16_ordered(
         x[:, g * k:(g + 1) * k], w[g * rank:(g + 1) * rank], ref_rows or m) for g in range(groups)], axis=1)
     got = nm.linear_bf16(x, nm.Bf16Matrix(w, groups=groups), ref_rows=ref_rows)
-    if m > nm.MATVEC_MAX_ROWS and not nm.BF16_DOT:
+    if m > nm.MATVEC_MAX_ROWS and not nm.bf16_dot_enabled():
         assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 1e-30)
     else:
         assert_same_bits(got, want)

@@ -147,7 +147,7 @@ def test_fma_is_exact():
     def fma_all(a, b, c):
         out = np.empty_like(a)
         for i in range(a.shape[0]):
-            out[i] = rope._fma_f32(a[i], b[i], c[i])
+            out[i] = rope.fma_f32(a[i], b[i], c[i])
         return out
 
     # exact 1 + 2^-23 + 2^-24 - 2^-70: just below a midpoint that float64 would round onto (then

@@ -105,7 +105,7 @@ def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str,
             if shared.compress_kv is not None:
                 got["shared.compress_kv"] = shared.compress_kv[: end_pos // r]
             if shared.index_k is not None:
-                got["shared.index_k"] = shared.index_k[: end_pos // r]
+                got["shared.index_k"] = shared.index_k.keys[: end_pos // r]
             cands = shared.candidates
             if cands is not None:
                 got["shared.candidates"] = cands
@@ -120,7 +120,7 @@ def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str,
         if observer.rows.size and r:
             got["sample.compress_kv"] = shared.compress_kv[: end_pos // r]
             if c.is_index_source(layer_id) and shared.index_k is not None:
-                got["sample.index_k"] = shared.index_k[: end_pos // r]
+                got["sample.index_k"] = shared.index_k.keys[: end_pos // r]
     return {k: got[k] for k in wanted if k in got}
 
 

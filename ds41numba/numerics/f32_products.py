@@ -37,6 +37,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .workers import worth_parallel
+
 __all__ = [
     "KC",
     "TILE_ROWS",
@@ -407,10 +409,8 @@ def _chain_item(x, v, out, first_row, j):
             out[r, c0:c1] = acc
 
 
-# Each kernel has a parallel and a serial driver over the same work items: below
-# _PARALLEL_MIN_MACS multiply-adds, waking numba's workers costs more than the work (tens of us,
-# more on a busy machine). The items do not depend on which thread runs them.
-_PARALLEL_MIN_MACS = 1 << 18
+# Each kernel has a parallel and a serial driver over the same work items, chosen by
+# workers.worth_parallel. The items do not depend on which thread runs them.
 
 
 @njit(parallel=True, cache=True)
@@ -496,7 +496,7 @@ def _pack(w, transposed):
     n = w.shape[1] if transposed else w.shape[0]
     k = w.shape[0] if transposed else w.shape[1]
     out = _aligned_empty((-(-n // TILE_LANES), k, TILE_LANES))
-    (_pack_parallel if out.size >= _PARALLEL_MIN_MACS else _pack_serial)(w, out, transposed)
+    (_pack_parallel if worth_parallel(out.size) else _pack_serial)(w, out, transposed)
     return out
 
 
@@ -609,7 +609,7 @@ def _run_blocked(x2, wp, y, nb, n):
     if nb:
         groups = _col_groups(nb, wp.shape[0])
         n_items = -(-nb // _CHUNK_ROWS) * groups
-        big = nb * x2.shape[1] * n >= _PARALLEL_MIN_MACS
+        big = worth_parallel(nb * x2.shape[1] * n)
         (_blocked_parallel if big else _blocked_serial)(x2, wp, y, nb, n, groups, n_items)
 
 
@@ -648,7 +648,7 @@ def linear_f32_ordered(x, w, out=None):
                 else:
                     ldx = _lead(x2)
                     peels = (-(np.arange(nb, m, dtype=np.int64) * ldx)) % 4
-                big = (m - nb) * k * n >= _PARALLEL_MIN_MACS
+                big = worth_parallel((m - nb) * k * n)
                 (_small_parallel if big else _small_serial)(x2, wm.packed, y, nb, peels, n)
     return y.reshape(np.shape(x)[:-1] + (n,))
 
@@ -678,7 +678,7 @@ def matmul_nn_f32_ordered(x, v, out=None):
             if nb:
                 _run_blocked(x2, _pack(v, True), y, nb, n)
             if nb < m:
-                big = (m - nb) * k * n >= _PARALLEL_MIN_MACS
+                big = worth_parallel((m - nb) * k * n)
                 n_items = -(-n // _CHAIN_LANES)
                 (_chain_parallel if big else _chain_serial)(x2, v, y, nb, n_items)
     return y.reshape(np.shape(x)[:-1] + (n,))

@@ -1,0 +1,46 @@
+"""Bit-exact low-precision building blocks, one module per concept:
+
+- ``formats``: rounding f32 onto bf16, e4m3, e2m1 and powers of two (scalar ``@njit`` helpers
+  and array functions), and the array checks the numeric functions share;
+- ``quant``: the reference's fp8 / fp4 quantise-dequantise schemes;
+- ``bf16_dot``: the AVX512-BF16 micro-kernel, its many-row product and pair layouts, and the one
+  switch between it and numpy's BLAS (``backend``, ``use_backend``);
+- ``f32_products``: f32 products in the reference's MKL order;
+- ``linear``: the projections (``Bf16Matrix``, ``linear_bf16``, ``linear_f32``);
+- ``norm``: RMSNorm and torch's CPU sum order;
+- ``workers``: threads (not numerics: the "run in parallel?" policy, the worker pool, BLAS's
+  threads).
+
+Every public name is re-exported here, so ``from ds41numba.numerics import linear_bf16`` works.
+"""
+
+from .bf16_dot import (BACKENDS, DOT_LANES, DOT_ROWS, GEMM_PAIRS, backend, bf16_dot_enabled,
+                       bf16_dot_tile, bf16_pairs, gemm_bf16, pack_bf16_pairs, use_backend)
+from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
+from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
+                      as_f32_array, bf16_scalar, check_inplace, e2m1_scalar, e4m3_scalar,
+                      is_bf16_valued, nan_max, output_buffer, pow2ceil, pow2ceil_scalar,
+                      round_bf16_inplace, to_bf16_rne, to_e2m1_rne, to_e4m3_rne)
+from .linear import (MATVEC_MAX_ROWS, TINY_BF16_LINEAR, Bf16Matrix, bf16_k_block, linear_bf16,
+                     linear_f32)
+from .norm import SUM_LANES, rms_norm, torch_sum_f32
+from .quant import (Q_FP4_E4M3, Q_FP4_E8M0, Q_FP8, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
+                    fp4_quant_e8m0_inplace, quant_row)
+from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threaded_blas,
+                      split_range, worth_parallel)
+
+__all__ = [
+    "BACKENDS", "DOT_LANES", "DOT_ROWS", "GEMM_PAIRS", "backend", "bf16_dot_enabled",
+    "bf16_dot_tile", "bf16_pairs", "gemm_bf16", "pack_bf16_pairs", "use_backend",
+    "F32Matrix", "linear_f32_ordered", "matmul_nn_f32_ordered",
+    "E2M1_MAX", "E4M3_MAX", "ELEMENT_COST", "FP4_BLOCK", "FP8_BLOCK", "LATENT_BLOCK",
+    "as_f32_array", "bf16_scalar", "check_inplace", "e2m1_scalar", "e4m3_scalar",
+    "is_bf16_valued", "nan_max", "output_buffer", "pow2ceil", "pow2ceil_scalar",
+    "round_bf16_inplace", "to_bf16_rne", "to_e2m1_rne", "to_e4m3_rne",
+    "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR", "Bf16Matrix", "bf16_k_block", "linear_bf16", "linear_f32",
+    "SUM_LANES", "rms_norm", "torch_sum_f32",
+    "Q_FP4_E4M3", "Q_FP4_E8M0", "Q_FP8", "act_quant_fp8_inplace", "fp4_quant_e4m3_inplace",
+    "fp4_quant_e8m0_inplace", "quant_row",
+    "PARALLEL_MIN_MACS", "POOL_MIN_MACS", "in_workers", "single_threaded_blas", "split_range",
+    "worth_parallel",
+]

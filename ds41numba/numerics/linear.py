@@ -1,0 +1,322 @@
+"""Linear projections as the reference computes them: bf16 weights (``Bf16Matrix``, its bf16
+linear ``linear_bf16``) and the ratio > 1 compressor's f32 weights (``linear_f32``), each summed
+in the reference's own order where that order is known (SPEC "How exact is exact").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_dot_enabled, bf16_pairs, gemm_bf16, pack_bf16_pairs
+from .f32_products import F32Matrix, linear_f32_ordered
+from .formats import as_f32_array, bf16_scalar, output_buffer, round_bf16_inplace
+
+__all__ = ["linear_bf16", "linear_f32", "Bf16Matrix", "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR",
+           "bf16_k_block"]
+
+
+
+def _check_linear(x, w, name):
+    x = np.asarray(x)
+    if x.dtype.name != "bfloat16":
+        x = as_f32_array(x, f"{name}: x")
+    w = as_f32_array(w, f"{name}: w")
+    if w.ndim != 2:
+        raise ValueError(f"{name}: w must be 2-D [out, in], got shape {w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"{name}: x of shape {x.shape} does not match w of shape {w.shape} ([out, in])")
+    return x, w
+
+
+# Rows of a bfloat16 input widened to float32 at a time: the f32 copy of a long input would
+# otherwise be the largest array of a long prefill.
+_WIDEN_ROWS = 4096
+
+
+def linear_f32(x, w, out=None):
+    """``x @ w.T`` in f32, f32 result (the ratio > 1 compressor's projections).
+
+    With w an :class:`~ds41numba.f32_products.F32Matrix` the sums follow the reference's own
+    order (its MKL sgemm, :func:`~ds41numba.f32_products.linear_f32_ordered`) for a call of
+    x's rows; a plain float32 ``w [out, in]`` goes through numpy's f32 BLAS, in BLAS's order.
+    x is ``[..., in]``, float32 or ``ml_dtypes.bfloat16`` (widened exactly, a block of rows at a
+    time); returns ``[..., out]`` float32, written into ``out`` when given.
+    """
+    ordered = isinstance(w, F32Matrix)
+    x, w32 = _check_linear(x, w.f32 if ordered else w, "linear_f32")
+    x2 = x.reshape(-1, w32.shape[1])
+    y = output_buffer(out, (x2.shape[0], w32.shape[0]), "linear_f32")
+    product = ((lambda a, b: linear_f32_ordered(a, w, out=b)) if ordered
+               else (lambda a, b: np.matmul(a, w32.T, out=b)))
+    if x.dtype == np.float32:
+        product(x2, y)
+    else:
+        for a, b in _row_blocks(x2.shape[0], _WIDEN_ROWS):
+            product(x2[a:b].astype(np.float32), y[a:b])
+    return y.reshape(x.shape[:-1] + (w32.shape[0],))
+
+
+def _row_blocks(m: int, size: int) -> list[tuple[int, int]]:
+    """``0 .. m`` in blocks of ``size`` rows, a short remainder (under 12 rows) joined to the block
+    before it: the reference's f32 kernels are chosen by row count, and an M of at least 12
+    (or the whole call) keeps every row on the kernel the whole call's M gives it."""
+    cuts = list(range(0, m, size)) + [m]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] < 12:
+        del cuts[-2]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def linear_bf16(x, w, out=None, ref_rows: int | None = None):
+    """bf16 linear: ``x @ w.T`` (w holds bf16 values) summed in f32, rounded to bf16 once.
+
+    x is ``[..., in]``; w is ``[out, in]``, a float32 array or a :class:`Bf16Matrix` (which may
+    be grouped: see there). With a :class:`Bf16Matrix` the sums follow the reference's order
+    (:func:`bf16_k_block`) for a call of ``ref_rows`` rows (default: the rows of x; a tiled
+    loop passes the length of the whole step): at most ``MATVEC_MAX_ROWS`` rows (a decode step)
+    through the kernel that reads the weight as bf16 bits, more rows of bf16 values through the
+    AVX512-BF16 kernel where the CPU has it (:attr:`Bf16Matrix.dot_bf16`). Elsewhere, and for a
+    plain float32 ``w``, numpy's f32 BLAS sums in its own order: approximate (README, "How
+    exact"). So do products of at most ``TINY_BF16_LINEAR`` multiply-adds per group, which
+    torch does not hand to oneDNN but sums in a kernel of its own (an order not pinned down;
+    they occur only at toy shapes, where BLAS reproduces the reference's goldens).
+    Returns ``[..., out]``, written into ``out`` (a C-contiguous float32 buffer) when given.
+    """
+    if not isinstance(w, Bf16Matrix):
+        return round_bf16_inplace(linear_f32(x, w, out))
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[-1] != w.in_features:
+        raise ValueError(f"linear_bf16: x of shape {x.shape} does not match a weight taking "
+                         f"{w.in_features} inputs")
+    rows = x.size // max(x.shape[-1], 1)
+    shape = x.shape[:-1] + (w.f32.shape[0],)
+    n_out, k_in = w.f32.shape
+    ordered = (rows if ref_rows is None else ref_rows) * (n_out // w.groups) * k_in > TINY_BF16_LINEAR
+    if ordered and 0 < rows <= MATVEC_MAX_ROWS:
+        if out is None:
+            return w.matvec(x, ref_rows)
+        y = output_buffer(out, shape, "linear_bf16")
+        y[...] = w.matvec(x, ref_rows)
+        return y
+    if ordered and bf16_dot_enabled():
+        y = output_buffer(out, (rows, w.f32.shape[0]), "linear_bf16")
+        if w.dot_bf16(x.reshape(rows, w.in_features), y, ref_rows):
+            return round_bf16_inplace(y).reshape(shape)
+    if w.groups == 1:
+        return round_bf16_inplace(linear_f32(x, w.f32, out))
+    per_group = x.reshape(-1, w.groups, w.f32.shape[1])
+    rank = w.f32.shape[0] // w.groups
+    y = output_buffer(out, (rows, w.f32.shape[0]), "linear_bf16")
+    for g in range(w.groups):
+        linear_f32(per_group[:, g], w.f32[g * rank:(g + 1) * rank], out=y[:, g * rank:(g + 1) * rank])
+    return round_bf16_inplace(y).reshape(shape)
+
+
+
+def bf16_k_block(ref_rows: int, k: int) -> int:
+    """How many inner-dimension elements the reference's bf16 linear sums in one run.
+
+    torch's CPU bf16 linear (oneDNN's brgemm on AVX512-BF16) splits K into runs, sums each
+    from zero with ``vdpbf16ps`` (each pair as ``(acc + p[2i+1]) + p[2i]``) and adds the run
+    sums in order (../shared/orders/README.md, measured on the reference's machine):
+    K <= 512 one run; one row (every decode step) runs of 512; two or more rows runs of 512 up
+    to K = 1024 and of 1024 above. ``ref_rows`` is the number of rows the *reference* multiplies
+    in that call (a prefill's length, 1 at decode), not the rows of a tile of ours.
+    """
+    if k <= 512:
+        return k
+    return 512 if ref_rows == 1 or k <= 1024 else 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 weights as bits, for matrix-vector products
+# ----------------------------------------------------------------------------------------------
+
+# A decode step multiplies one row by every weight: it is bound by reading the weights, so it
+# reads them as bf16 bits. Output rows are packed in blocks of _MV_BLOCK laid out [in, block], so
+# each block streams contiguously and the inner loop runs across the block's outputs (SIMD lanes
+# without reassociating any sum: every output still adds its products in input order).
+_MV_BLOCK = 64
+#: At most this many input rows take the fused bf16-bits kernel; more go through BLAS.
+MATVEC_MAX_ROWS = 8
+#: bf16 products of at most this many multiply-adds (M * N * K, per group) are not oneDNN's in
+#: the reference but torch's own kernel (../shared/orders/README.md: "about 4096"; the toy
+#: goldens agree: their 2,048-MAC decode products follow BLAS, their 8,192-MAC ones oneDNN).
+TINY_BF16_LINEAR = 4096
+
+
+@njit(cache=True)
+def _widen(bits):
+    """A bf16 bit pattern (uint16) as the f32 it stands for."""
+    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+
+
+@njit(parallel=True, cache=True)
+def _matvec_bf16_kernel(x, bits, out, groups, block):
+    """``out = bf16(x @ W.T)`` for W packed as bf16 bits ``[blocks, in, _MV_BLOCK]``.
+
+    The blocks split evenly into ``groups``; block b belongs to group ``g = b // (blocks /
+    groups)``, reads inputs ``x[:, g*in : (g+1)*in]`` and writes outputs ``g*rank + ...``
+    (``rank = out.shape[1] / groups``); padding rows of a group's last block are dropped. Each
+    output adds its products in the reference's order: runs of ``block`` inputs (even, see
+    :func:`bf16_k_block`) each from zero, every pair as ``(acc + p[2i+1]) + p[2i]``, run sums
+    added in order. Two pairs per pass keep the accumulator in a register (measured faster
+    here than one or four: enough work per load of the accumulators, few enough weight rows
+    in flight).
+    """
+    m = x.shape[0]
+    k_in = bits.shape[1]
+    per_group = bits.shape[0] // groups
+    rank = out.shape[1] // groups
+    for b in prange(bits.shape[0]):
+        g = b // per_group
+        x0_col = g * k_in
+        acc = np.zeros((m, _MV_BLOCK), np.float32)
+        part = np.empty(_MV_BLOCK, np.float32)
+        for i in range(m):
+            xi = x[i, x0_col:x0_col + k_in]
+            for k0 in range(0, k_in, block):
+                k1 = min(k_in, k0 + block)
+                # The first run sums straight into the output row, later ones from zero apart.
+                run = acc[i] if k0 == 0 else part
+                if k0:
+                    run[:] = 0
+                k4 = k0 + (k1 - k0) // 4 * 4
+                for k in range(k0, k4, 4):
+                    x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
+                    for j in range(_MV_BLOCK):
+                        a = run[j]
+                        a = (a + x1 * _widen(bits[b, k + 1, j])) + x0 * _widen(bits[b, k, j])
+                        a = (a + x3 * _widen(bits[b, k + 3, j])) + x2 * _widen(bits[b, k + 2, j])
+                        run[j] = a
+                if k1 - k4 >= 2:
+                    x0, x1 = xi[k4], xi[k4 + 1]
+                    for j in range(_MV_BLOCK):
+                        run[j] = (run[j] + x1 * _widen(bits[b, k4 + 1, j])) + x0 * _widen(bits[b, k4, j])
+                if (k1 - k4) % 2:
+                    for j in range(_MV_BLOCK):
+                        run[j] += xi[k1 - 1] * _widen(bits[b, k1 - 1, j])
+                if k0:
+                    for j in range(_MV_BLOCK):
+                        acc[i, j] += part[j]
+        first = (b - g * per_group) * _MV_BLOCK
+        for i in range(m):
+            for j in range(min(_MV_BLOCK, rank - first)):
+                out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
+
+
+def _even_width(x):
+    """``x [n, d]`` with a zero column appended when d is odd: the kernels take pairs, and a last
+    pair ``(p, 0)`` adds ``p`` alone, which is the reference's order for an odd K."""
+    if x.shape[1] % 2 == 0:
+        return x
+    return np.concatenate([x, np.zeros((x.shape[0], 1), x.dtype)], axis=1)
+
+
+class Bf16Matrix:
+    """A bf16-valued weight: f32 for BLAS, and bf16 bits for matrix-vector products.
+
+    ``w [out, in]``. With ``groups = G > 1`` it is the reference's grouped projection (``wo_a``):
+    the input splits into G equal parts and part g goes through rows ``g*out/G .. (g+1)*out/G``
+    only, so ``in_features = G * in``. The f32 array is kept as given (no copy when already
+    C-contiguous float32); the packed bits are built on the first matrix-vector product, the
+    AVX512-BF16 operand on the first product of many rows (each half the f32 weight's size).
+    Treat the weight as read-only once wrapped.
+    """
+
+    __slots__ = ("f32", "groups", "_bits", "_pairs")
+
+    def __init__(self, w, groups: int = 1):
+        w = np.ascontiguousarray(as_f32_array(w, "Bf16Matrix"))
+        if w.ndim != 2:
+            raise ValueError(f"Bf16Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
+        if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 \
+                or w.shape[0] % groups:
+            raise ValueError(f"Bf16Matrix: groups must be a positive divisor of out "
+                             f"({w.shape[0]}), got {groups!r}")
+        self.f32 = w
+        self.groups = int(groups)
+        self._bits = None
+        self._pairs = None
+
+    @property
+    def shape(self):
+        return self.f32.shape
+
+    @property
+    def in_features(self):
+        return self.f32.shape[1] * self.groups
+
+    def _packed(self):
+        if self._bits is None:
+            n_out, k_in = self.f32.shape
+            rank = n_out // self.groups
+            nb = -(-rank // _MV_BLOCK)
+            hi = np.zeros((self.groups, nb * _MV_BLOCK, k_in), np.uint16)
+            hi[:, :rank] = (self.f32.view(np.uint32) >> 16).reshape(self.groups, rank, k_in)
+            blocks = hi.reshape(self.groups * nb, _MV_BLOCK, k_in)
+            self._bits = np.ascontiguousarray(blocks.transpose(0, 2, 1))
+        return self._bits
+
+    def _packed_pairs(self):
+        if self._pairs is None:
+            n_out, k_in = self.f32.shape
+            rank = n_out // self.groups
+            nb = -(-rank // DOT_LANES)
+            self._pairs = np.zeros((self.groups * nb, -(-k_in // 2), DOT_LANES), np.uint32)
+            for g in range(self.groups):
+                pack_bf16_pairs(_even_width(self.f32[g * rank:(g + 1) * rank]),
+                                self._pairs[g * nb:(g + 1) * nb])
+        return self._pairs
+
+    def dot_bf16(self, x, out, ref_rows: int | None = None) -> bool:
+        """``out = x @ w.T`` in f32 (not rounded) on AVX512-BF16, for rows ``x [m, in_features]``
+        of bf16 values (float32 or ``ml_dtypes.bfloat16``): the products are exact and each output
+        sums them in the reference's order for a call of ``ref_rows`` rows (default ``m``; see
+        :func:`bf16_k_block`), at nearly twice the f32 rate. Returns False where it cannot run
+        (no AVX512-BF16, x not bf16-valued; ``out`` may then be partly
+        written): use BLAS instead.
+
+        Rows run ``_WIDEN_ROWS`` at a time, so the operand copy of a long input stays small. The
+        weight is packed on the first call (a second copy, half the f32 weight's size).
+        """
+        k_in = self.f32.shape[1]
+        if not bf16_dot_enabled():
+            return False
+        x = np.ascontiguousarray(x)
+        m, n_out = x.shape[0], self.f32.shape[0]
+        rank = n_out // self.groups
+        b = self._packed_pairs()
+        block_pairs = bf16_k_block(m if ref_rows is None else ref_rows, k_in) // 2
+        for r0 in range(0, m, _WIDEN_ROWS):
+            chunk = _even_width(x[r0:r0 + _WIDEN_ROWS])
+            n = chunk.shape[0]
+            rows = -(-n // DOT_ROWS) * DOT_ROWS
+            if x.dtype.name == "bfloat16":          # already pairs of bf16, in memory order
+                a = chunk.view(np.uint32)
+                if rows != n:
+                    a = np.concatenate([a, np.zeros((rows - n, a.shape[1]), np.uint32)])
+            else:
+                a = (np.zeros if rows != n else np.empty)((rows, chunk.shape[1] // 2), np.uint32)
+                try:
+                    bf16_pairs(np.ascontiguousarray(chunk, np.float32), out=a[:n])
+                except ValueError:      # not bf16 values: the caller's BLAS path runs
+                    return False
+            y = out[r0:r0 + n]
+            if rows == n and rank % DOT_LANES == 0 and y.flags.c_contiguous:
+                gemm_bf16(a, b, y, self.groups, block_pairs)
+            else:
+                padded = np.empty((rows, b.shape[0] * DOT_LANES), np.float32)
+                gemm_bf16(a, b, padded, self.groups, block_pairs)
+                y[...] = padded[:n].reshape(n, self.groups, -1)[:, :, :rank].reshape(n, n_out)
+        return True
+
+    def matvec(self, x, ref_rows: int | None = None):
+        """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the bf16 bits, summed
+        in the reference's order for a call of ``ref_rows`` rows (default: the rows of x)."""
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
+        out = np.empty((x2.shape[0], self.f32.shape[0]), np.float32)
+        k_in = self.f32.shape[1]
+        block = bf16_k_block(x2.shape[0] if ref_rows is None else ref_rows, k_in)
+        _matvec_bf16_kernel(x2, self._packed(), out, self.groups, block + block % 2)
+        return out.reshape(x.shape[:-1] + (self.f32.shape[0],))

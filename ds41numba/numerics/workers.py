@@ -1,0 +1,78 @@
+"""Threads: numba's parallel kernels, a pool of Python workers for BLAS-heavy pieces, BLAS's own.
+
+Not numerics, but every kernel of the package decides the same question, "is this large enough
+to run in parallel?", so the answer is written once here (:func:`worth_parallel`), with the
+measurements behind its thresholds. No result of the package depends on the answer: every
+output is computed whole by one work item, in a fixed order, whichever thread runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+__all__ = ["PARALLEL_MIN_MACS", "POOL_MIN_MACS", "worth_parallel", "single_threaded_blas",
+           "in_workers", "split_range"]
+
+#: Work, in multiply-adds, from which a numba parallel kernel repays waking its workers (tens of
+#: microseconds, up to ~0.4 ms on a busy machine, measured here). An element of an element-wise
+#: pass (a rounding, a quantiser step) counts as 8 multiply-adds, a rotated pair as 16: the
+#: callers pass that cost.
+PARALLEL_MIN_MACS = 1 << 18
+#: The same for handing work to the Python worker pool (:func:`in_workers`): a few hundred
+#: microseconds a hand-off, about a millisecond of BLAS.
+POOL_MIN_MACS = 1 << 26
+
+
+def worth_parallel(items: int, cost: int = 1, pool: bool = False) -> bool:
+    """Whether ``items`` pieces of work of ``cost`` multiply-adds each are worth splitting over
+    threads: numba's workers (``PARALLEL_MIN_MACS``) or, with ``pool``, the Python worker pool
+    (``POOL_MIN_MACS``)."""
+    return items * cost >= (POOL_MIN_MACS if pool else PARALLEL_MIN_MACS)
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    return ThreadpoolController()
+
+
+def single_threaded_blas(threads: int = 1):
+    """A context in which numpy's BLAS runs on ``threads`` threads (default one).
+
+    For work made of many small products (a decode step; one query's attention), BLAS's own
+    threads cost more than they give: OpenBLAS's threaded matrix-vector product is several
+    times slower here than its single-threaded one. The results are the same either way.
+    """
+    return _blas_controller().limit(limits=threads, user_api="blas")
+
+
+@functools.lru_cache(maxsize=1)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41numba")
+
+
+def in_workers(fn, jobs) -> None:
+    """``fn(*job)`` for every job, spread over ``numba.get_num_threads()`` Python threads, each
+    with single-threaded BLAS (numpy releases the GIL in BLAS and ufuncs).
+
+    For independent pieces of work (queries, heads, position ranges) whose results do not
+    depend on which thread runs them; one job runs in the calling thread.
+    """
+    jobs = list(jobs)
+    with single_threaded_blas():
+        if len(jobs) == 1:
+            fn(*jobs[0])
+            return
+        pool = _pool(numba.config.NUMBA_NUM_THREADS)
+        for future in [pool.submit(fn, *job) for job in jobs]:
+            future.result()
+
+
+def split_range(n: int, parts: int) -> list[tuple[int, int]]:
+    """``0 .. n`` cut into at most ``parts`` near-equal non-empty ranges."""
+    cuts = np.linspace(0, n, max(1, min(parts, n)) + 1).astype(int)
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
