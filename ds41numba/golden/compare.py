@@ -439,13 +439,16 @@ class Judge:
     ``run`` is the golden's run (config and steps: the rows' bounds), ``scores(step, layer)``
     the :class:`RowScores` of an index source's selection, or None. With ``exact_index`` index
     rows must be identical and no float row is relaxed (the rule before scores were recorded).
+    The score captures are informational unless ``strict_evidence`` (a replay, which checks
+    the golden itself).
     """
 
     def __init__(self, run: RunInfo | None, scores=None, index_tolerance: float | None = None,
-                 exact_index: bool = False):
+                 exact_index: bool = False, strict_evidence: bool = False):
         self.run = run
         self.scores = scores or (lambda step, layer: None)
         self.exact = bool(exact_index)
+        self.strict_evidence = bool(strict_evidence)
         tol = DEFAULT_INDEX_TOLERANCE if index_tolerance is None else float(index_tolerance)
         if not (math.isfinite(tol) and tol >= 0):
             raise GoldenError(f"--index-tolerance must be a number >= 0, got {index_tolerance!r}")
@@ -517,7 +520,7 @@ class Judge:
                 keep = np.ones(np.asarray(want).shape[0], bool)
                 keep[sorted(rows)] = False
             res = compare_tensor(name, want, got, rows=keep)
-            if res.kind in ("index", "float"):
+            if res.kind in ("index", "float") and not self.strict_evidence:
                 res.ok, res.informational = True, True
             return res
         return compare_tensor(name, want, got)

@@ -216,7 +216,8 @@ def _check_memory(plan: GoldenPlan):
 def replay(path, progress=None, index_tolerance: float | None = None,
            exact_index: bool = False) -> CompareReport:
     """Recompute every capture of a golden from its own weights and inputs and compare, by the
-    rules of :func:`compare_files` (tie-aware index rows unless ``exact_index``).
+    rules of :func:`compare_files` (tie-aware index rows unless ``exact_index``), except that
+    the recorded scores must agree too (in rows whose selection is identical).
 
     Works on this tool's safetensors goldens and on the reference's ``.npz`` goldens (whose
     captures are then checked against ds41numba). ``progress(n, where)`` as in :func:`drive`.
@@ -235,7 +236,7 @@ def replay(path, progress=None, index_tolerance: float | None = None,
             stack = AttentionStack(cfg, weights, layers=info.layers)
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
-        judge = Judge(info, file_scores(golden), index_tolerance, exact_index)
+        judge = Judge(info, file_scores(golden), index_tolerance, exact_index, strict_evidence=True)
         report = CompareReport(golden.path, "replay", index_rule=judge.rule)
         recomputed = set()
 

@@ -41,7 +41,7 @@ DEFAULT_INDEX_TOLERANCE = 1 / 16
 #: Float rows downstream of a differing index row (that query's ``o``/``out``, in the layer and
 #: the layers reusing its selection) attend other KV rows: they are held only to the golden
 #: tensor's own range, ``|got - want| <= SWAP_FLOAT_RANGE * max|want| + tolerance``, with the
-#: same NaN and infinities. (The reference against itself moves them by up to 1.93 x the
+#: same NaN and infinities. (The reference against itself moves them by up to 1.94 x the
 #: tolerance; a tie broken the other way, where the attended rows' keys are unrelated, by up
 #: to 0.9 x max|want|.) Their largest difference is reported apart.
 SWAP_FLOAT_RANGE = 2.0
