@@ -742,7 +742,7 @@ def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos,
             shared.topk_idxs, published, index_score = indexer(
                 x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
                 shared.index_k, offset, candidate_blocks=cands, capture=capture,
-                prefill_len=prefill_len)
+                prefill_len=prefill_len, observer=shared.observer)
             if published is not None:
                 shared.candidate_blocks = published
                 shared.candidate_width = ref_width
@@ -818,6 +818,8 @@ def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capt
         if capture:
             q_cap[s0:s1] = q
             o_cap[s0:s1] = o
+        if shared.observer is not None:   # golden captures (SharedRuntime.observer)
+            shared.observer.attention_tile(s0, q, o, kv_rows, attend[s0:s1])
         o = apply_rotary(o, positions[s0:s1], table, inverse=True, inplace=True)
         output_projection(o.reshape(n, H * hd), weights.wo_a, weights.wo_b, out=out[s0:s1],
                           mid=mid_buf[:n], ref_rows=ref_rows)

@@ -1,8 +1,10 @@
 """The ``ds41numba`` command: argument parsing and printing only (the work is in ``golden/``).
 
 Exit status: 0 success; 1 a replay or comparison that disagrees; 2 a bad argument, an unreadable
-config or file, or an output that exists without ``--force`` (always one line on stderr);
-130 interrupted (no partial output is left behind).
+config or file (a candidate too: truncated, of another format, a tensor of the wrong shape or
+dtype, NaN where an index belongs), or an output that exists without ``--force`` (always one
+line on stderr); 130 interrupted (no partial output is left behind). Output into a pipe that
+closes early (``| head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from tqdm import tqdm
 
 from . import golden
 from .config import AttnConfig, preset
-from .golden import CAPTURE_MODES, GoldenError
+from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError
 
-__all__ = ["main", "parse_layers", "default_run", "load_config"]
+__all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config"]
 
 PROG = "ds41numba"
 _EPILOG = "Exit status: 0 ok, 1 disagreement, 2 bad usage or unreadable input, 130 interrupted."
@@ -59,15 +61,27 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")
     g.add_argument("--capture", choices=tuple(CAPTURE_MODES), default="all",
                    help="io: out, idx and shared.topk_idxs; all (default): everything the "
-                   "reference goldens carry")
+                   "reference goldens carry (both: the scores behind each selection)")
     g.add_argument("--chunk", type=int, default=golden.DEFAULT_CHUNK, metavar="N",
                    help=f"with --capture io, run the prefill N rows at a time through every "
                    f"layer, streaming each chunk's rows to the file (default: "
                    f"{golden.DEFAULT_CHUNK}; the file is the same for any N)")
+    g.add_argument("--capture-rows", metavar="ROWS", help="also record, for these query "
+                   "positions of every step, what each kernel consumes and produces (sample.*): "
+                   "a list and ranges (0,5,100-120) or random:N (N positions drawn with --seed)")
+    g.add_argument("--profile", choices=PROFILES, default="default", help="generator profile: "
+                   "default, or ties (tie-heavy index scores, NaN and +-inf rows)")
     g.add_argument("--out", metavar="FILE", help="output file (default: "
                    "./ds41numba-golden-PRESET.safetensors)")
     g.add_argument("--force", action="store_true", help="overwrite an existing output file")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    def index_rules(sub):
+        sub.add_argument("--index-tolerance", type=float, metavar="T", help="a boundary swap's "
+                         "score gap, relative to the row's largest |selected score| (default "
+                         f"{DEFAULT_INDEX_TOLERANCE:g})")
+        sub.add_argument("--exact-index", action="store_true", help="index rows must be "
+                         "identical (no boundary swaps)")
 
     r = sub.add_parser("replay", help="recompute a golden's captures from its own weights and "
                        "inputs and report agreement", epilog=_EPILOG)
@@ -75,9 +89,11 @@ def _build_parser() -> argparse.ArgumentParser:
                    "reference golden (.npz)")
     r.add_argument("--json", action="store_true", help="machine-readable report")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    index_rules(r)
 
     c = sub.add_parser("compare", help="compare a candidate's tensors with a golden's",
-                       epilog=_EPILOG, description="Index tensors must be identical; float "
+                       epilog=_EPILOG, description="Index rows must be identical or differ by "
+                       "boundary swaps (tie-aware, with the scores the golden records); float "
                        f"tensors within the SPEC tolerance ({golden.TOLERANCE}). Either file may "
                        "be a ds41numba .safetensors golden or a reference .npz golden.")
     c.add_argument("golden", metavar="GOLDEN")
@@ -85,6 +101,9 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--subset", action="store_true", help="the candidate may leave out tensors "
                    "of the golden (e.g. only a kernel's outputs)")
+    c.add_argument("--plot", metavar="FILE.png", help="draw where the differences sit "
+                   "(needs matplotlib: pip install 'ds41numba[plot]')")
+    index_rules(c)
     return p
 
 
@@ -153,10 +172,13 @@ def _golden(args) -> int:
     layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
               else tuple(range(config.n_layers)))
     prefill, decode = default_run(preset_name)
-    plan = golden.GoldenPlan(config=config, layers=layers,
-                             prefill=prefill if args.prefill is None else args.prefill,
-                             decode=decode if args.decode is None else args.decode,
-                             seed=args.seed, capture=args.capture, preset=preset_name)
+    prefill = prefill if args.prefill is None else args.prefill
+    decode = decode if args.decode is None else args.decode
+    rows = () if args.capture_rows is None else parse_rows(args.capture_rows, prefill + decode,
+                                                           args.seed)
+    plan = golden.GoldenPlan(config=config, layers=layers, prefill=prefill, decode=decode,
+                             seed=args.seed, capture=args.capture, preset=preset_name,
+                             profile=args.profile, capture_rows=rows)
     if args.out is not None:
         out = args.out
     else:
@@ -177,43 +199,85 @@ def _replay(args) -> int:
         info = f.run_info()
     total = (info.prefill + info.decode) * len(info.layers)
     with _progress(total, args.quiet, "replay") as progress:
-        report = golden.replay(args.file, progress=progress)
-    if args.json:
-        print(report.to_json())
-    else:
-        print(report.table())
-        print(report.text())
+        report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
+                               exact_index=args.exact_index)
+    _print(report.to_json() if args.json else report.table() + "\n" + report.text())
     return 0 if report.ok else 1
 
 
 def _compare(args) -> int:
-    report = golden.compare_files(args.golden, args.candidate, subset=args.subset)
-    print(report.to_json() if args.json else report.text())
+    if args.plot is not None:
+        from .golden.plot import check_plot_target
+        check_plot_target(args.plot)
+    report = golden.compare_files(args.golden, args.candidate, subset=args.subset,
+                                  index_tolerance=args.index_tolerance,
+                                  exact_index=args.exact_index)
+    bad = [r for r in report.results if r.kind in ("unusable", "shape")]
+    if bad:
+        raise GoldenError(f"{args.candidate!r} cannot be compared: {bad[0].line()}"
+                          + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
+    if args.plot is not None:
+        from .golden.plot import plot_report
+        plot_report(report, args.golden, args.candidate, args.plot)
+    _print(report.to_json() if args.json else report.text())
     return 0 if report.ok else 1
+
+
+def _print(text: str):
+    """Print to stdout; a reader that closed the pipe early (``| head``) ends it quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python would report the failed flush of sys.stdout at exit: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 # --------------------------------------------------------------------------- arguments
 
 
-def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
-    """``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``; sorted, duplicates dropped."""
-    layers = set()
+def _number_list(text: str, flag: str, noun: str, limit: int, past: str) -> tuple[int, ...]:
+    """The integers ``"2,3,20-24"`` names, sorted, duplicates dropped; ``noun`` says what a part
+    must be, and a number >= ``limit`` is refused with ``past`` (formatted with it as ``i``)."""
+    items = set()
     for part in str(text).split(","):
         part = part.strip()
         m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
         if not m:
-            raise GoldenError(f"--layers: {part!r} is not a layer number or range "
-                              f"(write e.g. 20 or 2,3,20-24)")
+            raise GoldenError(f"{flag}: {part!r} is not {noun}")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
-            raise GoldenError(f"--layers: range {part!r} runs backwards")
+            raise GoldenError(f"{flag}: range {part!r} runs backwards")
         for i in (lo, hi):
-            if i >= n_layers:
-                raise GoldenError(f"--layers: layer {i} is not a layer of this config "
-                                  f"(0..{n_layers - 1})")
-        layers.update(range(lo, hi + 1))
-    return tuple(sorted(layers))
+            if i >= limit:
+                raise GoldenError(f"{flag}: " + past.format(i=i))
+        items.update(range(lo, hi + 1))
+    return tuple(sorted(items))
+
+
+def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
+    """``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``; sorted, duplicates dropped."""
+    return _number_list(text, "--layers", "a layer number or range (write e.g. 20 or 2,3,20-24)",
+                        n_layers, f"layer {{i}} is not a layer of this config (0..{n_layers - 1})")
+
+
+def parse_rows(text: str, total: int, seed: int = 0) -> tuple[int, ...]:
+    """``--capture-rows``: ``"0,5,100-120"`` (positions, sorted, duplicates dropped) or
+    ``"random:N"``: N distinct positions of ``0 .. total - 1`` drawn with ``seed``
+    (numpy's ``default_rng(seed).choice``), sorted."""
+    text = str(text).strip()
+    m = re.fullmatch(r"random:(\d+)", text)
+    if m:
+        n = int(m.group(1))
+        if not 1 <= n <= total:
+            raise GoldenError(f"--capture-rows: random:{n} needs 1 .. {total} (the run's tokens)")
+        import numpy as np
+        return tuple(sorted(int(p) for p in np.random.default_rng(seed).choice(total, n, replace=False)))
+    return _number_list(text, "--capture-rows", "a position, a range or random:N (write e.g. "
+                        "0,5,100-120 or random:16)", total,
+                        f"position {{i}} is past the run's {total} tokens")
 
 
 def default_run(preset_name: str | None) -> tuple[int, int]:

@@ -454,7 +454,7 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             weights: IndexerWeights, table, index_k, offset: int,
             candidate_blocks: np.ndarray | None = None, tile: int | None = None,
-            capture: bool = False, prefill_len: int | None = None):
+            capture: bool = False, prefill_len: int | None = None, observer=None):
     """Select each query's compressed positions.
 
     ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows): an
@@ -470,6 +470,14 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     chunk): each query sees ``(s + 1) // r`` positions as in the one-shot prefill, and the rows
     (scores of the one-shot's width ``prefill_len // r``, selection, candidates, every sum) are
     that prefill's rows. ``index_k`` then needs the keys up to the chunk's end only.
+
+    ``observer`` (the golden captures' hook, :mod:`ds41numba.golden.captures`), if given, sees
+    every tile of queries (``s0`` counts from this call's first row, a chunk's too) while its
+    buffers are live (copy what it keeps):
+    ``observer.index_scores(s0, iq, w, scores)`` with the fp4-rounded queries ``[T, ih, id]``,
+    the head weights ``[T, ih]`` and the scores after the visibility mask, before candidate
+    masking; then ``observer.index_selection(s0, scores, topk)`` with the scores top-k chose
+    from (candidate-masked) and the tile's rows of ``topk_idxs``. It changes nothing computed.
     """
     _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile,
                         prefill_len)
@@ -519,6 +527,8 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
                                 qbuf=qbuf)
         if capture:
             score_capture[s0:s1] = scores
+        if observer is not None:
+            observer.index_scores(s0, iq, w_all[s0:s1], scores)
         if cfg.candidate_source:
             published[s0:s1] = np.packbits(_candidate_block_mask(
                 scores, clen[s0:s1], cfg.candidate_topk_blocks, cfg.candidate_block_size), axis=1)
@@ -531,4 +541,6 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         # Positions past a query's visible range are dropped; a candidate-masked position
         # inside it that top-k still picked (fewer candidates than k) stays valid.
         topk_idxs[s0:s1] = np.where(picked >= clen[s0:s1, None], -1, picked + offset)
+        if observer is not None:
+            observer.index_selection(s0, scores, topk_idxs[s0:s1])
     return topk_idxs, published, score_capture

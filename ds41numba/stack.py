@@ -165,6 +165,10 @@ class SharedRuntime:
     latest index source's selection (``[seqlen, k]`` int32, offsets applied); the candidate
     source's mask is kept per block, one bit each (``candidate_blocks``, packed along rows) and
     expanded to positions on demand by :attr:`candidates`.
+
+    ``observer`` is not a slot: it is the golden captures' hook (None unless a golden run set
+    it, see :mod:`ds41numba.golden.captures`). The indexer hands it every tile's scores and
+    selection, attention every tile's ``q``, ``o``, KV rows and index rows; it changes nothing.
     """
 
     compress_kv: np.ndarray | None = None
@@ -173,6 +177,7 @@ class SharedRuntime:
     candidate_blocks: np.ndarray | None = None
     candidate_width: int = 0
     candidate_block_size: int = 1
+    observer: object | None = None
 
     @property
     def candidates(self) -> np.ndarray | None:

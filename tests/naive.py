@@ -908,6 +908,26 @@ def sparse_attn_ordered(q, kv, idx, sink, scale):
     return to_bf16_rne(out)
 
 
+# --- golden ---
+
+
+def runners_up(scores, clen, topk, offset, R):
+    """Twin of ``golden.captures._runners_up``: per row, the R best visible positions not in
+    ``topk`` (NaN first, then larger, equal scores by position), as position + offset with their
+    scores; -1 and -inf past the last. Returns ``(idxs [rows, R], scores [rows, R])``."""
+    rows = scores.shape[0]
+    idxs = np.full((rows, R), -1, np.int64)
+    vals = np.full((rows, R), -np.inf, F32)
+    for s in range(rows):
+        chosen = {int(v) - offset for v in topk[s] if v >= 0}
+        rest = [t for t in range(min(int(clen[s]), scores.shape[1])) if t not in chosen]
+        rest.sort(key=lambda t: (not math.isnan(scores[s, t]),
+                                 0.0 if math.isnan(scores[s, t]) else -float(scores[s, t]), t))
+        for j, t in enumerate(rest[:R]):
+            idxs[s, j], vals[s, j] = t + offset, scores[s, t]
+    return idxs, vals
+
+
 # --- stack ---
 # The structural invariants every AttentionStack step must satisfy, written from SPEC.md's prose
 # (not from the package): the window index rows, the ring of window KV rows, the compressed index

@@ -4,6 +4,7 @@ comparison, and files byte-identical whatever the thread count."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -326,3 +327,374 @@ def test_golden_files_do_not_depend_on_the_thread_count(tmp_path):
            and d1[slice(*v["data_offsets"])] != d2[slice(*h2[k]["data_offsets"])]]
     assert not bad, f"{len(bad)} tensors differ with the thread count, e.g. {bad[:5]}"
     assert one == two, "the files hold the same tensors but are not byte-identical"
+
+
+# =============================================================================== tie-aware index rows
+# A small stack with production's roles: a ratio-2 key owner, a ratio-1 key owner that is the
+# candidate source, and a candidate consumer; 8 index heads of 64 (two fp4 blocks).
+_TIE_CONFIG = dict(
+    dim=128, n_heads=2, head_dim=64, rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2,
+    window_size=16, compress_ratios=[0, 2, 1, 1], kv_source_layers=[1, 2],
+    index_source_layers=[1, 2, 3], candidate_source_layer=2, candidate_topk_blocks=8,
+    candidate_block_size=4, index_n_heads=8, index_head_dim=64, index_topk=16,
+    compress_rope_theta=160000.0, rope_factor=16.0, original_seq_len=64, max_seq_len=512)
+_TIE_RUN = dict(prefill=300, decode=3, seed=5)
+
+
+def _tie_plan(candidates=True, **kw):
+    from ds41numba.config import AttnConfig
+    cfg = AttnConfig.from_dict(_TIE_CONFIG | ({} if candidates else {"candidate_source_layer": -1}))
+    return GoldenPlan(cfg, tuple(range(cfg.n_layers)), **(_TIE_RUN | kw))
+
+
+@pytest.fixture(scope="module")
+def tie_golden(tmp_path_factory):
+    """``(path, tensors)`` of a golden of the small stack (capture all)."""
+    path = tmp_path_factory.mktemp("ties") / "golden.safetensors"
+    golden.write_golden(_tie_plan(), path)
+    return path, load_file(path)
+
+
+def _candidate(tmp_path, name, tensors, meta_from):
+    path = tmp_path / name
+    with safe_open(meta_from, framework="np") as f:
+        meta = f.metadata()
+    golden.write_tensors_atomic(path, tensors, meta)
+    return path
+
+
+def _made_with(tmp_path, monkeypatch, name, plan=None, **patches):
+    """A candidate golden of ``plan`` (default: the small stack's) made by the stack with
+    ``patches`` applied to ``ds41numba.indexer``."""
+    indexer = importlib.import_module("ds41numba.indexer")   # (ds41numba.indexer is also a function)
+    with monkeypatch.context() as m:
+        for attr, value in patches.items():
+            m.setattr(indexer, attr, value)
+        path = tmp_path / name
+        golden.write_golden(plan or _tie_plan(), path)
+    return path
+
+
+def test_recorded_scores_are_the_selection_and_its_runners_up(tie_golden):
+    import naive
+    _, t = tie_golden
+    for s, layer in [(0, 1), (0, 2), (0, 3), (2, 3)]:
+        p = f"step{s}.layers.{layer}."
+        topk = t[p + "shared.topk_idxs"].astype(np.int64)
+        seqlen = topk.shape[0]
+        offset = seqlen if s == 0 else _TIE_CONFIG["window_size"]
+        scores = t[p + "index_score"].astype(np.float32)
+        if layer == 3:   # a candidate consumer chooses among its candidates
+            scores = np.where(t[f"step{s}.layers.2.shared.candidates"] > 0, scores, -np.inf)
+        rows = np.arange(seqlen)[:, None]
+        want = np.where(topk >= 0, scores[rows, np.clip(topk - offset, 0, None)], -np.inf)
+        assert np.array_equal(t[p + "topk_scores"].astype(np.float32), want), p
+        r = _TIE_CONFIG["compress_ratios"][layer]
+        clen = golden.compare.visible_lengths(0 if s == 0 else 299 + s, seqlen, r)
+        idxs, vals = naive.runners_up(scores, clen, topk, offset, golden.RUNNERS_UP)
+        assert np.array_equal(t[p + "runner_idxs"], idxs), p
+        assert np.array_equal(t[p + "runner_scores"].astype(np.float32), vals), p
+
+
+def _reversed_head_sum_scores(iq, w, keys, clen, width, out=None):
+    """The indexer's scores with the head sum in reverse head order and each partial sum rounded
+    to bf16 (a kernel's reduction; in f32 the few bf16 terms of this small stack add exactly in
+    any order)."""
+    d = np.einsum("thd,nd->thn", iq.astype(np.float64), keys.astype(np.float64)).astype(np.float32)
+    d = d.astype(ml_dtypes.bfloat16).astype(np.float32)
+    terms = (np.maximum(d, 0) * w[:, :, None]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    acc = np.zeros((iq.shape[0], keys.shape[0]), np.float32)
+    for h in reversed(range(iq.shape[1])):
+        acc = (acc + terms[:, h]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    res = np.full((iq.shape[0], width), -np.inf, np.float32)
+    res[:, :keys.shape[0]] = acc.astype(ml_dtypes.bfloat16).astype(np.float32)
+    res[np.arange(width)[None, :] >= clen[:, None]] = -np.inf
+    if out is not None:
+        out[...] = res
+        return out
+    return res
+
+
+def _other_way_select(scores, clen, k, out):
+    """Top-k breaking every tie the other way: among equal scores the highest positions."""
+    for s in range(scores.shape[0]):
+        n = int(min(scores.shape[1], clen[s]))
+        v = scores[s, :n]
+        order = sorted(range(n), key=lambda t: (not np.isnan(v[t]),
+                                                0.0 if np.isnan(v[t]) else -float(v[t]), -t))
+        picked = order[:k] + list(range(n, n + k - len(order[:k])))
+        out[s] = sorted(picked)
+
+
+def _assert_passes_with_swaps(report, what):
+    s = report.summary()
+    assert report.ok, report.text()
+    assert s["index_rows_swapped"] > 0 and s["index_rows_wrong"] == 0, what
+    assert "boundary swaps" in report.summary_line()
+    swapped = [r for r in report.results if r.rows_swapped]
+    assert swapped and "boundary swaps (max gap" in swapped[0].line()
+    return s
+
+
+def test_another_head_order_passes_as_boundary_swaps(tmp_path, monkeypatch):
+    # Without a candidate source: its block masks are compared exactly (README).
+    plan = _tie_plan(candidates=False)
+    path = tmp_path / "golden.safetensors"
+    golden.write_golden(plan, path)
+    indexer = importlib.import_module("ds41numba.indexer")
+
+    def scores(self, iq, w, clen, width, out=None, qbuf=None):
+        return _reversed_head_sum_scores(iq, w, self.keys[:width], clen, width, out)
+
+    monkeypatch.setattr(indexer.IndexKeyCache, "scores", scores)
+    cand = _made_with(tmp_path, monkeypatch, "heads.safetensors", plan)
+    s = _assert_passes_with_swaps(golden.compare_files(path, cand), "head order")
+    assert 0 < s["max_relative_gap"] < golden.DEFAULT_INDEX_TOLERANCE
+    # Today's rule would have failed it, and a swap's float rows are judged apart.
+    assert not golden.compare_files(path, cand, exact_index=True).ok
+
+
+def test_breaking_every_tie_the_other_way_passes(tmp_path, monkeypatch):
+    plan = _tie_plan(profile="ties", decode=2)
+    path = tmp_path / "ties.safetensors"
+    golden.write_golden(plan, path)
+    indexer = importlib.import_module("ds41numba.indexer")
+    with monkeypatch.context() as m:
+        m.setattr(indexer, "_select_rows", _other_way_select)
+        cand = tmp_path / "other_way.safetensors"
+        golden.write_golden(plan, cand)
+    report = golden.compare_files(path, cand)
+    s = _assert_passes_with_swaps(report, "ties the other way")
+    assert s["max_score_gap"] == 0.0          # exact ties only
+    assert s["index_rows_swapped"] > 100
+
+
+def _tampered(tie_golden, tmp_path, name, change):
+    path, t = tie_golden
+    t = dict(t)
+    change(t)
+    return golden.compare_files(path, _candidate(tmp_path, name, t, path))
+
+
+def _visible_row(t, name, min_valid=4):
+    rows = np.flatnonzero((t[name] >= 0).sum(axis=1) >= min_valid)
+    return int(rows[len(rows) // 2])
+
+
+@pytest.mark.parametrize("bug, reason", [("minus_one", "-1 where the golden has a position"),
+                                         ("duplicate", "duplicate index")])
+def test_planted_index_bugs_fail_and_are_named(tie_golden, tmp_path, bug, reason):
+    name = "step0.layers.2.shared.topk_idxs"
+
+    def change(t):
+        k = t[name].copy()
+        row = _visible_row(t, name)
+        if bug == "minus_one":
+            k[row, 0] = -1
+        else:
+            k[row, 1] = k[row, 0]
+        t[name] = k
+
+    report = _tampered(tie_golden, tmp_path, f"{bug}.safetensors", change)
+    assert not report.ok
+    line = next(r.line() for r in report.failures if r.name == name)
+    assert reason in line and "1 of 300 rows wrong" in line, line
+
+
+def test_off_by_one_visibility_fails(tie_golden, tmp_path, monkeypatch):
+    from ds41numba.indexer import visible_lengths
+
+    def one_more(start_pos, seqlen, ratio, prefill=None):
+        # (the golden's prefill is one chunk: start_pos 0 for a prefill's rows)
+        v = visible_lengths(start_pos, seqlen, ratio, prefill)
+        return np.minimum(v + 1, (start_pos + seqlen) // ratio) if start_pos == 0 else v
+
+    cand = _made_with(tmp_path, monkeypatch, "visibility.safetensors", visible_lengths=one_more)
+    report = golden.compare_files(tie_golden[0], cand)
+    assert not report.ok
+    lines = [r.line() for r in report.failures if r.name.endswith("shared.topk_idxs")]
+    assert lines and any("past the query's" in l for l in lines), lines
+
+
+def test_flipped_fp4_block_scale_fails(tie_golden, tmp_path, monkeypatch):
+    import naive
+
+    def flipped(x):
+        """The indexer's fp4 quantiser with each row's block scales in reverse order."""
+        b = x.reshape(x.shape[:-1] + (-1, 32))
+        amax = np.maximum(np.abs(b).max(axis=-1), np.float32(6 * 2.0 ** -126))
+        scale = naive.pow2ceil(amax / np.float32(6))[..., ::-1, None]
+        q = naive.to_e2m1_rne(np.clip(b / scale, -6, 6)) * scale
+        x[...] = naive.to_bf16_rne(q).reshape(x.shape)
+        return x
+
+    cand = _made_with(tmp_path, monkeypatch, "fp4.safetensors", fp4_quant_e8m0_inplace=flipped)
+    report = golden.compare_files(tie_golden[0], cand)
+    assert not report.ok
+    wrong = [r for r in report.failures if r.name.endswith(("idx", "shared.topk_idxs"))]
+    assert wrong and all("rows wrong" in r.line() for r in wrong)
+    assert report.summary()["index_rows_wrong"] > report.summary()["index_rows"] // 4
+
+
+def test_wrong_sink_fails(tie_golden, tmp_path):
+    path, t = tie_golden
+    plan = _tie_plan()
+    weights = golden.make_weights(plan.config, plan.layers, plan.seed)
+    stack_golden = golden.run_golden  # the candidate: the same run with every sink left out
+    import ds41numba.golden.run as run_mod
+    real = run_mod.make_weights
+
+    def no_sink(*a, **kw):
+        w = real(*a, **kw)
+        for n in w:
+            if n.endswith("attn_sink"):
+                w[n] = np.full_like(w[n], -80.0)       # exp(-80): the sink left out
+        return w
+
+    run_mod.make_weights = no_sink
+    try:
+        cand = dict(stack_golden(plan))
+    finally:
+        run_mod.make_weights = real
+    for n in weights:
+        cand[n] = t[n]                                 # the golden's weights, as a kernel reads
+    report = golden.compare_files(path, _candidate(tmp_path, "sink.safetensors", cand, path))
+    assert not report.ok
+    outs = [r for r in report.failures if r.name.endswith((".out", ".o"))]
+    assert outs and "> tolerance" in outs[0].line(), report.text()
+    assert report.summary()["index_rows_wrong"] == 0
+
+
+def test_judge_index_rows_by_rule():
+    from ds41numba.golden import RowBounds, RowScores, judge_index_rows
+    want = np.array([[10, 11, 12], [10, 11, -1]], np.int32)
+    scores = RowScores(want, np.array([[3.0, 2.0, 1.0], [3.0, 2.0, -np.inf]]),
+                       np.array([[13, 14], [-1, -1]], np.int32), np.array([[0.97, 0.5], [-np.inf] * 2]))
+    bounds = RowBounds(offset=10, clen=np.array([5, 2]))
+    j = judge_index_rows(want, np.array([[10, 11, 13], [11, 10, -1]]), scores, bounds)
+    assert (j.identical, j.swapped, j.wrong) == (1, 1, 0) and j.max_gap == pytest.approx(0.03)
+    assert j.max_relative_gap == pytest.approx(0.01)
+    for got, why in [([10, 11, 14], "below the boundary"), ([10, 11, 11], "duplicate index 11"),
+                     ([10, 11, 15], "past the query's 5 visible positions"),
+                     ([10, 11, -2], "out of range"), ([10, 12, 13], "dropped 11")]:
+        j = judge_index_rows(want[:1], np.array([got]), scores, bounds)
+        assert j.wrong == 1 and why in j.reasons[0], (got, j.reasons)
+    assert judge_index_rows(want[:1], np.array([[10, 11, 13]]), scores, bounds,
+                            tolerance=0.001).wrong == 1
+    assert "no scores" in judge_index_rows(want[:1], np.array([[10, 11, 13]])).reasons[0]
+    j = judge_index_rows(want[:1], np.array([[10.0, np.nan, 12.0]]))
+    assert "NaN where an index belongs" in j.reasons[0]
+
+
+def test_exact_index_restores_the_old_rule(tie_golden, tmp_path):
+    def swap_one(t):
+        k = t["step1.layers.3.shared.topk_idxs"].copy()
+        k[0, 0] = k[0, 0]            # unchanged: the same file compares OK either way
+        t["step1.layers.3.shared.topk_idxs"] = k
+
+    assert _tampered(tie_golden, tmp_path, "same.safetensors", swap_one).ok
+    path, _ = tie_golden
+    assert golden.compare_files(path, path, exact_index=True).index_rule == "exact"
+
+
+# =============================================================================== the ties profile
+
+
+def test_ties_profile_changes_what_its_docstring_says():
+    cfg = _tie_plan().config
+    d = golden.make_weights(cfg, [2], seed=5)
+    t = golden.make_weights(cfg, [2], seed=5, profile="ties")
+    p = "layers.2.attn."
+    idim = cfg.index_head_dim
+    q = t[p + "indexer.wq_b.weight"].reshape(cfg.index_n_heads, idim, -1)
+    assert (q == q[:1]).all() and np.array_equal(q[0], d[p + "indexer.wq_b.weight"][:idim])
+    assert not t[p + "indexer.wk.weight"][1:].any()
+    assert np.array_equal(t[p + "indexer.wk.weight"][0], d[p + "indexer.wk.weight"][0])
+    for name in ("wq_a.weight", "wkv.weight", "compressor.wkv.weight"):
+        assert not t[p + name][:, -1].any() and np.array_equal(t[p + name][:, :-1], d[p + name][:, :-1])
+    assert (t[p + "indexer.weights_proj.weight"][:, -1] == 1024).all()
+    same = [n for n in d if n.rsplit(".attn.", 1)[1] in ("attn_sink", "wq_b.weight", "wo_a.weight")]
+    assert all(np.array_equal(d[n], t[n]) for n in same)
+    x = golden.make_input("step0.layers.2.x", (130, cfg.dim), 5, "ties")
+    col = x[:, -1]
+    assert set(np.flatnonzero(col > 0)) == {17, 78} and set(np.flatnonzero(col < 0)) == {41, 102}
+    assert np.array_equal(x[:, :-1], golden.make_input("step0.layers.2.x", (130, cfg.dim), 5)[:, :-1])
+    # A decode step's row continues the pattern at its position.
+    assert golden.make_input("step3.layers.2.x", (1, cfg.dim), 5, "ties", start_pos=139)[0, -1] > 0
+    with pytest.raises(GoldenError, match="--profile"):
+        golden.make_weights(cfg, [2], profile="flat")
+
+
+def test_ties_profile_ties_most_rows_at_the_boundary():
+    t = golden.run_golden(_tie_plan(profile="ties", decode=1))
+    rows = ties = nan_rows = pos_inf = neg_inf = 0
+    for layer in (1, 2, 3):
+        p = f"step0.layers.{layer}."
+        sel, sc = t[p + "shared.topk_idxs"], t[p + "topk_scores"].astype(np.float32)
+        runners = t[p + "runner_scores"].astype(np.float32)
+        scores = t[p + "index_score"].astype(np.float32)
+        for s in range(sel.shape[0]):
+            rows += 1
+            valid = sc[s][sel[s] >= 0]
+            finite = valid[~np.isnan(valid)]
+            kth = finite.min() if finite.size else np.nan
+            ties += bool(runners[s, 0] == kth or (np.isnan(kth) and np.isnan(runners[s, 0])))
+            nan_rows += bool(np.isnan(scores[s]).any())
+            pos_inf += bool((scores[s] == np.inf).any())
+            neg_inf += s % 61 == 41 and bool(np.isnan(scores[s]).any())
+    assert ties > 0.6 * rows, (ties, rows)
+    assert nan_rows >= 10 and pos_inf >= 5 and neg_inf >= 5
+    # Scores land on few values: 0 and one other per row (NaN/inf rows aside).
+    s = t["step0.layers.2.index_score"].astype(np.float32)[210]
+    assert len(np.unique(s[np.isfinite(s)])) <= 2 and (s == 0).sum() > 20
+
+
+# =============================================================================== kernel-boundary samples
+
+
+def test_capture_rows_hold_each_kernels_inputs_and_outputs():
+    import naive
+    from ds41numba import testing
+    rows = (0, 7, 150, 299, 301)
+    t = golden.run_golden(_tie_plan(capture_rows=rows))
+    cfg = _tie_plan().config
+    for s, layer in [(0, 1), (0, 2), (0, 3), (2, 3), (2, 0)]:
+        p = f"step{s}.layers.{layer}."
+        want = [r for r in rows if r < 300] if s == 0 else [0]
+        assert t[p + "sample.rows"].tolist() == want, p
+        for what in ("q", "o"):
+            assert np.array_equal(t[p + "sample." + what].view(np.uint16),
+                                  t[p + what][want].view(np.uint16)), p + what
+        kv_all, idx = t[p + "kv"].astype(np.float32), t[p + "idx"][want]
+        gathered = np.where(idx[..., None] >= 0, kv_all[np.maximum(idx, 0)], 0)
+        assert np.array_equal(t[p + "sample.kv"].astype(np.float32), gathered), p
+        # Sparse attention on the sample alone reproduces o.
+        q = t[p + "sample.q"].astype(np.float32)
+        kv = t[p + "sample.kv"].astype(np.float32)
+        sink = t[f"layers.{layer}.attn.attn_sink"]
+        local = np.where(idx >= 0, np.arange(idx.shape[1]), -1)
+        for i in range(len(want)):
+            o = naive.sparse_attn(q[i:i + 1], kv[i], local[i:i + 1], sink, cfg.head_dim ** -0.5)
+            testing.assert_close(o, t[p + "sample.o"][i:i + 1], p + "sample.o")
+        if layer == 0:
+            assert p + "sample.index_score" not in t and p + "sample.compress_kv" not in t
+            continue
+        r = cfg.ratio(layer)
+        width = (300 if s == 0 else 301 + s) // r
+        assert np.array_equal(t[p + "sample.compress_kv"].view(np.uint16),
+                              t[p + "shared.compress_kv"].view(np.uint16)[:width])
+        keys = t[p + "sample.index_k"].astype(np.float32)
+        assert np.array_equal(keys, t[p + "shared.index_k"].astype(np.float32)[:width])
+        # The indexer's scores from the sample's fp4 queries, head weights and keys.
+        clen = golden.compare.visible_lengths(0 if s == 0 else 299 + s, 300 if s == 0 else 1, r)
+        got = naive.tile_scores(t[p + "sample.index_q"].astype(np.float32),
+                                t[p + "sample.index_weights"].astype(np.float32), keys,
+                                clen[want])
+        assert np.array_equal(got, t[p + "sample.index_score"].astype(np.float32)), p
+        assert np.array_equal(t[p + "sample.index_score"].view(np.uint16),
+                              t[p + "index_score"][want].view(np.uint16)), p
+
+
+def test_capture_rows_must_lie_in_the_run():
+    with pytest.raises(GoldenError, match="--capture-rows"):
+        _tie_plan(capture_rows=(303,))

@@ -68,3 +68,60 @@ def test_streamed_file_does_not_depend_on_threads_or_chunks(tmp_path):
         digests.add(sha(path))
     assert len(digests) == 1
     assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
+
+
+def _same_tensors(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert got[k].tobytes() == want[k].tobytes(), k
+
+
+@pytest.mark.parametrize("name, prefill, decode, rows", [
+    ("tiny", 12, 5, (0, 3, 4, 11, 12, 15)), ("mixed", 203, 3, (0, 7, 100, 202, 204)),
+    ("tiny", 1, 3, (0, 1, 3))])
+def test_streamed_golden_with_scores_and_samples(tmp_path, name, prefill, decode, rows):
+    """The recorded index scores (every chunk's rows) and the --capture-rows samples (collected
+    over a step's chunks) stream into the file: tensor for tensor the in-memory run, and the
+    same file for any --chunk."""
+    cfg = preset(name)
+    plan = GoldenPlan(cfg, tuple(range(cfg.n_layers)), prefill, decode, seed=4, capture="io",
+                      preset=name, capture_rows=rows)
+    want = run_golden(plan)
+    assert any(k.endswith(".topk_scores") for k in want)
+    assert any(k.endswith(".runner_idxs") for k in want)
+    assert any(k.endswith(".sample.index_score") for k in want)
+    assert any(k.startswith("step0.") and k.endswith(".sample.kv") for k in want)
+    digests = set()
+    for chunk in (1, 5, None):
+        path = tmp_path / f"g{chunk}.safetensors"
+        stream_golden(plan, path, chunk=chunk)
+        _same_tensors(load_file(str(path)), want)
+        digests.add(sha(path))
+    assert len(digests) == 1
+
+
+def test_ties_profile_chunked_is_the_unchunked_run(tmp_path):
+    """--profile ties: an input made by chunks is the slice of the whole (rows at their own
+    positions, the decode token's too), and the streamed golden is the in-memory one for any
+    --chunk."""
+    whole = make_input("step0.layers.2.x", (130, 24), 5, "ties")
+    for a, b in ((0, 1), (1, 7), (7, 64), (64, 130)):
+        assert make_input("step0.layers.2.x", (b - a, 24), 5, "ties", first_row=a).tobytes() == \
+            whole[a:b].tobytes()
+    assert make_input("step3.layers.2.x", (1, 24), 5, "ties", start_pos=139).tobytes() == \
+        make_input("step3.layers.2.x", (1, 24), 5, "ties", first_row=0, start_pos=139).tobytes()
+    cfg = preset("mixed")
+    plan = GoldenPlan(cfg, tuple(range(cfg.n_layers)), 203, 3, seed=2, capture="io",
+                      preset="mixed", profile="ties", capture_rows=(5, 150, 204))
+    want = run_golden(plan)
+    assert not np.array_equal(want["step0.layers.2.x"],
+                              run_golden(GoldenPlan(cfg, plan.layers, 203, 3, seed=2, capture="io",
+                                                    preset="mixed"))["step0.layers.2.x"])
+    digests = set()
+    for chunk in (1, 5, 64, None):
+        path = tmp_path / f"t{chunk}.safetensors"
+        stream_golden(plan, path, chunk=chunk)
+        _same_tensors(load_file(str(path)), want)
+        digests.add(sha(path))
+    assert len(digests) == 1

@@ -22,7 +22,9 @@ One module per part:
   ``storage_kind``, ``to_storage``;
 * :mod:`.files` -- atomic writing (``write_tensors_atomic``), the metadata of a run
   (``RunInfo``) and reading (``GoldenFile``, ``load_golden``);
-* :mod:`.compare` -- ``compare_tensor``, ``compare_files`` and their ``CompareReport``;
+* :mod:`.ties` -- the tie-aware judgement of index rows (``judge_index_rows``);
+* :mod:`.compare` -- ``compare_tensor``, ``compare_files``, the ``Judge`` both they and replay
+  use, and their ``CompareReport``;
 * :mod:`.run` -- ``GoldenPlan`` and the one step x layer driver (``drive``) that
   ``run_golden`` / ``write_golden`` and ``replay`` both run the stack through.
 
@@ -30,13 +32,17 @@ The command line (``ds41numba golden | replay | compare``, :mod:`ds41numba.cli`)
 arguments and calls these.
 """
 
-from .captures import CAPTURE_MODES, layer_captures, storage_kind, to_storage
-from .compare import TOLERANCE, CompareReport, TensorResult, compare_files, compare_tensor
+from .captures import (CAPTURE_MODES, RUNNERS_UP, SAMPLE_CAPTURES, SCORE_CAPTURES, StepObserver,
+                       layer_captures, storage_kind, to_storage)
+from .compare import (TOLERANCE, CompareReport, Judge, TensorResult, compare_files,
+                      compare_tensor, file_scores)
+from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, IndexJudgement, RowBounds,
+                   RowScores, judge_index_rows)
 from .errors import GoldenError
 from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden, load_golden,
                     write_tensors_atomic)
-from .generator import (GENERATOR, GENERATOR_SPEC, make_input, make_tensor, make_weights,
-                        stream_key, weight_distribution)
+from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, make_input, make_tensor,
+                        make_weights, stream_key, weight_distribution)
 from .run import (DEFAULT_CHUNK, GoldenPlan, drive, io_layout, missing_sources, replay,
                   run_golden, stream_golden, write_golden)
 
@@ -45,6 +51,9 @@ __all__ = [
     "TOLERANCE", "make_tensor", "make_weights", "make_input", "weight_distribution", "stream_key",
     "missing_sources", "GoldenPlan", "layer_captures", "storage_kind", "to_storage", "drive",
     "run_golden", "write_golden", "write_tensors_atomic", "GoldenFile", "RunInfo", "load_golden",
-    "TensorResult", "CompareReport", "compare_tensor", "compare_files", "replay",
+    "TensorResult", "CompareReport", "compare_tensor", "compare_files", "replay", "PROFILES",
     "StreamingGolden", "stream_golden", "io_layout", "DEFAULT_CHUNK",
+    "RUNNERS_UP", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "StepObserver", "Judge", "file_scores",
+    "DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_RANGE", "IndexJudgement", "RowBounds", "RowScores",
+    "judge_index_rows",
 ]

@@ -4,6 +4,20 @@ Tensor names are the reference goldens': ``layers.{i}.attn.NAME`` for parameters
 ``step{s}.layers.{i}.WHAT`` for a step's input ``x`` and captures. ``io`` records ``out``,
 ``idx`` and ``shared.topk_idxs``; ``all`` adds ``q``, ``kv``, ``o``, ``index_score``, the other
 ``shared.*`` slots and the layer's ``state.*``. Every stored value is exactly the value computed.
+
+Both modes also record, at every index source, the scores behind its selection, so a candidate's
+index rows can be judged without the whole ``[seqlen, positions]`` score matrix
+(:mod:`.ties`): ``topk_scores`` (the score of each selected position, aligned with
+``shared.topk_idxs``; -inf for a -1 entry) and the best ``RUNNERS_UP`` positions below the
+boundary, ``runner_idxs`` (in the same coordinates: position + offset; -1 past the last) and
+``runner_scores``. Scores are those top-k chose from: after the visibility and candidate masks.
+
+With ``--capture-rows`` (``sample_positions``), for just those query positions of every step,
+what each kernel consumes and produces (the ``sample.*`` captures, :data:`SAMPLE_CAPTURES`).
+
+A :class:`StepObserver` collects the scores and samples from inside the forward, a tile at a time
+(``SharedRuntime.observer``): nothing of size ``[seqlen, positions]`` or ``[seqlen, H, hd]`` is
+held for them.
 """
 
 from __future__ import annotations
@@ -12,26 +26,40 @@ import re
 
 import ml_dtypes
 import numpy as np
+from numba import njit, prange
 
 from ..attention import index_rows
 from ..config import AttnConfig
+from ..indexer import visible_lengths
 
-__all__ = ["CAPTURE_MODES", "STEP_NAME", "WEIGHT_NAME", "CHUNK", "forward_capture",
-           "layer_captures", "storage_kind", "to_storage"]
+__all__ = ["CAPTURE_MODES", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
+           "WEIGHT_NAME", "CHUNK", "StepObserver", "forward_capture", "layer_captures",
+           "storage_kind", "to_storage"]
 
 BF16 = ml_dtypes.bfloat16
 CHUNK = 1 << 22          # elements per piece when converting or comparing large tensors
 
+#: Runners-up recorded per index row: the measured swaps of the reference against itself reach
+#: rank 56 below the boundary (README, "Testing your kernel").
+RUNNERS_UP = 64
+#: The scores behind an index source's selection (both modes).
+SCORE_CAPTURES = ("topk_scores", "runner_idxs", "runner_scores")
+#: What ``--capture-rows`` adds for the sampled rows of a step (``sample.rows``: the step's query
+#: rows, row r being position start_pos + r), and once per such step the keys and latents the
+#: layer scored against and attended.
+SAMPLE_CAPTURES = ("sample.rows", "sample.q", "sample.kv", "sample.o", "sample.index_score",
+                   "sample.index_q", "sample.index_weights", "sample.index_k", "sample.compress_kv")
 #: What each capture mode records per step and layer (besides the input ``x``), in file order.
 CAPTURE_MODES = {
-    "io": ("out", "idx", "shared.topk_idxs"),
+    "io": ("out", "idx", "shared.topk_idxs") + SCORE_CAPTURES,
     "all": ("out", "q", "kv", "idx", "o", "index_score", "shared.compress_kv", "shared.index_k",
             "shared.topk_idxs", "shared.candidates", "state.window_kv", "state.kv_state",
-            "state.score_state"),
+            "state.score_state") + SCORE_CAPTURES,
 }
 #: Captures not stored as BF16 (the index tensors, and the compressor's f32 state).
 _CAPTURE_STORAGE = {"idx": "I32", "shared.topk_idxs": "I32", "shared.candidates": "U8",
-                    "state.kv_state": "F32", "state.score_state": "F32"}
+                    "state.kv_state": "F32", "state.score_state": "F32", "runner_idxs": "I32",
+                    "sample.rows": "I32"}
 _STORAGE_DTYPES = {"BF16": BF16, "F32": np.float32, "I32": np.int32, "U8": np.uint8}
 STEP_NAME = re.compile(r"step(\d+)\.layers\.(\d+)\.(.+)")
 WEIGHT_NAME = re.compile(r"layers\.(\d+)\.attn\.(.+)")
@@ -53,13 +81,15 @@ def forward_capture(mode: str) -> bool:
     return mode == "all"
 
 
-def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str) -> dict[str, np.ndarray]:
-    """The captures of one layer's step, ``{WHAT: array}``, as the reference goldens record them.
+def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str,
+                   observer: "StepObserver | None" = None) -> dict[str, np.ndarray]:
+    """The captures of one layer's step, ``{WHAT: array}``, as the reference goldens record them,
+    plus what ``observer`` (the step's :class:`StepObserver`) collected.
 
     Arrays may be views of the stack's live state: convert (copy) them before the next step.
     """
     c = stack.config
-    wanted = CAPTURE_MODES[mode]
+    wanted = CAPTURE_MODES[mode] + SAMPLE_CAPTURES
     seqlen = run.out.shape[0]
     end_pos = start_pos + seqlen
     r = c.ratio(layer_id)
@@ -89,7 +119,170 @@ def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str) -> dict
         if state.kv_state is not None:
             got["state.kv_state"] = state.kv_state
             got["state.score_state"] = state.score_state
+    if observer is not None:
+        got.update(observer.captures())
+        if observer.sampling and r:
+            got["sample.compress_kv"] = shared.compress_kv[: end_pos // r]
+            if c.is_index_source(layer_id) and shared.index_k is not None:
+                got["sample.index_k"] = shared.index_k.keys[: end_pos // r]
     return {k: got[k] for k in wanted if k in got}
+
+
+@njit(cache=True)
+def _before(a, b):
+    """torch's top-k order on scores: NaN first, then larger."""
+    return (np.isnan(a) and not np.isnan(b)) or a > b
+
+
+@njit(parallel=True, cache=True)
+def _runners_up(scores, clen, topk, offset, out_idx, out_val):
+    """Per row, the best ``R`` visible positions the selection ``topk`` left out, best first in
+    torch's order (NaN first, then larger; equal scores by position), as ``position + offset``
+    into ``out_idx`` with their scores into ``out_val`` (-1 and -inf past the last).
+
+    One pass over the row's visible scores keeps a sorted list of R: O(positions) per row.
+    """
+    T = scores.shape[0]
+    R = out_idx.shape[1]
+    k = topk.shape[1]
+    for s in prange(T):
+        n = min(clen[s], scores.shape[1])
+        sel = np.empty(k, np.int64)
+        m = 0
+        for j in range(k):
+            if topk[s, j] >= 0:
+                sel[m] = topk[s, j] - offset
+                m += 1
+        sel = np.sort(sel[:m])
+        vals = out_val[s]
+        ids = out_idx[s]
+        cnt = 0
+        p = 0
+        for t in range(n):
+            while p < m and sel[p] < t:
+                p += 1
+            if p < m and sel[p] == t:
+                continue
+            v = scores[s, t]
+            if cnt == R and not _before(v, vals[R - 1]):
+                continue
+            j = cnt if cnt < R else R - 1
+            while j > 0 and _before(v, vals[j - 1]):
+                vals[j] = vals[j - 1]
+                ids[j] = ids[j - 1]
+                j -= 1
+            vals[j] = v
+            ids[j] = t + offset
+            if cnt < R:
+                cnt += 1
+        for j in range(cnt, R):
+            ids[j] = -1
+            vals[j] = -np.inf
+
+
+class StepObserver:
+    """Collects, from inside one layer's step, the index scores a golden records and the
+    ``--capture-rows`` samples; set as ``stack.shared.observer`` for the run.
+
+    :meth:`begin` before each forward; the indexer and attention then call
+    :meth:`index_scores`, :meth:`index_selection` and :meth:`attention_tile` a tile at a time
+    (with offsets ``s0`` into the forward's rows); :meth:`captures` returns what the step left.
+    A prefill run in chunks (``begin``'s ``prefill_len``) gives each chunk's score rows, and the
+    samples, collected over the chunks, with the last one.
+    """
+
+    def __init__(self, config: AttnConfig, sample_positions=(), runners: int = RUNNERS_UP):
+        self.config = config
+        self.runners = int(runners)
+        self.sample_positions = np.unique(np.asarray(sample_positions, np.int64))
+        self.rows = np.zeros(0, np.int64)
+        self._got: dict[str, np.ndarray] = {}
+        self._samples: dict[str, np.ndarray] = {}
+        self._steps: dict[int, tuple] = {}       # layer -> (sampled rows, samples) of its step
+        self._row0, self._step_end = 0, True
+
+    def begin(self, layer_id: int, start_pos: int, seqlen: int, prefill_len: int | None = None):
+        """Before each forward, with its arguments: ``prefill_len`` makes it the chunk of a
+        prefill whose first row is ``start_pos`` (the forward's ``prefill_len``). The score
+        captures are the chunk's rows (to be stored at rows ``start_pos ..``); the samples
+        collect over the step's chunks and :meth:`captures` returns them, all rows of the
+        step, with the step's last chunk (:attr:`sampling`)."""
+        c = self.config
+        r = c.ratio(layer_id)
+        p = self.sample_positions
+        chunk = prefill_len is not None
+        step0, steprows = (0, int(prefill_len)) if chunk else (start_pos, seqlen)
+        self._row0 = start_pos - step0              # the chunk's first row of the step
+        self._step_end = self._row0 + seqlen == steprows
+        if self._row0 == 0 or layer_id not in self._steps:
+            rows = p[(p >= step0) & (p < step0 + steprows)] - step0
+            self._steps[layer_id] = (rows, {"sample.rows": rows.astype(np.int32)} if rows.size else {})
+        self.rows, self._samples = self._steps[layer_id]
+        if self._step_end:
+            del self._steps[layer_id]
+        self.offset = prefill_len if chunk else (seqlen if start_pos == 0 else c.window_size)
+        self._got = {}
+        self._clen = visible_lengths(start_pos, seqlen, r, prefill=chunk or start_pos == 0) if r else None
+        if r and c.is_index_source(layer_id):
+            k = min(c.index_topk, (prefill_len if chunk else start_pos + seqlen) // r)
+            self._got["topk_scores"] = np.full((seqlen, k), -np.inf, np.float32)
+            self._got["runner_idxs"] = np.full((seqlen, self.runners), -1, np.int32)
+            self._got["runner_scores"] = np.full((seqlen, self.runners), -np.inf, np.float32)
+
+    @property
+    def sampling(self) -> bool:
+        """Whether :meth:`captures` holds samples: the step has sampled rows and this forward
+        was its last chunk."""
+        return bool(self.rows.size) and self._step_end
+
+    def _sampled(self, s0: int, n: int):
+        """``(i, t)``: index into the samples and row of the tile, of the sampled rows in it
+        (``s0`` counts from the forward's first row)."""
+        a = self._row0 + s0
+        i = np.flatnonzero((self.rows >= a) & (self.rows < a + n))
+        return i, self.rows[i] - a
+
+    def _sample(self, name: str, i, values: np.ndarray):
+        if name not in self._samples:
+            self._samples[name] = np.zeros((self.rows.size,) + values.shape[1:], np.float32)
+        self._samples[name][i] = values
+
+    def index_scores(self, s0: int, iq: np.ndarray, w: np.ndarray, scores: np.ndarray):
+        i, t = self._sampled(s0, scores.shape[0])
+        if i.size:
+            self._sample("sample.index_score", i, scores[t])
+            self._sample("sample.index_q", i, iq[t])
+            self._sample("sample.index_weights", i, w[t])
+
+    def index_selection(self, s0: int, scores: np.ndarray, topk: np.ndarray):
+        n, k = topk.shape
+        rows = slice(s0, s0 + n)
+        cols = np.clip(topk.astype(np.int64) - self.offset, 0, max(scores.shape[1] - 1, 0))
+        if k:
+            picked = np.take_along_axis(scores, cols, axis=1)
+            self._got["topk_scores"][rows] = np.where(topk >= 0, picked, -np.inf)
+        _runners_up(scores, self._clen[rows], topk, self.offset, self._got["runner_idxs"][rows],
+                    self._got["runner_scores"][rows])
+
+    def attention_tile(self, s0: int, q: np.ndarray, o: np.ndarray, kv_rows, idx: np.ndarray):
+        i, t = self._sampled(s0, q.shape[0])
+        if not i.size:
+            return
+        self._sample("sample.q", i, q[t])
+        self._sample("sample.o", i, o[t])
+        parts = tuple(kv_rows)
+        starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
+        rows = idx[t].astype(np.int64)
+        kv = np.zeros(rows.shape + (parts[0].shape[1],), np.float32)
+        for p, first in zip(parts, starts):
+            sel = (rows >= first) & (rows < first + len(p))
+            kv[sel] = p[rows[sel] - first]
+        self._sample("sample.kv", i, kv)
+
+    def captures(self) -> dict[str, np.ndarray]:
+        """The forward's score captures (its rows) and, with the step's last chunk, the step's
+        samples."""
+        return {**self._got, **self._samples} if self.sampling else dict(self._got)
 
 
 def storage_kind(name: str, weight_kinds: dict | None = None) -> str:

@@ -1,22 +1,40 @@
-"""Comparing a candidate's tensors with a golden's: exact for index tensors, SPEC's tolerance
-for floats (``|got - want| <= 2 * 2^-8 * max|want| + 1e-6`` per tensor), and the reports."""
+"""Comparing a candidate's tensors with a golden's, and the reports.
+
+Floats: SPEC's tolerance, ``|got - want| <= 2 * 2^-8 * max|want| + 1e-6`` per tensor. Index
+selections (``idx``, ``shared.topk_idxs``): row by row, tie-aware (:mod:`.ties`): identical rows
+and boundary swaps pass, wrong rows fail; with ``exact_index`` every row must be identical (the
+rule before goldens carried scores). Rows of ``o``/``out`` (and ``sample.o``) downstream of a
+differing index row are reported apart and held to the golden tensor's range
+(``SWAP_FLOAT_RANGE``).
+The score captures (``topk_scores``, ``runner_*``) are the golden's evidence, not results: they
+are compared, in rows whose selection is identical, for information only. Other integer tensors (``shared.candidates``, ``sample.rows``) must be identical.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .captures import CHUNK, STEP_NAME, WEIGHT_NAME
-from .files import GoldenFile
+from ..indexer import visible_lengths
+from .captures import CHUNK, SCORE_CAPTURES, STEP_NAME, WEIGHT_NAME
+from .errors import GoldenError
+from .files import GoldenFile, RunInfo
+from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, RowBounds, RowScores,
+                   judge_index_rows)
 
-__all__ = ["TOLERANCE", "ROWS_LISTED", "TensorResult", "CompareReport", "compare_tensor",
-           "compare_files"]
+__all__ = ["TOLERANCE", "ROWS_LISTED", "SELECTIONS", "DOWNSTREAM", "TensorResult",
+           "CompareReport", "Judge", "compare_tensor", "compare_files", "file_scores",
+           "compare_order", "group_of"]
 
 TOLERANCE = "|got - want| <= 2 * 2^-8 * max|want| + 1e-6 per tensor"
 ROWS_LISTED = 1000   # differing index rows a result lists (the text line shows the first 10)
+#: Index tensors judged tie-aware, and the float tensors whose rows follow a query's selection.
+SELECTIONS = ("idx", "shared.topk_idxs")
+DOWNSTREAM = ("o", "out", "sample.o")
 
 
 @dataclass
@@ -40,30 +58,69 @@ class TensorResult:
     within_one_step: int = 0
     bit_identical: int = 0
     detail: str = ""
+    # tie-aware index rows (rows_differ = rows_swapped + rows_wrong)
+    tie_aware: bool = False
+    rows_swapped: int = 0
+    rows_wrong: int = 0
+    unlisted: int = 0
+    max_score_gap: float = 0.0
+    max_relative_gap: float = 0.0
+    index_tolerance: float = 0.0
+    scores_from: str = ""
+    reasons: list = field(default_factory=list)
+    # float rows downstream of a differing index row: held to the tensor's range only
+    # (SWAP_FLOAT_RANGE), and how many of their elements the tolerance would have failed
+    swap_rows: int = 0
+    swap_max_abs_diff: float = 0.0
+    swap_over_tolerance: int = 0
+    swap_over_range: int = 0
+    rows_not_compared: int = 0      # score captures: rows whose selection differs
+    informational: bool = False     # the golden's evidence (score captures): never fails
 
     def line(self) -> str:
         """One human-readable line."""
         shape = "[" + ", ".join(str(d) for d in self.shape) + "]"
+        if self.kind == "index" and self.tie_aware:
+            state = f"{self.rows_wrong} of {self.rows} rows wrong ({self.reasons[0]})" if (
+                self.rows_wrong) else "identical"
+            if self.rows_swapped:
+                state += (f"{'; ' if self.rows_wrong else ' except '}{self.rows_swapped} boundary "
+                          f"swaps (max gap {self.max_score_gap:.3g}, {self.max_relative_gap:.3g} "
+                          f"of the row's scale; tolerance {self.index_tolerance:.3g}; scores "
+                          f"from the {self.scores_from})")
+            return f"{self.name} {shape} index: {state}"
         if self.kind == "index":
-            state = "identical" if self.ok else (
+            state = "identical" if not self.rows_differ else (
                 f"{self.rows_differ} of {self.rows} rows differ (first: "
                 + ", ".join(str(r) for r in self.first_rows[:10])
                 + (", ..." if self.rows_differ > 10 else "") + ")")
             return f"{self.name} {shape} index: {state}"
         if self.kind == "float":
             n = max(self.size, 1)
-            verdict = (f"within tolerance {self.tolerance:.3g}" if self.ok else
+            verdict = (f"within tolerance {self.tolerance:.3g}" if self.over_tolerance == 0 else
                        f"> tolerance {self.tolerance:.3g} ({self.over_tolerance} of {self.size} "
                        f"elements over)")
-            return (f"{self.name} {shape}: max |diff| {self.max_abs_diff:.3g} {verdict}; "
+            line = (f"{self.name} {shape}: max |diff| {self.max_abs_diff:.3g} {verdict}; "
                     f"max {_fmt_steps(self.max_bf16_steps)} bf16 steps, "
                     f"{100 * self.within_one_step / n:.2f}% within 1 step, "
                     f"{100 * self.bit_identical / n:.2f}% bit-identical")
+            if self.swap_rows:
+                line += (f"; {self.swap_rows} rows after differing index rows: max |diff| "
+                         f"{self.swap_max_abs_diff:.3g} ({self.swap_over_tolerance} elements over "
+                         f"the tolerance"
+                         + (f", {self.swap_over_range} beyond {SWAP_FLOAT_RANGE:g} x max|want|)"
+                            if self.swap_over_range else ", all within the tensor's range)"))
+            if self.rows_not_compared:
+                line += f"; {self.rows_not_compared} rows not compared (their selection differs)"
+            return line
         return f"{self.name}: {self.detail}"
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        for k in ("max_abs_diff", "max_bf16_steps", "tolerance"):
+        for k in ("differ_rows", "swap_list", "wrong_list"):
+            d.pop(k, None)
+        for k in ("max_abs_diff", "max_bf16_steps", "tolerance", "max_score_gap",
+                  "max_relative_gap", "swap_max_abs_diff"):
             if not math.isfinite(d[k]):
                 d[k] = str(d[k])   # JSON has no inf/nan
         return d
@@ -79,8 +136,28 @@ def _is_index(a: np.ndarray) -> bool:
     return a.dtype.kind in "iub"
 
 
-def compare_tensor(name: str, want, got) -> TensorResult:
-    """Compare ``got`` with ``want``: exact for index tensors, the SPEC tolerance for floats."""
+def _candidate_problem(want: np.ndarray, got: np.ndarray) -> str:
+    """Why ``got`` cannot be compared with ``want`` at all (a dtype that holds no numbers, an
+    index tensor holding NaN), or ""."""
+    if got.dtype.kind not in "iubf" and got.dtype.name != "bfloat16":
+        return f"dtype {got.dtype} in the candidate holds no numbers"
+    if _is_index(want) and not _is_index(got):
+        g = got.astype(np.float32, copy=False)
+        if np.isnan(g).any():
+            return "NaN in the candidate where an index belongs"
+        if (g != np.round(g)).any():
+            return "non-integer values in the candidate where an index belongs"
+    return ""
+
+
+def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
+                   bounds: RowBounds | None = None, index_tolerance: float | None = None,
+                   relaxed_rows=None, rows=None) -> TensorResult:
+    """Compare ``got`` with ``want``: the SPEC tolerance for floats; for index tensors exact
+    rows, or tie-aware rows when ``index_tolerance`` is given (:func:`.ties.judge_index_rows`,
+    with the golden's ``scores`` and the rows' ``bounds``). ``relaxed_rows`` (first-axis rows)
+    of a float tensor are held to the tensor's range (``SWAP_FLOAT_RANGE``); ``rows``, a boolean mask
+    of first-axis rows, restricts the comparison to them."""
     want, got = np.asarray(want), np.asarray(got)
     index = _is_index(want) or _is_index(got)
     res = TensorResult(name=name, kind="index" if index else "float", ok=True,
@@ -89,7 +166,36 @@ def compare_tensor(name: str, want, got) -> TensorResult:
         res.kind, res.ok = "shape", False
         res.detail = f"shape {list(got.shape)} in the candidate, {list(want.shape)} in the golden"
         return res
-    return _compare_index(res, want, got) if index else _compare_float(res, want, got)
+    problem = _candidate_problem(want, got)
+    if problem:
+        res.kind, res.ok, res.detail = "unusable", False, problem
+        return res
+    if rows is not None and want.ndim and not rows.all():
+        res.rows_not_compared = int(np.count_nonzero(~rows))
+        want, got = want[rows], got[rows]
+        res.size = int(want.size)
+        if want.shape[0] == 0:
+            return res
+    if index and index_tolerance is not None:
+        return _judge_index(res, want, got, scores, bounds, index_tolerance)
+    if index:
+        return _compare_index(res, want, got)
+    return _compare_float(res, want, got, relaxed_rows)
+
+
+def _judge_index(res, want, got, scores, bounds, tolerance) -> TensorResult:
+    j = judge_index_rows(want, got, scores, bounds, tolerance)
+    res.tie_aware, res.index_tolerance = True, tolerance
+    res.rows, res.rows_differ = j.rows, j.swapped + j.wrong
+    res.rows_swapped, res.rows_wrong, res.unlisted = j.swapped, j.wrong, j.unlisted
+    res.max_score_gap, res.max_relative_gap = j.max_gap, j.max_relative_gap
+    res.first_rows = sorted(j.wrong_rows + j.swap_rows)[:ROWS_LISTED]
+    res.reasons = j.reasons
+    res.scores_from = scores.source if scores is not None else "none"
+    res.ok = j.wrong == 0
+    # Not in the JSON (first_rows lists them): every differing row, for --plot and the caller.
+    res.differ_rows, res.swap_list, res.wrong_list = j.differ_rows, j.swap_rows, j.wrong_rows
+    return res
 
 
 def _compare_index(res: TensorResult, want: np.ndarray, got: np.ndarray) -> TensorResult:
@@ -114,16 +220,26 @@ def _ordered(bits: np.ndarray) -> np.ndarray:
     return np.where(i < 0, -(i & 0x7FFFFFFF), i)
 
 
-def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray) -> TensorResult:
-    w_all, g_all = want.reshape(-1), got.reshape(-1)
-    amax = 0.0
-    for lo in range(0, w_all.size, CHUNK):
-        w = np.abs(w_all[lo:lo + CHUNK].astype(np.float32))
+def _abs_max(a: np.ndarray) -> float:
+    """The largest finite |value| of ``a`` (0 for none), a chunk at a time."""
+    flat, amax = a.reshape(-1), 0.0
+    for lo in range(0, flat.size, CHUNK):
+        w = np.abs(flat[lo:lo + CHUNK].astype(np.float32))
         w = w[np.isfinite(w)]
         if w.size:
             amax = max(amax, float(w.max()))
-    bound = 2 * 2.0 ** -8 * amax + 1e-6
-    res.tolerance = bound
+    return amax
+
+
+def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
+                   relaxed_rows=None, factor: float = 1.0, amax: float | None = None) -> TensorResult:
+    """Float agreement at ``factor`` x the SPEC tolerance of ``max|want|`` (``amax``, default
+    this tensor's); ``relaxed_rows`` are judged apart (:func:`_compare_float_relaxed`)."""
+    if relaxed_rows is not None and len(relaxed_rows) and want.ndim:
+        return _compare_float_relaxed(res, want, got, np.asarray(relaxed_rows, np.int64))
+    w_all, g_all = want.reshape(-1), got.reshape(-1)
+    res.tolerance = 2 * 2.0 ** -8 * (_abs_max(want) if amax is None else amax) + 1e-6
+    bound = factor * res.tolerance
     for lo in range(0, w_all.size, CHUNK):
         w = np.ascontiguousarray(w_all[lo:lo + CHUNK], dtype=np.float32)
         g = np.ascontiguousarray(g_all[lo:lo + CHUNK], dtype=np.float32)
@@ -147,6 +263,32 @@ def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray) -> Tens
     return res
 
 
+def _compare_float_relaxed(res: TensorResult, want, got, relaxed) -> TensorResult:
+    """:func:`_compare_float` with the rows ``relaxed`` (downstream of a differing index row)
+    judged apart: within ``SWAP_FLOAT_RANGE * max|want|`` (plus the tolerance) of the golden,
+    NaN and infinities as the golden's; the tolerance stays the whole tensor's."""
+    mask = np.zeros(want.shape[0], bool)
+    mask[relaxed[(relaxed >= 0) & (relaxed < want.shape[0])]] = True
+    amax = _abs_max(want)
+    strict = _compare_float(TensorResult(res.name, "float", True), want[~mask], got[~mask],
+                            amax=amax)
+    loose = _compare_float(TensorResult(res.name, "float", True), want[mask], got[mask],
+                           amax=amax)
+    tol = strict.tolerance
+    ranged = _compare_float(TensorResult(res.name, "float", True), want[mask], got[mask],
+                            factor=(SWAP_FLOAT_RANGE * amax + tol) / tol, amax=amax)
+    res.tolerance = tol
+    res.over_tolerance, res.max_abs_diff = strict.over_tolerance, strict.max_abs_diff
+    res.within_one_step = strict.within_one_step + loose.within_one_step
+    res.bit_identical = strict.bit_identical + loose.bit_identical
+    res.max_bf16_steps = max(strict.max_bf16_steps, loose.max_bf16_steps)
+    res.swap_rows = int(mask.sum())
+    res.swap_over_tolerance, res.swap_max_abs_diff = loose.over_tolerance, loose.max_abs_diff
+    res.swap_over_range = ranged.over_tolerance
+    res.ok = strict.ok and ranged.ok
+    return res
+
+
 @dataclass
 class CompareReport:
     """Every tensor's result, the verdict, and the text and JSON forms of both."""
@@ -155,6 +297,7 @@ class CompareReport:
     candidate: str
     results: list = field(default_factory=list)
     subset: bool = False      # a tensor only in the golden is not a failure
+    index_rule: str = "exact"  # or "tie-aware, tolerance T"
 
     def add(self, result: TensorResult):
         self.results.append(result)
@@ -169,8 +312,8 @@ class CompareReport:
         return bool(compared) and not self.failures
 
     def summary(self) -> dict:
-        idx = [r for r in self.results if r.kind == "index"]
-        flt = [r for r in self.results if r.kind == "float"]
+        idx = [r for r in self.results if r.kind == "index" and not r.informational]
+        flt = [r for r in self.results if r.kind == "float" and not r.informational]
         elems = sum(r.size for r in flt)
         return {
             "ok": self.ok,
@@ -178,6 +321,14 @@ class CompareReport:
             "index_tensors": len(idx),
             "index_rows": sum(r.rows for r in idx),
             "index_rows_differ": sum(r.rows_differ for r in idx),
+            "index_rows_swapped": sum(r.rows_swapped for r in idx),
+            "index_rows_wrong": sum(r.rows_wrong if r.tie_aware else r.rows_differ for r in idx),
+            "max_score_gap": max((r.max_score_gap for r in idx), default=0.0),
+            "max_relative_gap": max((r.max_relative_gap for r in idx), default=0.0),
+            "unlisted_positions": sum(r.unlisted for r in idx),
+            "index_rule": self.index_rule,
+            "float_rows_after_swaps": sum(r.swap_rows for r in flt),
+            "max_abs_diff_after_swaps": max((r.swap_max_abs_diff for r in flt), default=0.0),
             "float_tensors": len(flt),
             "float_elements": elems,
             "float_over_tolerance": sum(r.over_tolerance for r in flt),
@@ -187,14 +338,21 @@ class CompareReport:
             "only_in_golden": sum(r.kind == "only-golden" for r in self.results),
             "only_in_candidate": sum(r.kind == "only-candidate" for r in self.results),
             "shape_mismatches": sum(r.kind == "shape" for r in self.results),
+            "unusable": sum(r.kind == "unusable" for r in self.results),
             "failing_tensors": len(self.failures),
             "tolerance": TOLERANCE,
         }
 
     def summary_line(self) -> str:
         s = self.summary()
-        parts = [f"{s['compared']} tensors compared",
-                 f"index rows {s['index_rows'] - s['index_rows_differ']}/{s['index_rows']} identical",
+        rows = f"index rows {s['index_rows'] - s['index_rows_differ']}/{s['index_rows']} identical"
+        if self.index_rule != "exact":
+            rows += (f", {s['index_rows_swapped']} boundary swaps (max gap "
+                     f"{s['max_relative_gap']:.3g} of the row's scale), {s['index_rows_wrong']} wrong")
+            if s["float_rows_after_swaps"]:
+                rows += (f"; {s['float_rows_after_swaps']} float rows after swaps (max |diff| "
+                         f"{s['max_abs_diff_after_swaps']:.3g})")
+        parts = [f"{s['compared']} tensors compared", rows,
                  f"floats max {_fmt_steps(s['max_bf16_steps'])} bf16 steps, "
                  f"{100 * s['within_one_step_fraction']:.3f}% within 1 step, "
                  f"{100 * s['bit_identical_fraction']:.3f}% bit-identical"]
@@ -230,8 +388,8 @@ class CompareReport:
         """
         groups: dict[str, list] = {}
         for r in self.results:
-            if r.kind in ("index", "float", "shape"):
-                groups.setdefault(_group_of(r.name), []).append(r)
+            if r.kind in ("index", "float", "shape", "unusable"):
+                groups.setdefault(group_of(r.name), []).append(r)
         head = (f"{'tensor':<20} {'count':>6} {'failing':>7} {'rows differing':>15} "
                 f"{'max steps':>9} {'within 1 step':>13} {'bit-identical':>13}")
         lines = [head, "-" * len(head)]
@@ -253,29 +411,165 @@ class CompareReport:
                           indent=1)
 
 
-def _group_of(name: str) -> str:
+def group_of(name: str) -> str:
+    """The kind of tensor a name is (``out``, ``idx``, ``weights``, ...): a report's group."""
     m = STEP_NAME.fullmatch(name)
     if m:
         return m.group(3)
     return "weights" if WEIGHT_NAME.fullmatch(name) else name
 
 
-def compare_files(golden_path, candidate_path, subset: bool = False) -> CompareReport:
+def _step_layer(name: str):
+    m = STEP_NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def compare_order(name: str):
+    """Within a step and layer, selections first: the float rows after them need their verdict."""
+    sl = _step_layer(name)
+    if sl is None:
+        return (-1, -1, 2)
+    return (sl[0], sl[1], 0 if sl[2] in SELECTIONS else 1)
+
+
+class Judge:
+    """The comparison of one golden with one candidate, tensor by tensor (:meth:`compare`), in
+    the order :func:`compare_order` gives (a step and layer's selections before its floats).
+
+    ``run`` is the golden's run (config and steps: the rows' bounds), ``scores(step, layer)``
+    the :class:`RowScores` of an index source's selection, or None. With ``exact_index`` index
+    rows must be identical and no float row is relaxed (the rule before scores were recorded).
+    The score captures are informational unless ``strict_evidence`` (a replay, which checks
+    the golden itself).
+    """
+
+    def __init__(self, run: RunInfo | None, scores=None, index_tolerance: float | None = None,
+                 exact_index: bool = False, strict_evidence: bool = False):
+        self.run = run
+        self.scores = scores or (lambda step, layer: None)
+        self.exact = bool(exact_index)
+        self.strict_evidence = bool(strict_evidence)
+        tol = DEFAULT_INDEX_TOLERANCE if index_tolerance is None else float(index_tolerance)
+        if not (math.isfinite(tol) and tol >= 0):
+            raise GoldenError(f"--index-tolerance must be a number >= 0, got {index_tolerance!r}")
+        self.tolerance = None if self.exact else tol
+        self.rule = "exact" if self.exact else f"tie-aware, tolerance {tol:g}"
+        self.differ: dict[tuple[int, int], set] = {}      # (step, layer) -> differing rows
+
+    def _source(self, layer: int) -> int | None:
+        c = self.run.config if self.run is not None else None
+        if c is None or not 0 <= layer < c.n_layers or c.ratio(layer) == 0:
+            return None
+        try:
+            return c.index_source_of(layer)
+        except ValueError:
+            return None
+
+    def _bounds(self, step: int, layer: int, what: str, rows: int) -> RowBounds | None:
+        run = self.run
+        if run is None or not 0 <= layer < run.config.n_layers:
+            return None
+        c = run.config
+        start_pos = 0 if step == 0 else run.prefill + step - 1
+        offset = rows if step == 0 else c.window_size
+        src = self._source(layer)
+        r = c.ratio(src if src is not None else layer)
+        clen = visible_lengths(start_pos, rows, r) if r else np.zeros(rows, np.int64)
+        return RowBounds(offset, clen, window=(what == "idx"))
+
+    def _relaxed(self, step: int, layer: int, name: str, golden, candidate):
+        rows = set(self.differ.get((step, layer), ()))
+        src = self._source(layer)
+        if src is not None:
+            rows |= self.differ.get((step, src), set())
+        if not rows:
+            return None
+        if name.endswith("sample.o"):       # sample rows -> query rows
+            sample = f"step{step}.layers.{layer}.sample.rows"
+            if sample not in golden:
+                return None
+            q = np.asarray(golden.get(sample))
+            return np.flatnonzero(np.isin(q, list(rows)))
+        return np.array(sorted(rows), np.int64)
+
+    def compare(self, name: str, want, got, golden=None, candidate=None) -> TensorResult:
+        sl = _step_layer(name)
+        if self.exact or sl is None:
+            return compare_tensor(name, want, got)
+        step, layer, what = sl
+        if what in SELECTIONS and _is_index(np.asarray(want)):
+            src = self._source(layer)
+            scores = self.scores(step, src) if src is not None else None
+            bounds = self._bounds(step, layer, what, np.asarray(want).shape[0])
+            res = compare_tensor(name, want, got, scores=scores, bounds=bounds,
+                                 index_tolerance=self.tolerance)
+            differ = getattr(res, "differ_rows", None)
+            if differ is not None and len(differ):
+                self.differ.setdefault((step, layer), set()).update(differ.tolist())
+            return res
+        if what in DOWNSTREAM:
+            return compare_tensor(name, want, got,
+                                  relaxed_rows=self._relaxed(step, layer, name, golden, candidate))
+        if what in SCORE_CAPTURES:
+            # The evidence a selection is judged by, not a result: a kernel's own scores may
+            # differ from it (another head order) without being wrong. Compared, in the rows
+            # whose selection is identical, for information only.
+            rows = self.differ.get((step, layer))
+            keep = None
+            if rows:
+                keep = np.ones(np.asarray(want).shape[0], bool)
+                keep[sorted(rows)] = False
+            res = compare_tensor(name, want, got, rows=keep)
+            if res.kind in ("index", "float") and not self.strict_evidence:
+                res.ok, res.informational = True, True
+            return res
+        return compare_tensor(name, want, got)
+
+
+def file_scores(golden: GoldenFile, candidate: GoldenFile | None = None):
+    """``scores(step, layer)``: the golden's recorded scores of that selection, else the
+    candidate's (a golden without them, e.g. another backend's reference output), else None."""
+    memo = {}
+
+    def scores(step, layer):
+        if (step, layer) not in memo:
+            memo[step, layer] = _scores_of(step, layer)
+        return memo[step, layer]
+
+    def _scores_of(step, layer):
+        prefix = f"step{step}.layers.{layer}."
+        for f, who in ((golden, "golden"), (candidate, "candidate")):
+            if f is None or any(prefix + n not in f for n in SCORE_CAPTURES):
+                continue
+            if prefix + "shared.topk_idxs" not in f:
+                continue
+            return RowScores(np.asarray(f.get(prefix + "shared.topk_idxs")),
+                             f.get(prefix + "topk_scores"), np.asarray(f.get(prefix + "runner_idxs")),
+                             f.get(prefix + "runner_scores"), who)
+        return None
+    return scores
+
+
+def compare_files(golden_path, candidate_path, subset: bool = False,
+                  index_tolerance: float | None = None, exact_index: bool = False) -> CompareReport:
     """Compare every tensor of two goldens (safetensors or reference .npz, either side).
 
     A tensor only in the golden fails unless ``subset`` (the candidate then need only carry
     some of the golden's tensors, e.g. a kernel's outputs); one only in the candidate is
-    reported but does not fail.
+    reported but does not fail. Index selections are judged tie-aware with the scores the
+    golden records (or, when it has none, the candidate's), unless ``exact_index``.
     """
     with GoldenFile(golden_path) as golden, GoldenFile(candidate_path) as cand:
-        report = CompareReport(golden.path, cand.path, subset=subset)
+        judge = Judge(golden.step_info(), file_scores(golden, cand), index_tolerance, exact_index)
+        report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)
         cand_names = set(cand.names)
-        for name in golden.names:
+        for name in sorted(golden.names, key=compare_order):
             if name in cand_names:
-                report.add(compare_tensor(name, golden.get(name), cand.get(name)))
+                report.add(judge.compare(name, golden.get(name), cand.get(name), golden, cand))
             else:
                 report.add(TensorResult(name, "only-golden", ok=subset,
                                         detail=f"missing from {cand.path}"))
+        report.results.sort(key=lambda r: _natural(r.name))
         gold_names = set(golden.names)
         for name in cand.names:
             if name not in gold_names:
@@ -283,3 +577,6 @@ def compare_files(golden_path, candidate_path, subset: bool = False) -> CompareR
                                         detail=f"not in {golden.path}"))
     return report
 
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]

@@ -26,13 +26,15 @@ from .. import __version__
 from ..config import AttnConfig
 from .captures import CAPTURE_MODES
 from .errors import GoldenError
-from .generator import GENERATOR, GENERATOR_SPEC
+from .generator import GENERATOR, GENERATOR_SPEC, PROFILES
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunInfo", "GoldenFile", "load_golden",
            "write_tensors_atomic", "check_target", "StreamingGolden", "SAFETENSORS_DTYPES"]
 
 FORMAT = "ds41numba-golden"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+#: Versions this ds41numba reads: 1 has no index scores, profile or sampled rows.
+READABLE_VERSIONS = ("1", "2")
 
 
 # =========================================================================== atomic writing
@@ -279,6 +281,8 @@ class RunInfo:
     capture: str
     seed: int | None = None
     preset: str = ""
+    profile: str = "default"
+    capture_rows: tuple[int, ...] = ()
 
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing; what
@@ -294,6 +298,8 @@ class RunInfo:
             "decode": str(self.decode),
             "seed": str(self.seed),
             "capture": self.capture,
+            "profile": self.profile,
+            "capture_rows": json.dumps([int(p) for p in self.capture_rows]),
             "generator": GENERATOR,
             "generator_spec": GENERATOR_SPEC,
         }
@@ -367,24 +373,46 @@ class GoldenFile:
         try:
             cfg_dict = json.loads(meta["config"])
             config = AttnConfig.from_dict(cfg_dict)
+            profile, rows = "default", ()
             if self.kind == "npz":
                 layers = tuple(range(config.n_layers))
                 prefill, decode = int(cfg_dict["prefill"]), int(cfg_dict["decode"])
                 capture, seed, name = "all", cfg_dict.get("seed"), ""
             else:
-                if meta.get("format_version") != FORMAT_VERSION:
+                if meta.get("format_version") not in READABLE_VERSIONS:
                     raise GoldenError(f"{self.path!r} has format version {meta.get('format_version')!r}; "
-                                      f"this ds41numba reads {FORMAT_VERSION}")
+                                      f"this ds41numba reads {', '.join(READABLE_VERSIONS)}")
                 layers = tuple(int(i) for i in json.loads(meta["layers"]))
                 prefill, decode = int(meta["prefill"]), int(meta["decode"])
                 capture, seed, name = meta["capture"], int(meta["seed"]), meta.get("preset", "")
+                profile = meta.get("profile", "default")
+                rows = tuple(int(p) for p in json.loads(meta.get("capture_rows", "[]")))
         except GoldenError:
             raise
         except (KeyError, ValueError, TypeError) as e:
             raise GoldenError(f"{self.path!r}: unusable run description in its metadata ({e})") from None
         if capture not in CAPTURE_MODES:
             raise GoldenError(f"{self.path!r}: unknown capture mode {capture!r}")
-        return RunInfo(config, layers, prefill, decode, capture, seed, name)
+        if profile not in PROFILES:
+            raise GoldenError(f"{self.path!r}: unknown generator profile {profile!r}")
+        return RunInfo(config, layers, prefill, decode, capture, seed, name, profile, rows)
+
+    def step_info(self) -> RunInfo | None:
+        """The run as far as the file describes it, for judging index rows (which config, which
+        steps), or None: also for files of other formats that carry a ``config``, ``prefill``
+        and ``decode`` (the reference's safetensors outputs), never an error."""
+        try:
+            return self.run_info()
+        except GoldenError:
+            pass
+        try:
+            meta = self.metadata
+            cfg = AttnConfig.from_dict(json.loads(meta["config"]))
+            layers = tuple(int(i) for i in json.loads(meta.get("layers", "null"))
+                           or range(cfg.n_layers))
+            return RunInfo(cfg, layers, int(meta["prefill"]), int(meta["decode"]), "io")
+        except (KeyError, ValueError, TypeError):
+            return None
 
 
 def _natural_key(name: str):

@@ -31,6 +31,22 @@ tensor                                        center  scale             why
 
 A tensor whose reference dtype is f32 (``attn_sink``, the ratio > 1 compressor's ``wkv`` and
 ``wgate``) keeps the float32 value; every other one is rounded to bf16.
+
+Profiles (``--profile``; the default is ``default``, the table above). ``ties`` makes the
+indexer's scores tie-heavy, to stress top-k kernels, by changing the default tensors as follows
+(``c = dim - 1``, the last input feature; ``R(p) = p mod 61`` for the token at position p)::
+
+    indexer.wq_b.weight  [ih*id, q_lora]   every head's rows are head 0's (one query for all heads)
+    indexer.wk.weight    [id, hd]          rows 1.. are zero: a key is +-K e_0, two values in all
+    wq_a, wkv, compressor.wkv, compressor.wgate   column c is zero (feature c reaches nothing...)
+    indexer.weights_proj.weight           column c is 1024 (... but the index head weights)
+    step{s}.layers.{i}.x                  column c is 0, except +bf16max where R(p) = 17 and
+                                          -bf16max where R(p) = 41
+
+So a query's scores take two values, ``0`` (ReLU) and one other, over hundreds to thousands of
+positions: most rows tie at the top-k boundary; the first rows of a prefill see fewer positions
+than ``index_topk``; and at R(p) = 17 (41) the head weights overflow to +inf (-inf), which gives a
+row of NaN (0 * inf) and +inf (-inf) scores. Nothing else in the layer sees feature c.
 """
 
 from __future__ import annotations
@@ -45,8 +61,13 @@ from ..config import AttnConfig
 from ..stack import weight_specs
 from .errors import GoldenError
 
-__all__ = ["GENERATOR", "GENERATOR_SPEC", "stream_key", "make_tensor", "weight_distribution",
-           "make_weights", "make_input", "checked_seed"]
+__all__ = ["GENERATOR", "GENERATOR_SPEC", "PROFILES", "stream_key", "make_tensor",
+           "weight_distribution", "make_weights", "make_input", "checked_seed", "checked_profile"]
+
+#: Generator profiles: ``default`` (the table above) and ``ties`` (tie-heavy index scores).
+PROFILES = ("default", "ties")
+_TIES_PERIOD, _TIES_POS_INF, _TIES_NEG_INF = 61, 17, 41
+_BF16_MAX = float(np.float32(3.3895313892515355e38))
 
 GENERATOR = "ds41numba-splitmix64-v1"
 
@@ -60,7 +81,11 @@ GENERATOR_SPEC = (
     "(center, scale): step{s}.layers.{i}.x (0, sqrt(3)); layers.{i}.attn.attn_sink (0.25, 0.25); "
     "1-D *norm.weight (1, 0.2); 2-D *.weight [out, in] (0, sqrt(3/in)). "
     "Tensors whose reference dtype is f32 (attn_sink, ratio>1 compressor.wkv/wgate) keep the "
-    "float32 value."
+    "float32 value. Profile ties (metadata profile=ties), with c = the last input feature and "
+    "R(p) = p mod 61: indexer.wq_b rows of every head = head 0's; indexer.wk rows 1.. = 0; column "
+    "c of wq_a, wkv, compressor.wkv, compressor.wgate = 0; column c of indexer.weights_proj = "
+    "1024; x[:, c] = 0 except +bf16max (3.3895313892515355e38) where R(p) = 17, -bf16max where "
+    "R(p) = 41."
 )
 
 _MASK64 = (1 << 64) - 1
@@ -158,25 +183,57 @@ def weight_distribution(name: str, shape) -> tuple[float, float]:
     raise ValueError(f"make_weights: no distribution for parameter {name!r} of shape {list(shape)}")
 
 
-def make_weights(config: AttnConfig, layers=None, seed: int = 0) -> dict[str, np.ndarray]:
+def checked_profile(profile) -> str:
+    """``profile`` when it is one of :data:`PROFILES`, else a :class:`GoldenError`."""
+    if profile not in PROFILES:
+        raise GoldenError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    return profile
+
+
+def make_weights(config: AttnConfig, layers=None, seed: int = 0,
+                 profile: str = "default") -> dict[str, np.ndarray]:
     """Every parameter of ``layers`` (default: all) as float32 arrays, bf16 values where bf16."""
+    checked_profile(profile)
     layers = range(config.n_layers) if layers is None else layers
     weights = {}
     for i in layers:
         for name, (shape, kind) in weight_specs(config, i).items():
             center, scale = weight_distribution(name, shape)
             weights[name] = make_tensor(name, shape, seed, center, scale, bf16=(kind == "bf16"))
+            if profile == "ties":
+                _tie_weight(config, name, weights[name])
     return weights
 
 
-def make_input(name: str, shape, seed: int = 0, first_row: int = 0) -> np.ndarray:
-    """A layer input (``step{s}.layers.{i}.x``): bf16 values with unit variance.
+def _tie_weight(config: AttnConfig, name: str, w: np.ndarray):
+    """The ``ties`` profile's change to parameter ``name`` (module docstring), in place."""
+    leaf = name.rsplit(".attn.", 1)[-1]
+    if leaf == "indexer.wq_b.weight":
+        idim = config.index_head_dim
+        w[idim:] = np.tile(w[:idim], (config.index_n_heads - 1, 1))
+    elif leaf == "indexer.wk.weight":
+        w[1:] = 0
+    elif leaf in ("wq_a.weight", "wkv.weight", "compressor.wkv.weight", "compressor.wgate.weight"):
+        w[:, -1] = 0
+    elif leaf == "indexer.weights_proj.weight":
+        w[:, -1] = 1024.0
+
+
+def make_input(name: str, shape, seed: int = 0, profile: str = "default", first_row: int = 0,
+               start_pos: int = 0) -> np.ndarray:
+    """A layer input (``step{s}.layers.{i}.x``): bf16 values with unit variance; the ``ties``
+    profile changes its last feature (module docstring).
 
     ``first_row`` makes ``shape`` a block of rows of the whole input: rows ``first_row ..``,
     bit-identical to that slice of the whole (a chunked prefill makes its input a chunk at a
-    time)."""
+    time), for either profile. ``start_pos`` is the position of the step's first row (a decode
+    step's token), so row j of the block stands for position ``start_pos + first_row + j``."""
     row = math.prod(int(d) for d in tuple(shape)[1:])
-    return make_tensor(name, shape, seed, 0.0, math.sqrt(3.0), bf16=True, start=int(first_row) * row)
+    x = make_tensor(name, shape, seed, 0.0, math.sqrt(3.0), bf16=True, start=int(first_row) * row)
+    if checked_profile(profile) == "ties":
+        r = (int(start_pos) + int(first_row) + np.arange(shape[0])) % _TIES_PERIOD
+        x[:, -1] = np.where(r == _TIES_POS_INF, _BF16_MAX, np.where(r == _TIES_NEG_INF, -_BF16_MAX, 0.0))
+    return x
 
 
 def checked_seed(seed) -> int:

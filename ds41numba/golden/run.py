@@ -17,12 +17,12 @@ import numpy as np
 
 from ..config import AttnConfig
 from ..stack import AttentionStack, weight_specs
-from .captures import (CAPTURE_MODES, WEIGHT_NAME, forward_capture, records_shared,
-                       layer_captures, storage_kind, to_storage)
-from .compare import CompareReport, TensorResult, compare_tensor
+from .captures import (CAPTURE_MODES, RUNNERS_UP, WEIGHT_NAME, StepObserver, forward_capture,
+                       layer_captures, records_shared, storage_kind, to_storage)
+from .compare import CompareReport, Judge, TensorResult, compare_order, file_scores
 from .errors import GoldenError
 from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
-from .generator import checked_seed, make_input, make_weights
+from .generator import checked_profile, checked_seed, make_input, make_weights
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "drive",
            "run_golden", "write_golden", "stream_golden", "io_layout", "DEFAULT_CHUNK",
@@ -47,6 +47,8 @@ class GoldenPlan:
     seed: int = 0
     capture: str = "all"
     preset: str = ""
+    profile: str = "default"
+    capture_rows: tuple[int, ...] = ()     # positions whose kernel inputs and outputs are sampled
 
     def __post_init__(self):
         c = self.config
@@ -62,6 +64,13 @@ class GoldenPlan:
             raise GoldenError(f"--prefill {self.prefill} + --decode {self.decode} tokens exceed the "
                               f"config's max_seq_len {c.max_seq_len}")
         checked_seed(self.seed)
+        checked_profile(self.profile)
+        rows = tuple(sorted({int(p) for p in self.capture_rows}))
+        total = self.prefill + self.decode
+        if rows and not 0 <= rows[0] <= rows[-1] < total:
+            raise GoldenError(f"--capture-rows: positions must lie in 0..{total - 1} (the run's "
+                              f"tokens), got {rows[0] if rows[0] < 0 else rows[-1]}")
+        object.__setattr__(self, "capture_rows", rows)
         if self.capture not in CAPTURE_MODES:
             raise GoldenError(f"--capture must be one of {', '.join(CAPTURE_MODES)}, got {self.capture!r}")
         if not self.layers:
@@ -87,7 +96,7 @@ class GoldenPlan:
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing."""
         return RunInfo(self.config, self.layers, self.prefill, self.decode, self.capture,
-                       self.seed, self.preset).metadata()
+                       self.seed, self.preset, self.profile, self.capture_rows).metadata()
 
 
 def golden_steps(prefill: int, decode: int):
@@ -104,37 +113,57 @@ def prefill_chunks(prefill: int, chunk: int | None):
 
 
 def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, take,
-          progress=None, chunk: int | None = None):
+          progress=None, capture_rows=(), chunk: int | None = None):
     """The step x layer loop of a golden run: every step of :func:`golden_steps`, the stack's
     layers in increasing order within each; the prefill in chunks of ``chunk`` rows (default:
     one), each chunk through every layer before the next (token-major, which gives the one-shot
     prefill's rows: ``AttentionStack.forward``'s ``prefill_len``).
 
-    ``x_of(name, first_row, rows)`` gives those rows of the input ``step{s}.layers.{i}.x``;
+    ``x_of(name, first_row, rows, start_pos)`` gives those rows of the input
+    ``step{s}.layers.{i}.x``, the step's first row being at position ``start_pos``;
     ``take(prefix, captures, first_row)`` receives the layer's :func:`layer_captures` (the
     rows ``first_row ..`` of each per-row tensor) under their prefix ``step{s}.layers.{i}.``
     (views of the stack's live state: convert or compare them before returning; nothing holds
     them after). ``progress(n, where)``, if given, is called before each forward with
     ``n = 0`` and after it with the tokens it processed; ``where`` says which step, chunk and
     layer.
+
+    The index scores and the samples of the positions ``capture_rows`` are collected by a
+    :class:`StepObserver` set on the stack's shared runtime for the run, begun for every
+    forward (a chunk: its first row): the scores come with each chunk's rows; the samples
+    (``sample.*``, a few rows of the whole step, and the step's keys and latents) are collected
+    over the chunks and taken once, with the step's last chunk, at ``first_row`` 0.
     """
     chunks = prefill_chunks(prefill, chunk)
-    for s, start_pos, seqlen in golden_steps(prefill, decode):
-        pieces = chunks if s == 0 else [(start_pos, 1)]
-        for a, n in pieces:
-            for i in stack.layers:
-                prefix = f"step{s}.layers.{i}."
-                where = f"step {s} layer {i}" + (f" rows {a}-{a + n - 1}" if len(pieces) > 1 else "")
-                if progress is not None:
-                    progress(0, where)
-                first = a if s == 0 else 0
-                run = stack.forward(i, x_of(prefix + "x", first, n), a,
-                                    capture=forward_capture(capture),
-                                    prefill_len=prefill if s == 0 else None)
-                take(prefix, layer_captures(stack, i, run, a, capture), first)
-                del run
-                if progress is not None:
-                    progress(n, where)
+    observer = StepObserver(stack.config, capture_rows)
+    stack.shared.observer = observer
+    try:
+        for s, start_pos, seqlen in golden_steps(prefill, decode):
+            pieces = chunks if s == 0 else [(start_pos, 1)]
+            for a, n in pieces:
+                for i in stack.layers:
+                    prefix = f"step{s}.layers.{i}."
+                    where = f"step {s} layer {i}" + (f" rows {a}-{a + n - 1}" if len(pieces) > 1 else "")
+                    if progress is not None:
+                        progress(0, where)
+                    first = a if s == 0 else 0
+                    prefill_len = prefill if s == 0 else None
+                    observer.begin(i, a, n, prefill_len)
+                    run = stack.forward(i, x_of(prefix + "x", first, n, start_pos), a,
+                                        capture=forward_capture(capture), prefill_len=prefill_len)
+                    got = layer_captures(stack, i, run, a, capture, observer)
+                    if len(pieces) > 1:
+                        samples = {w: v for w, v in got.items() if w.startswith("sample.")}
+                        take(prefix, {w: v for w, v in got.items() if w not in samples}, first)
+                        if samples:
+                            take(prefix, samples, 0)
+                    else:
+                        take(prefix, got, first)
+                    del run, got
+                    if progress is not None:
+                        progress(n, where)
+    finally:
+        stack.shared.observer = None
 
 
 def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
@@ -145,21 +174,23 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     ``progress`` as in :func:`drive`.
     """
     cfg = plan.config
-    weights = make_weights(cfg, plan.layers, plan.seed)
+    weights = make_weights(cfg, plan.layers, plan.seed, plan.profile)
     kinds = {n: k for i in plan.layers for n, (_, k) in weight_specs(cfg, i).items()}
     stack = AttentionStack(cfg, weights, layers=plan.layers)
     tensors: dict[str, np.ndarray] = {}
 
-    def stored_input(name, first_row, seqlen):
+    def stored_input(name, first_row, seqlen, start_pos):
         # The stack takes the stored bfloat16 copy: half the memory of float32.
-        tensors[name] = to_storage(name, make_input(name, (seqlen, cfg.dim), plan.seed), "BF16")
+        x = make_input(name, (seqlen, cfg.dim), plan.seed, plan.profile, first_row, start_pos)
+        tensors[name] = to_storage(name, x, "BF16")
         return tensors[name]
 
     def store(prefix, captures, first_row):
         for what, value in captures.items():
             tensors[prefix + what] = to_storage(prefix + what, value, storage_kind(prefix + what))
 
-    drive(stack, plan.prefill, plan.decode, plan.capture, stored_input, store, progress)
+    drive(stack, plan.prefill, plan.decode, plan.capture, stored_input, store, progress,
+          plan.capture_rows)
     del stack
     # Weights last: the stack shared the float32 arrays, now they can go one by one.
     stored = {}
@@ -207,7 +238,12 @@ def io_layout(plan: GoldenPlan):
     """Every tensor of the plan's ``io`` golden, ``[(name, dtype, shape)]`` in file order, and
     ``{name: source}`` for the tensors that repeat another's values: the selection a layer of
     the first decode step finds before any index source of that step ran is the prefill's last
-    (all its rows), which the stream copies from the file instead of holding."""
+    (all its rows), which the stream copies from the file instead of holding.
+
+    Besides ``out``, ``idx`` and ``shared.topk_idxs``: at every index source the scores behind
+    its selection (``topk_scores``, ``runner_idxs``, ``runner_scores``) and, for a step holding
+    ``capture_rows`` positions, the ``sample.*`` captures (their rows are few: the drive hands
+    them over from memory once the step's last chunk ran)."""
     if plan.capture != "io":
         raise ValueError("io_layout: only an io golden is laid out up front")
     c = plan.config
@@ -216,17 +252,21 @@ def io_layout(plan: GoldenPlan):
         for name, (shape, kind) in weight_specs(c, i).items():
             layout.append((name, "F32" if kind == "f32" else "BF16", shape))
     index_sources = [j for j in plan.layers if c.ratio(j) and c.is_index_source(j)]
+    samples = np.asarray(plan.capture_rows, np.int64)
     slot = None                                  # (step, index source) the selection slot holds
     for s, start_pos, seqlen in plan.steps():
         nwin = min(plan.prefill, c.window_size) if s == 0 else c.window_size
+        end = start_pos + seqlen
+        ns = int(((samples >= start_pos) & (samples < end)).sum())
         for i in plan.layers:
             pre = f"step{s}.layers.{i}."
+            r = c.ratio(i)
             if i in index_sources:
                 slot = (s, i)
             layout.append((pre + "x", "BF16", (seqlen, c.dim)))
             layout.append((pre + "out", "BF16", (seqlen, c.dim)))
             ncomp = 0
-            if c.ratio(i):
+            if r:
                 ncomp = _topk_width(c, slot[1], plan.prefill, start_pos, seqlen)
             layout.append((pre + "idx", "I32", (seqlen, nwin + ncomp)))
             if records_shared(c, i) and slot is not None:
@@ -237,6 +277,29 @@ def io_layout(plan: GoldenPlan):
                                (rows, _topk_width(c, j, plan.prefill, sp, rows))))
                 if ss != s and ss == 0:
                     copies[pre + "shared.topk_idxs"] = f"step0.layers.{j}.shared.topk_idxs"
+            if i in index_sources:
+                k = _topk_width(c, i, plan.prefill, start_pos, seqlen)
+                layout += [(pre + "topk_scores", "BF16", (seqlen, k)),
+                           (pre + "runner_idxs", "I32", (seqlen, RUNNERS_UP)),
+                           (pre + "runner_scores", "BF16", (seqlen, RUNNERS_UP))]
+            if ns:
+                hd, H = c.head_dim, c.n_heads
+                scored = i in index_sources and end // r > 0
+                width = end // r if r else 0
+                layout += [(pre + "sample.rows", "I32", (ns,)), (pre + "sample.q", "BF16", (ns, H, hd)),
+                           (pre + "sample.kv", "BF16", (ns, nwin + ncomp, hd)),
+                           (pre + "sample.o", "BF16", (ns, H, hd))]
+                if scored:
+                    ih, idim = c.index_n_heads, c.index_head_dim
+                    layout += [(pre + "sample.index_score", "BF16", (ns, width)),
+                               (pre + "sample.index_q", "BF16", (ns, ih, idim)),
+                               (pre + "sample.index_weights", "BF16", (ns, ih)),
+                               (pre + "sample.index_k", "BF16", (width, idim))]
+                if r:
+                    layout.append((pre + "sample.compress_kv", "BF16", (width, hd)))
+    for n, kind, _ in layout:
+        if not WEIGHT_NAME.fullmatch(n):
+            assert kind == storage_kind(n), n
     return layout, copies
 
 
@@ -250,15 +313,16 @@ def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     tensor for tensor what :func:`run_golden` computes. Returns the number of tensors."""
     cfg = plan.config
     layout, copies = io_layout(plan)
-    weights = make_weights(cfg, plan.layers, plan.seed)
+    weights = make_weights(cfg, plan.layers, plan.seed, plan.profile)
     kinds = {n: k for i in plan.layers for n, (_, k) in weight_specs(cfg, i).items()}
     with StreamingGolden(path, layout, plan.metadata(), force) as out:
         for name, array in weights.items():
             out.write_rows(name, 0, to_storage(name, array, storage_kind(name, kinds)))
         stack = AttentionStack(cfg, weights, layers=plan.layers)
 
-        def streamed_input(name, first_row, rows):
-            x = to_storage(name, make_input(name, (rows, cfg.dim), plan.seed, first_row), "BF16")
+        def streamed_input(name, first_row, rows, start_pos):
+            x = to_storage(name, make_input(name, (rows, cfg.dim), plan.seed, plan.profile,
+                                            first_row, start_pos), "BF16")
             out.write_rows(name, first_row, x)
             return x
 
@@ -271,7 +335,7 @@ def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
                     out.write_rows(name, first_row, to_storage(name, value, storage_kind(name)))
 
         drive(stack, plan.prefill, plan.decode, plan.capture, streamed_input, write, progress,
-              chunk=chunk)
+              plan.capture_rows, chunk=chunk)
         del stack
         out.commit()
     return len(layout)
@@ -322,8 +386,11 @@ def _check_memory(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK):
                           f"is available; select fewer layers (e.g. --layers 20 for v41-flash)")
 
 
-def replay(path, progress=None) -> CompareReport:
-    """Recompute every capture of a golden from its own weights and inputs and compare.
+def replay(path, progress=None, index_tolerance: float | None = None,
+           exact_index: bool = False) -> CompareReport:
+    """Recompute every capture of a golden from its own weights and inputs and compare, by the
+    rules of :func:`compare_files` (tie-aware index rows unless ``exact_index``), except that
+    the recorded scores must agree too (in rows whose selection is identical).
 
     Works on this tool's safetensors goldens and on the reference's ``.npz`` goldens (whose
     captures are then checked against ds41numba). ``progress(n, where)`` as in :func:`drive`.
@@ -342,23 +409,25 @@ def replay(path, progress=None) -> CompareReport:
             stack = AttentionStack(cfg, weights, layers=info.layers)
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
-        report = CompareReport(golden.path, "replay")
+        judge = Judge(info, file_scores(golden), index_tolerance, exact_index, strict_evidence=True)
+        report = CompareReport(golden.path, "replay", index_rule=judge.rule)
         recomputed = set()
 
-        def recorded_input(name, first_row, seqlen):
+        def recorded_input(name, first_row, seqlen, start_pos):
             if name not in names:
                 raise GoldenError(f"{golden.path!r}: input {name} is missing")
             recomputed.add(name)
             return np.asarray(golden.get(name), dtype=np.float32)
 
         def compare(prefix, captures, first_row):
-            for what, value in captures.items():
+            for what in sorted(captures, key=lambda w: compare_order(prefix + w)):
                 name = prefix + what
                 recomputed.add(name)
                 if name in names:
-                    report.add(compare_tensor(name, golden.get(name), value))
+                    report.add(judge.compare(name, golden.get(name), captures[what], golden))
 
-        drive(stack, info.prefill, info.decode, info.capture, recorded_input, compare, progress)
+        drive(stack, info.prefill, info.decode, info.capture, recorded_input, compare, progress,
+              info.capture_rows)
         for name in golden.names:
             if name not in recomputed and not WEIGHT_NAME.fullmatch(name):
                 report.add(TensorResult(name, "only-golden", ok=False,

@@ -1,0 +1,128 @@
+"""Assertions for your own test suite, with exactly the rules of ``ds41numba compare``.
+
+Each raises an ``AssertionError`` whose message is the comparison's report line, and returns
+the :class:`~ds41numba.golden.TensorResult` (or the :class:`~ds41numba.golden.CompareReport`)
+when it passes::
+
+    from ds41numba import testing
+    testing.assert_golden_tensor("g.safetensors", "step0.layers.20.out", my_out)
+    testing.assert_golden_tensor("g.safetensors", "step0.layers.20.shared.topk_idxs", my_topk)
+    testing.assert_candidate_file("g.safetensors", "mine.safetensors")
+
+* :func:`assert_close`: a float tensor within SPEC's tolerance
+  (``|got - want| <= 2 * 2^-8 * max|want| + 1e-6``), NaN matching NaN, infinities exactly;
+* :func:`assert_index_rows`: index rows, tie-aware (identical or boundary swaps, judged by the
+  golden's scores; :mod:`ds41numba.golden.ties`) or exact;
+* :func:`assert_golden_tensor`: a tensor of a golden file by name, by the rule its name calls
+  for (index selections tie-aware with the file's recorded scores and the run's visibility);
+* :func:`assert_candidate_file`: a whole candidate file, as ``compare`` judges it.
+
+Arrays may be any numeric numpy dtype, ``ml_dtypes.bfloat16`` included. From torch, hand over
+``t.float().numpy()`` (bf16 -> f32 is exact) or the raw bits ``t.view(torch.int16).numpy()``
+through :func:`from_bf16_bits`; ds41numba never imports torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .golden import GoldenFile, compare_files
+from .golden.compare import Judge, TensorResult, compare_tensor, file_scores
+from .golden.ties import DEFAULT_INDEX_TOLERANCE, RowBounds, RowScores
+
+__all__ = ["from_bf16_bits", "golden_scores", "assert_close", "assert_index_rows",
+           "assert_golden_tensor", "assert_candidate_file"]
+
+
+def from_bf16_bits(bits) -> np.ndarray:
+    """float32 values of bf16 bit patterns (int16 or uint16, e.g. ``t.view(torch.int16).numpy()``)."""
+    b = np.asarray(bits)
+    if b.dtype not in (np.int16, np.uint16):
+        raise TypeError(f"from_bf16_bits: expected int16 or uint16 bit patterns, got {b.dtype}")
+    return (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _check(res: TensorResult) -> TensorResult:
+    if not res.ok:
+        raise AssertionError(res.line())
+    return res
+
+
+def assert_close(got, want, name: str = "tensor", after_swaps=None) -> TensorResult:
+    """``got`` within SPEC's float tolerance of ``want`` (the tolerance of ``max|want|``);
+    rows ``after_swaps`` (first-axis rows downstream of a differing index row) at
+    the golden tensor's range (``SWAP_FLOAT_RANGE``)."""
+    return _check(compare_tensor(name, want, got, relaxed_rows=after_swaps))
+
+
+def golden_scores(golden, step: int, layer: int) -> RowScores | None:
+    """The scores a golden file records behind layer ``layer``'s selection at ``step`` (None if
+    it has none): what :func:`assert_index_rows` takes as ``scores``."""
+    with _open(golden) as f:
+        return file_scores(f)(step, layer)
+
+
+def assert_index_rows(got, want, scores: RowScores | dict | None = None, offset: int | None = None,
+                      visible=None, window: bool = False,
+                      tolerance: float = DEFAULT_INDEX_TOLERANCE, exact: bool = False,
+                      name: str = "index rows") -> TensorResult:
+    """Index rows ``got [rows, width]`` against the golden's ``want``.
+
+    Tie-aware unless ``exact``: rows may differ only by boundary swaps, judged by ``scores``
+    (a :class:`RowScores`, or a dict with the golden's ``topk_idxs``, ``topk_scores``,
+    ``runner_idxs``, ``runner_scores``); without scores any difference is wrong. ``offset``
+    (the window rows before the compressed entries) and ``visible`` (per row, the compressed
+    positions the query sees) bound the entries; ``window``: the rows list window entries first
+    (``idx``)."""
+    if isinstance(scores, dict):
+        scores = RowScores(np.asarray(scores["topk_idxs"]), scores["topk_scores"],
+                           np.asarray(scores["runner_idxs"]), scores["runner_scores"])
+    bounds = None
+    if offset is not None:
+        clen = None if visible is None else np.broadcast_to(np.asarray(visible, np.int64),
+                                                            (np.asarray(want).shape[0],))
+        bounds = RowBounds(int(offset), clen, window)
+    return _check(compare_tensor(name, want, got, scores=scores, bounds=bounds,
+                                 index_tolerance=None if exact else tolerance))
+
+
+def assert_golden_tensor(golden, name: str, got, index_tolerance: float | None = None,
+                         exact_index: bool = False, after_swaps=None) -> TensorResult:
+    """Tensor ``name`` of a golden file (path or open :class:`GoldenFile`) against ``got``, by
+    the rule ``compare`` applies to it: an index selection (``idx``, ``shared.topk_idxs``)
+    tie-aware with the file's scores and its run's visibility; a float within tolerance
+    (``after_swaps`` rows relaxed, as :func:`assert_close`)."""
+    with _open(golden) as f:
+        if name not in f:
+            raise KeyError(f"{f.path!r} holds no tensor {name!r}")
+        want = f.get(name)
+        if after_swaps is not None:
+            return _check(compare_tensor(name, want, got, relaxed_rows=after_swaps))
+        judge = Judge(f.step_info(), file_scores(f), index_tolerance, exact_index)
+        return _check(judge.compare(name, want, np.asarray(got), f))
+
+
+def assert_candidate_file(golden, candidate, subset: bool = True,
+                          index_tolerance: float | None = None, exact_index: bool = False):
+    """A whole candidate file against a golden, as ``ds41numba compare [--subset]`` judges it;
+    the message is the report (failing tensors, then the summary)."""
+    report = compare_files(golden, candidate, subset=subset, index_tolerance=index_tolerance,
+                           exact_index=exact_index)
+    if not report.ok:
+        raise AssertionError(report.text())
+    return report
+
+
+class _open:
+    """A GoldenFile for a path (closed after), or the caller's open one (left open)."""
+
+    def __init__(self, golden):
+        self.own = not isinstance(golden, GoldenFile)
+        self.f = GoldenFile(golden) if self.own else golden
+
+    def __enter__(self) -> GoldenFile:
+        return self.f
+
+    def __exit__(self, *exc):
+        if self.own:
+            self.f.close()
