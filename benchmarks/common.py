@@ -121,6 +121,16 @@ def weight_subset(layer: int, leaves) -> dict:
     return out
 
 
+def step_weight_bytes(config, layer: int) -> int:
+    """Bytes of every parameter a decode step of ``layer`` reads, at the width it is held in
+    (bf16 projections 2 bytes a parameter, genuine f32 parameters 4): the least a step can
+    read from memory, hence the decode floor's numerator."""
+    from ds41numba.stack import weight_specs
+
+    return sum(int(np.prod(shape)) * (2 if kind == "bf16" else 4)
+               for shape, kind in weight_specs(config, layer).values())
+
+
 def layer_input(layer: int, rows: int, step: int = 0, seed: int = SEED) -> np.ndarray:
     """The input ``step{step}.layers.{layer}.x`` of ``rows`` tokens (bf16 values, unit variance)."""
     from ds41numba.golden import make_input
