@@ -1,0 +1,181 @@
+"""What a full-length golden costs, measured: ``python -m benchmarks.cost_model``.
+
+A golden of one layer at 1,048,576 tokens runs for hours, so it is projected from shorter runs
+of the same code. Each run is a streamed ``io`` golden (``ds41numba.golden.write_golden``, the
+CLI's path) of one v41-flash layer in a subprocess of its own; every prefill chunk is timed and
+the times are fitted by least squares as
+
+    t_chunk = rows * (a + b * m / r + c * P / r)
+
+``rows`` the chunk's rows, ``m`` its middle position, ``P`` the prefill's length and ``r`` the
+layer's ratio (``m / r`` is what a query of the chunk sees on average, ``P / r`` the width of
+the prefill's score rows). ``a`` is the per-token work that does not grow with the length
+(projections, the compressor, sparse attention over at most 128 window + 512 selected rows),
+``b`` the indexer's scores and top-k over the positions a query sees, ``c`` what each query pays
+for the full width of its score row (the mask past what it sees, the recorded runners-up). A
+ratio-0 layer has no indexer: only ``a``. Two lengths separate ``b`` from ``c``; the first chunk
+of each run (numba's kernels loading) is left out of the fit.
+
+Peak RSS is each run's own (``getrusage`` in its subprocess) and is fitted as
+``RSS(N) = R0 + g * N``: ``g`` should be the caches' bytes per token (window ring, compressed KV
+and index keys), nothing else.
+
+Options: ``--layer 20`` (default), ``--lengths 16384,32768``, ``--chunk 4096``, ``--decode 4``,
+``--project 65536,131072,262144,1048576``, ``--dir DIR`` (where the goldens are written;
+each is deleted after its run), ``--json-file PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from . import common
+
+_STEP = re.compile(r"step (\d+)")
+
+
+def run_worker(layer: int, prefill: int, decode: int, chunk: int, directory: str) -> dict:
+    """One streamed golden in this process: the seconds of every forward, and the peak RSS."""
+    from ds41numba.config import preset
+    from ds41numba.golden import GoldenPlan, write_golden
+
+    plan = GoldenPlan(config=preset(common.PRESET), layers=(layer,), prefill=prefill,
+                      decode=decode, capture="io", preset=common.PRESET)
+    forwards, started = [], {}
+
+    def progress(n, where):
+        now = time.perf_counter()
+        if n == 0:
+            started["t"] = now
+        else:
+            forwards.append({"step": int(_STEP.match(where).group(1)), "rows": n,
+                             "seconds": now - started["t"]})
+
+    fd, path = tempfile.mkstemp(suffix=".safetensors", dir=directory)
+    os.close(fd)
+    try:
+        summary = write_golden(plan, path, force=True, progress=progress, chunk=chunk)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    first = 0
+    for f in forwards:
+        if f["step"] == 0:
+            f["first_row"], first = first, first + f["rows"]
+    return {"layer": layer, "prefill": prefill, "decode": decode, "chunk": chunk,
+            "ratio": plan.config.ratio(layer), "seconds": summary["seconds"],
+            "bytes": summary["bytes"], "forwards": forwards,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _features(rows, middle, prefill, ratio):
+    """The fit's columns for chunks of ``rows`` rows (see the module docstring)."""
+    rows = np.asarray(rows, np.float64)
+    if not ratio:
+        return rows[:, None]
+    return np.stack([rows, rows * np.asarray(middle) / ratio,
+                     rows * np.full(len(rows), prefill, np.float64) / ratio], axis=1)
+
+
+def fit(runs: list[dict]) -> dict:
+    """Least-squares ``a, b, c`` (seconds a token) over every run's prefill chunks but its first,
+    and ``RSS(N) = R0 + g * N`` over the runs' peaks."""
+    ratio = runs[0]["ratio"]
+    cols, times = [], []
+    for run in runs:
+        chunks = [f for f in run["forwards"] if f["step"] == 0][1:]
+        if not chunks:
+            continue
+        cols.append(_features([f["rows"] for f in chunks],
+                              [f["first_row"] + f["rows"] / 2 for f in chunks], run["prefill"], ratio))
+        times += [f["seconds"] for f in chunks]
+    if not cols:
+        raise SystemExit("cost_model: no prefill chunk to fit (use --lengths of several chunks)")
+    x, y = np.concatenate(cols), np.asarray(times)
+    if x.shape[1] == 3 and len({r["prefill"] for r in runs}) < 2:
+        x = x[:, :2]            # one length cannot tell b from c: fold c into a's column
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    names = ("a", "b", "c")[:len(coef)]
+    out = {n: float(v) for n, v in zip(names, coef)}
+    out["residual"] = float(np.sqrt(np.mean((x @ coef - y) ** 2)) / np.mean(y))
+    n = np.array([r["prefill"] for r in runs], np.float64)
+    rss = np.array([r["peak_rss"] for r in runs], np.float64)
+    if len(runs) >= 2 and np.ptp(n) > 0:
+        g, r0 = np.polyfit(n, rss, 1)
+        out["rss_r0"], out["rss_per_token"] = float(r0), float(g)
+    return out
+
+
+def project(model: dict, ratio: int, prefill: int, chunk: int) -> float:
+    """Seconds of the prefill of ``prefill`` tokens the fitted model predicts."""
+    firsts = np.arange(0, prefill, chunk)
+    rows = np.minimum(chunk, prefill - firsts)
+    coef = [model[n] for n in ("a", "b", "c") if n in model]
+    return float(np.sum(_features(rows, firsts + rows / 2, prefill, ratio)[:, :len(coef)] @ coef))
+
+
+def _ints(text):
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cost_model", description=__doc__.split("\n")[0])
+    ap.add_argument("--layer", type=int, default=common.DECODE_LAYER)
+    ap.add_argument("--lengths", type=_ints, default=[16384, 32768])
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--decode", type=int, default=4)
+    ap.add_argument("--project", type=_ints, default=[65536, 131072, 262144, 1048576])
+    ap.add_argument("--dir", default=None, help="where the goldens are written (default: a temp dir)")
+    ap.add_argument("--json-file", default=None)
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    directory = args.dir or tempfile.gettempdir()
+    if args.worker is not None:
+        print(json.dumps(run_worker(args.layer, args.worker, args.decode, args.chunk, directory)))
+        return 0
+    runs = []
+    for n in args.lengths:
+        t0 = time.perf_counter()
+        print(f"layer {args.layer}, {n} tokens ...", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, "-m", "benchmarks.cost_model", "--layer", str(args.layer),
+                               "--worker", str(n), "--decode", str(args.decode), "--chunk",
+                               str(args.chunk), "--dir", directory],
+                              capture_output=True, text=True, check=True)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"  {time.perf_counter() - t0:.0f} s, peak RSS {runs[-1]['peak_rss'] / 1e9:.2f} GB",
+              file=sys.stderr, flush=True)
+    model = fit(runs)
+    ratio = runs[0]["ratio"]
+    print(f"v41-flash layer {args.layer} (ratio {ratio}), streamed io goldens, chunks of {args.chunk}")
+    for r in runs:
+        prefill_s = sum(f["seconds"] for f in r["forwards"] if f["step"] == 0)
+        print(f"  measured {r['prefill']:>9,} tokens: prefill {prefill_s:8.1f} s (model "
+              f"{project(model, ratio, r['prefill'], args.chunk):8.1f} s), whole run {r['seconds']:.1f} s, "
+              f"peak RSS {r['peak_rss'] / 1e9:.2f} GB")
+    terms = "  ".join(f"{k} = {model[k] * 1e6:.3f} us" for k in ("a", "b", "c") if k in model)
+    print(f"  fit per token: {terms}  (rms residual {100 * model['residual']:.1f}% of a chunk)")
+    if "rss_per_token" in model:
+        print(f"  RSS(N) = {model['rss_r0'] / 1e9:.2f} GB + {model['rss_per_token']:.0f} B x N")
+    for n in args.project:
+        line = f"  projected {n:>9,} tokens: prefill {project(model, ratio, n, args.chunk) / 3600:6.2f} h"
+        if "rss_per_token" in model:
+            line += f", peak RSS {(model['rss_r0'] + model['rss_per_token'] * n) / 1e9:.2f} GB"
+        print(line)
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump({"runs": runs, "model": model}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
