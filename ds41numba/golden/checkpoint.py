@@ -242,7 +242,8 @@ class Checkpoint:
         writer.sync()
         caches = _caches(stack)
         with disk_errors(self.dir):
-            os.makedirs(self.dir, exist_ok=True)
+            if not os.path.isdir(self.dir):
+                os.mkdir(self.dir)        # not makedirs: a removed --out directory stays removed
             for key, (_, rows, n) in caches.items():
                 self._append(key, rows, n)
             buf = io.BytesIO()
