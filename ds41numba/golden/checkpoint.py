@@ -38,7 +38,7 @@ import numpy as np
 
 from ..indexer import IndexKeyCache
 from .errors import DiskError, GoldenError, disk_errors
-from .files import _fsync_dir
+from .files import fsync_dir
 
 __all__ = ["CHECKPOINT_EVERY", "RECORD_VERSION", "partial_path", "checkpoint_dir", "Checkpoint",
            "run_identity", "identity_differences"]
@@ -287,7 +287,7 @@ class Checkpoint:
         finally:
             os.close(fd)
         os.replace(tmp, os.path.join(self.dir, _RECORD))
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     # ------------------------------------------------------------------ restoring
 

@@ -29,7 +29,8 @@ from .errors import GoldenError, disk_errors
 from .generator import GENERATOR, GENERATOR_SPEC, PROFILES
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunInfo", "GoldenFile", "load_golden",
-           "write_tensors_atomic", "check_target", "StreamingGolden", "SAFETENSORS_DTYPES"]
+           "write_tensors_atomic", "check_target", "StreamingGolden", "SAFETENSORS_DTYPES",
+           "fsync_dir"]
 
 FORMAT = "ds41numba-golden"
 FORMAT_VERSION = "2"
@@ -127,10 +128,12 @@ def _publish(tmp: str, path: str, force: bool):
             if os.path.exists(path):
                 raise GoldenError(f"--out: {path!r} exists (use --force to overwrite it)") from None
             os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _fsync_dir(directory: str):
+def fsync_dir(directory: str):
+    """Sync a directory, so a rename into it survives a power cut (best effort: some
+    filesystems cannot)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -204,7 +207,8 @@ class StreamingGolden:
         self.tmp, self._fd = partial, None
         with disk_errors(partial or directory):
             if partial is None:
-                self._fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+                self._fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp",
+                                                      dir=directory)
             elif rows_written is None:
                 self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             else:
