@@ -2,9 +2,11 @@
 
 Exit status: 0 success; 1 a replay or comparison that disagrees; 2 a bad argument, an unreadable
 config or file (a candidate too: truncated, of another format, a tensor of the wrong shape or
-dtype, NaN where an index belongs), or an output that exists without ``--force`` (always one
-line on stderr); 130 interrupted (no partial output is left behind). Output into a pipe that
-closes early (``| head``) ends quietly.
+dtype, NaN where an index belongs), an output that exists without ``--force``, a disk that
+fails (full, read-only, removed; always one line on stderr); 130 interrupted by Ctrl-C, 143 by
+SIGTERM. An interrupted ``--capture io`` run that wrote a checkpoint keeps its partial file and
+checkpoint and says to rerun with ``--resume``; any other leaves nothing behind. Output into a
+pipe that closes early (``| head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from tqdm import tqdm
 
 from . import golden
 from .config import AttnConfig, preset
-from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError
+from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError, RunInterrupted
 
 __all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config"]
 
 PROG = "ds41numba"
-_EPILOG = "Exit status: 0 ok, 1 disagreement, 2 bad usage or unreadable input, 130 interrupted."
+_EPILOG = ("Exit status: 0 ok, 1 disagreement, 2 bad usage, unreadable input or a failing disk, "
+           "130 interrupted (143 by SIGTERM).")
 
 
 class _UsageError(Exception):
@@ -73,7 +76,15 @@ def _build_parser() -> argparse.ArgumentParser:
                    "default, or ties (tie-heavy index scores, NaN and +-inf rows)")
     g.add_argument("--out", metavar="FILE", help="output file (default: "
                    "./ds41numba-golden-PRESET.safetensors)")
-    g.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    g.add_argument("--force", action="store_true", help="overwrite an existing output file; "
+                   "without --resume also discard an interrupted run's partial file and checkpoint")
+    g.add_argument("--resume", action="store_true", help="continue an interrupted --capture io "
+                   "run from its checkpoint (.FILE.ckpt/ beside --out; give the same arguments): "
+                   "the file is the one an uninterrupted run writes")
+    g.add_argument("--checkpoint-every", type=float, default=golden.CHECKPOINT_EVERY,
+                   metavar="SECONDS", help="with --capture io, checkpoint between prefill chunks "
+                   f"and decode steps once this much work has passed (default: "
+                   f"{golden.CHECKPOINT_EVERY:g}; 0: at every one)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
     def index_rules(sub):
@@ -123,11 +134,21 @@ def main(argv=None) -> int:
     except GoldenError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except RunInterrupted as e:   # a streamed run that keeps its checkpoint
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return e.status
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
         return 130
-    except SystemExit as e:   # --help, or SIGTERM via _sigterm_as_exit
+    except _Terminated as e:
+        print(f"{PROG}: terminated; nothing was written", file=sys.stderr)
+        return e.code
+    except SystemExit as e:   # --help
         return e.code if isinstance(e.code, int) else 0
+
+
+class _Terminated(SystemExit):
+    """SIGTERM, raised where the program stood (see :func:`_sigterm_as_exit`)."""
 
 
 @contextlib.contextmanager
@@ -138,8 +159,7 @@ def _sigterm_as_exit():
         return
 
     def handler(signum, frame):
-        print(f"{PROG}: terminated; nothing was written", file=sys.stderr)
-        raise SystemExit(128 + signum)
+        raise _Terminated(128 + signum)
 
     old = signal.signal(signal.SIGTERM, handler)
     try:
@@ -186,7 +206,8 @@ def _golden(args) -> int:
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
     with _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as progress:
         info = golden.write_golden(plan, out, force=args.force, progress=progress,
-                                   chunk=args.chunk)
+                                   chunk=args.chunk, resume=args.resume,
+                                   checkpoint_every=args.checkpoint_every)
     what = preset_name or args.config
     print(f"wrote {info['path']}  ({what}, layers {_ranges(plan.layers)}, prefill {plan.prefill} "
           f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "

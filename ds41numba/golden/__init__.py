@@ -26,7 +26,8 @@ One module per part:
 * :mod:`.compare` -- ``compare_tensor``, ``compare_files``, the ``Judge`` both they and replay
   use, and their ``CompareReport``;
 * :mod:`.run` -- ``GoldenPlan`` and the one step x layer driver (``drive``) that
-  ``run_golden`` / ``write_golden`` and ``replay`` both run the stack through.
+  ``run_golden`` / ``write_golden`` and ``replay`` both run the stack through;
+* :mod:`.checkpoint` -- the checkpoints that make a streamed run resumable (``--resume``).
 
 The command line (``ds41numba golden | replay | compare``, :mod:`ds41numba.cli`) parses its
 arguments and calls these.
@@ -38,13 +39,14 @@ from .compare import (TOLERANCE, CompareReport, Judge, TensorResult, compare_fil
                       compare_tensor, file_scores)
 from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, IndexJudgement, RowBounds,
                    RowScores, judge_index_rows)
-from .errors import GoldenError
+from .errors import DiskError, GoldenError, RunInterrupted
+from .checkpoint import CHECKPOINT_EVERY, Checkpoint, checkpoint_dir, partial_path
 from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden, load_golden,
                     write_tensors_atomic)
-from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, make_input, make_tensor,
-                        make_weights, stream_key, weight_distribution)
-from .run import (DEFAULT_CHUNK, GoldenPlan, drive, io_layout, missing_sources, replay,
-                  run_golden, stream_golden, write_golden)
+from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, make_input,
+                        make_tensor, make_weight, make_weights, stream_key, weight_distribution)
+from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, drive, io_layout, missing_sources,
+                  replay, run_golden, run_pieces, stream_golden, write_golden)
 
 __all__ = [
     "GoldenError", "GENERATOR", "GENERATOR_SPEC", "CAPTURE_MODES", "FORMAT", "FORMAT_VERSION",
@@ -55,5 +57,7 @@ __all__ = [
     "StreamingGolden", "stream_golden", "io_layout", "DEFAULT_CHUNK",
     "RUNNERS_UP", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "StepObserver", "Judge", "file_scores",
     "DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_RANGE", "IndexJudgement", "RowBounds", "RowScores",
-    "judge_index_rows",
+    "judge_index_rows", "DiskError", "RunInterrupted", "CHECKPOINT_EVERY", "Checkpoint",
+    "checkpoint_dir", "partial_path", "GeneratedWeights", "make_weight", "StoredWeights",
+    "run_pieces",
 ]

@@ -229,6 +229,11 @@ class StepObserver:
             self._got["runner_idxs"] = np.full((seqlen, self.runners), -1, np.int32)
             self._got["runner_scores"] = np.full((seqlen, self.runners), -np.inf, np.float32)
 
+    def __getstate__(self):
+        """What a checkpoint between two forwards keeps: not the last forward's score captures
+        (``[rows, index_topk]`` each, already written; :meth:`begin` makes new ones)."""
+        return {**self.__dict__, "_got": {}}
+
     @property
     def sampling(self) -> bool:
         """Whether :meth:`captures` holds samples: the step has sampled rows and this forward

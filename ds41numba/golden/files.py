@@ -25,11 +25,12 @@ from safetensors import safe_open
 from .. import __version__
 from ..config import AttnConfig
 from .captures import CAPTURE_MODES
-from .errors import GoldenError
+from .errors import GoldenError, disk_errors
 from .generator import GENERATOR, GENERATOR_SPEC, PROFILES
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunInfo", "GoldenFile", "load_golden",
-           "write_tensors_atomic", "check_target", "StreamingGolden", "SAFETENSORS_DTYPES"]
+           "write_tensors_atomic", "check_target", "StreamingGolden", "SAFETENSORS_DTYPES",
+           "fsync_dir"]
 
 FORMAT = "ds41numba-golden"
 FORMAT_VERSION = "2"
@@ -127,10 +128,12 @@ def _publish(tmp: str, path: str, force: bool):
             if os.path.exists(path):
                 raise GoldenError(f"--out: {path!r} exists (use --force to overwrite it)") from None
             os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _fsync_dir(directory: str):
+def fsync_dir(directory: str):
+    """Sync a directory, so a rename into it survives a power cut (best effort: some
+    filesystems cannot)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -150,6 +153,29 @@ SAFETENSORS_DTYPES = {"BF16": np.dtype(BF16), "F32": np.dtype(np.float32),
                       "I32": np.dtype(np.int32), "U8": np.dtype(np.uint8)}
 
 
+def _laid_out(layout, metadata: dict[str, str]) -> tuple[dict, bytes]:
+    """The entries ``{name: (dtype, shape, offset, row bytes)}`` of a layout and its header
+    (metadata keys sorted, padded with spaces to 8 bytes): all of a file's offsets."""
+    header = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    entries, offset = {}, 0
+    for name, dtype, shape in layout:
+        shape = tuple(int(d) for d in shape)
+        size = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+        if name in entries:
+            raise ValueError(f"StreamingGolden: tensor {name} appears twice in the layout")
+        row = size // shape[0] if shape and shape[0] else size
+        entries[name] = (dtype, shape, offset, row)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return entries, text + b" " * (-len(text) % 8)
+
+
+def _entry_bytes(entry) -> int:
+    dtype, shape = entry[0], entry[1]
+    return math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+
+
 class StreamingGolden:
     """A safetensors file laid out up front and filled in place, a block of rows at a time.
 
@@ -160,40 +186,53 @@ class StreamingGolden:
     made under a hidden temporary name beside ``path`` (``.NAME.*.tmp``), sized at once,
     :meth:`write_rows` puts rows in place, and :meth:`commit` checks every row was written,
     syncs and renames it into place. Use it as a context manager: leaving it without a commit
-    (an error, Ctrl-C) removes the temporary file.
+    (an error, Ctrl-C) removes the temporary file, unless :attr:`keep` is set.
+
+    A resumable run (:mod:`.checkpoint`) names the file itself (``partial``, created new) and
+    sets :attr:`keep` once a checkpoint refers to it; resuming passes the checkpoint's
+    ``rows_written`` and reopens that file. OS errors are :class:`DiskError` naming the file.
     """
 
-    def __init__(self, path, layout, metadata: dict[str, str], force: bool = False):
+    def __init__(self, path, layout, metadata: dict[str, str], force: bool = False,
+                 partial: str | None = None, rows_written: dict | None = None):
         self.path = os.fspath(path)
         self.force = force
+        self.keep = False
         check_target(self.path, force)
-        header = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
-        self.entries = {}
-        offset = 0
-        for name, dtype, shape in layout:
-            shape = tuple(int(d) for d in shape)
-            itemsize = SAFETENSORS_DTYPES[dtype].itemsize
-            size = math.prod(shape) * itemsize
-            if name in self.entries:
-                raise ValueError(f"StreamingGolden: tensor {name} appears twice in the layout")
-            row = size // shape[0] if shape and shape[0] else size
-            self.entries[name] = (dtype, shape, offset, row)
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        text += b" " * (-len(text) % 8)
+        self.entries, text = _laid_out(layout, metadata)
         self.data_start = 8 + len(text)
-        self.size = self.data_start + offset
+        self.size = self.data_start + sum(_entry_bytes(e) for e in self.entries.values())
         self.rows_written = {name: 0 for name in self.entries}
         directory, base = os.path.split(os.path.abspath(self.path))
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+        self.tmp, self._fd = partial, None
+        with disk_errors(partial or directory):
+            if partial is None:
+                self._fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp",
+                                                      dir=directory)
+            elif rows_written is None:
+                self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            else:
+                self._reopen(text, rows_written)
+                return
+            try:
+                os.write(self._fd, struct.pack("<Q", len(text)) + text)
+                os.ftruncate(self._fd, self.size)
+            except BaseException:
+                self.abort()
+                raise
+
+    def _reopen(self, text: bytes, rows_written: dict):
+        """Continue filling the partial file ``self.tmp`` of an interrupted run whose rows
+        written are ``rows_written``; it must be this layout's file (header and size)."""
+        fd = os.open(self.tmp, os.O_RDWR)
+        head = os.pread(fd, 8 + len(text), 0)
+        if head != struct.pack("<Q", len(text)) + text or os.fstat(fd).st_size != self.size \
+                or set(rows_written) != set(self.entries):
+            os.close(fd)
+            raise GoldenError(f"{self.tmp!r} is not the partial file of this run (its header or "
+                              f"size differs): use --force to start over")
         self._fd = fd
-        try:
-            os.write(fd, struct.pack("<Q", len(text)) + text)
-            os.ftruncate(fd, self.size)
-        except BaseException:
-            self.abort()
-            raise
+        self.rows_written.update(rows_written)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
@@ -210,9 +249,10 @@ class StreamingGolden:
                              f"{first_row + n - 1} of {a.dtype} {list(a.shape)} do not fit it")
         data = memoryview(a.reshape(-1).view(np.uint8))
         pos = self.data_start + offset + first_row * row
-        while len(data):
-            done = os.pwrite(self._fd, data, pos)
-            data, pos = data[done:], pos + done
+        with disk_errors(self.tmp):
+            while len(data):
+                done = os.pwrite(self._fd, data, pos)
+                data, pos = data[done:], pos + done
         self.rows_written[name] += n
 
     def copy_tensor(self, source: str, name: str, block: int = 1 << 24) -> None:
@@ -224,9 +264,10 @@ class StreamingGolden:
             raise ValueError(f"StreamingGolden: cannot copy {source} ({sdt} {list(sshape)}) to "
                              f"{name} ({dt} {list(shape)})")
         size = math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize
-        for a in range(0, size, block):
-            data = os.pread(self._fd, min(block, size - a), self.data_start + soff + a)
-            os.pwrite(self._fd, data, self.data_start + off + a)
+        with disk_errors(self.tmp):
+            for a in range(0, size, block):
+                data = os.pread(self._fd, min(block, size - a), self.data_start + soff + a)
+                os.pwrite(self._fd, data, self.data_start + off + a)
         self.rows_written[name] = shape[0] if shape else 1
 
     def missing_rows(self, name: str) -> int:
@@ -243,20 +284,29 @@ class StreamingGolden:
         missing = self.missing()
         if missing:
             raise ValueError(f"StreamingGolden: {len(missing)} tensors incomplete, first {missing[0]}")
-        os.fsync(self._fd)
+        self.sync()
         os.close(self._fd)
         self._fd = None
         try:
-            _publish(self.tmp, self.path, self.force)
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
+            with disk_errors(self.path):
+                _publish(self.tmp, self.path, self.force)
+        except BaseException:
+            self.abort()
+            raise
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+    def sync(self) -> None:
+        """Make the rows written so far durable (a checkpoint that counts them comes after)."""
+        with disk_errors(self.tmp):
+            os.fsync(self._fd)
 
     def abort(self) -> None:
+        """Close the file and remove it, unless :attr:`keep` (a checkpoint refers to it)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if os.path.exists(self.tmp):
+        if not self.keep and os.path.exists(self.tmp):
             os.unlink(self.tmp)
 
     def __enter__(self):

@@ -62,7 +62,8 @@ from ..stack import weight_specs
 from .errors import GoldenError
 
 __all__ = ["GENERATOR", "GENERATOR_SPEC", "PROFILES", "stream_key", "make_tensor",
-           "weight_distribution", "make_weights", "make_input", "checked_seed", "checked_profile"]
+           "weight_distribution", "make_weights", "make_weight", "GeneratedWeights", "make_input",
+           "checked_seed", "checked_profile"]
 
 #: Generator profiles: ``default`` (the table above) and ``ties`` (tie-heavy index scores).
 PROFILES = ("default", "ties")
@@ -195,14 +196,58 @@ def make_weights(config: AttnConfig, layers=None, seed: int = 0,
     """Every parameter of ``layers`` (default: all) as float32 arrays, bf16 values where bf16."""
     checked_profile(profile)
     layers = range(config.n_layers) if layers is None else layers
-    weights = {}
-    for i in layers:
-        for name, (shape, kind) in weight_specs(config, i).items():
-            center, scale = weight_distribution(name, shape)
-            weights[name] = make_tensor(name, shape, seed, center, scale, bf16=(kind == "bf16"))
-            if profile == "ties":
-                _tie_weight(config, name, weights[name])
-    return weights
+    return {name: make_weight(config, name, shape, kind, seed, profile)
+            for i in layers for name, (shape, kind) in weight_specs(config, i).items()}
+
+
+def make_weight(config: AttnConfig, name: str, shape, kind: str, seed: int = 0,
+                profile: str = "default") -> np.ndarray:
+    """One parameter (``kind`` "bf16" or "f32", as :func:`weight_specs` gives it), exactly as
+    :func:`make_weights` makes it."""
+    center, scale = weight_distribution(name, shape)
+    w = make_tensor(name, shape, seed, center, scale, bf16=(kind == "bf16"))
+    if checked_profile(profile) == "ties":
+        _tie_weight(config, name, w)
+    return w
+
+
+class GeneratedWeights:
+    """The parameters of ``layers`` as a mapping that makes each one when asked for it.
+
+    A stack built from it holds its weights only in the forms it computes with, never a second
+    dict of every layer's float32 arrays (at v41-flash a layer's weights are hundreds of MB).
+    ``made(name, array, kind)``, if given, sees each tensor as it is made (a streamed golden
+    writes it into the file). Nothing is kept: asking twice makes the tensor twice.
+    """
+
+    def __init__(self, config: AttnConfig, layers, seed: int = 0, profile: str = "default",
+                 made=None):
+        self.config, self.seed, self.profile = config, checked_seed(seed), checked_profile(profile)
+        self.specs = {n: v for i in layers for n, v in weight_specs(config, i).items()}
+        self.made = made
+
+    def __contains__(self, name) -> bool:
+        return name in self.specs
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def get(self, name: str, default=None):
+        if name not in self.specs:
+            return default
+        shape, kind = self.specs[name]
+        w = make_weight(self.config, name, shape, kind, self.seed, self.profile)
+        if self.made is not None:
+            self.made(name, w, kind)
+        return w
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.specs:
+            raise KeyError(name)
+        return self.get(name)
 
 
 def _tie_weight(config: AttnConfig, name: str, w: np.ndarray):

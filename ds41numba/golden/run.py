@@ -20,13 +20,14 @@ from ..stack import AttentionStack, weight_specs
 from .captures import (CAPTURE_MODES, RUNNERS_UP, WEIGHT_NAME, StepObserver, forward_capture,
                        layer_captures, records_shared, storage_kind, to_storage)
 from .compare import CompareReport, Judge, TensorResult, compare_order, file_scores
-from .errors import GoldenError
+from .checkpoint import CHECKPOINT_EVERY, Checkpoint, run_identity
+from .errors import DiskError, GoldenError, RunInterrupted
 from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
-from .generator import checked_profile, checked_seed, make_input, make_weights
+from .generator import GeneratedWeights, checked_profile, checked_seed, make_input, make_weights
 
-__all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "drive",
+__all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
            "run_golden", "write_golden", "stream_golden", "io_layout", "DEFAULT_CHUNK",
-           "minimum_bytes", "replay"]
+           "minimum_bytes", "replay", "StoredWeights"]
 
 
 def missing_sources(config: AttnConfig, layers) -> list[str]:
@@ -112,8 +113,24 @@ def prefill_chunks(prefill: int, chunk: int | None):
     return [(a, min(prefill, a + size) - a) for a in range(0, prefill, size)]
 
 
+def run_pieces(prefill: int, decode: int, chunk: int | None):
+    """The pieces a run goes through, in order, ``(step, start_pos, first_row, rows)``: the
+    rows ``first_row ..`` of the step at ``start_pos``, i.e. the prefill's chunks, then one per
+    decode step. Each piece runs through every layer before the next; a checkpoint comes
+    between two."""
+    pieces = [(0, 0, a, n) for a, n in prefill_chunks(prefill, chunk)]
+    return pieces + [(s, p, 0, 1) for s, p, _ in golden_steps(prefill, decode) if s]
+
+
+def piece_name(piece, split: bool) -> str:
+    """``step 0 rows 0-4095`` (a chunk of a prefill run in several), ``step 3``."""
+    s, _, a, n = piece
+    return f"step {s}" + (f" rows {a}-{a + n - 1}" if s == 0 and split else "")
+
+
 def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, take,
-          progress=None, capture_rows=(), chunk: int | None = None):
+          progress=None, capture_rows=(), chunk: int | None = None, observer=None,
+          start: int = 0, boundary=None):
     """The step x layer loop of a golden run: every step of :func:`golden_steps`, the stack's
     layers in increasing order within each; the prefill in chunks of ``chunk`` rows (default:
     one), each chunk through every layer before the next (token-major, which gives the one-shot
@@ -129,41 +146,54 @@ def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, 
     layer.
 
     The index scores and the samples of the positions ``capture_rows`` are collected by a
-    :class:`StepObserver` set on the stack's shared runtime for the run, begun for every
-    forward (a chunk: its first row): the scores come with each chunk's rows; the samples
-    (``sample.*``, a few rows of the whole step, and the step's keys and latents) are collected
-    over the chunks and taken once, with the step's last chunk, at ``first_row`` 0.
+    :class:`StepObserver` (``observer``, or a new one) set on the stack's shared runtime for
+    the run, begun for every forward (a chunk: its first row): the scores come with each
+    chunk's rows; the samples (``sample.*``, a few rows of the whole step, and the step's keys
+    and latents) are collected over the chunks and taken once, with the step's last chunk, at
+    ``first_row`` 0.
+
+    A resumed run starts at piece ``start`` of :func:`run_pieces` (the stack and ``observer``
+    restored to where that piece begins); ``boundary(done, observer)``, if given, is called
+    after each piece with the number of pieces done.
     """
-    chunks = prefill_chunks(prefill, chunk)
-    observer = StepObserver(stack.config, capture_rows)
+    pieces = run_pieces(prefill, decode, chunk)
+    split = len(pieces) - decode > 1
+    observer = StepObserver(stack.config, capture_rows) if observer is None else observer
     stack.shared.observer = observer
     try:
-        for s, start_pos, seqlen in golden_steps(prefill, decode):
-            pieces = chunks if s == 0 else [(start_pos, 1)]
-            for a, n in pieces:
-                for i in stack.layers:
-                    prefix = f"step{s}.layers.{i}."
-                    where = f"step {s} layer {i}" + (f" rows {a}-{a + n - 1}" if len(pieces) > 1 else "")
-                    if progress is not None:
-                        progress(0, where)
-                    first = a if s == 0 else 0
-                    prefill_len = prefill if s == 0 else None
-                    observer.begin(i, a, n, prefill_len)
-                    run = stack.forward(i, x_of(prefix + "x", first, n, start_pos), a,
-                                        capture=forward_capture(capture), prefill_len=prefill_len)
-                    got = layer_captures(stack, i, run, a, capture, observer)
-                    if len(pieces) > 1:
-                        samples = {w: v for w, v in got.items() if w.startswith("sample.")}
-                        take(prefix, {w: v for w, v in got.items() if w not in samples}, first)
-                        if samples:
-                            take(prefix, samples, 0)
-                    else:
-                        take(prefix, got, first)
-                    del run, got
-                    if progress is not None:
-                        progress(n, where)
+        for k in range(start, len(pieces)):
+            _drive_piece(stack, pieces[k], prefill, capture, x_of, take, progress, observer, split)
+            if boundary is not None:
+                boundary(k + 1, observer)
     finally:
         stack.shared.observer = None
+
+
+def _drive_piece(stack, piece, prefill, capture, x_of, take, progress, observer, split):
+    """One piece of :func:`drive` through every layer of the stack."""
+    s, start_pos, first, n = piece
+    a = start_pos + first
+    chunked = s == 0 and split
+    prefill_len = prefill if s == 0 else None
+    for i in stack.layers:
+        prefix = f"step{s}.layers.{i}."
+        where = f"{piece_name(piece, split)} layer {i}"
+        if progress is not None:
+            progress(0, where)
+        observer.begin(i, a, n, prefill_len)
+        run = stack.forward(i, x_of(prefix + "x", first, n, start_pos), a,
+                            capture=forward_capture(capture), prefill_len=prefill_len)
+        got = layer_captures(stack, i, run, a, capture, observer)
+        if chunked:
+            samples = {w: v for w, v in got.items() if w.startswith("sample.")}
+            take(prefix, {w: v for w, v in got.items() if w not in samples}, first)
+            if samples:
+                take(prefix, samples, 0)
+        else:
+            take(prefix, got, first)
+        del run, got
+        if progress is not None:
+            progress(n, where)
 
 
 def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
@@ -206,19 +236,24 @@ DEFAULT_CHUNK = 4096
 
 
 def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
-                 chunk: int | None = DEFAULT_CHUNK) -> dict:
+                 chunk: int | None = DEFAULT_CHUNK, resume: bool = False,
+                 checkpoint_every: float = CHECKPOINT_EVERY) -> dict:
     """Run ``plan`` and write its golden to ``path`` atomically; returns a summary for printing.
 
     With ``capture="io"`` the file is streamed (:func:`stream_golden`): the prefill runs in
-    chunks of ``chunk`` rows and each chunk's rows go into place as they are made. ``all``
+    chunks of ``chunk`` rows and each chunk's rows go into place as they are made, with
+    checkpoints every ``checkpoint_every`` seconds that ``resume`` continues from. ``all``
     holds ``[seqlen, positions]`` captures per step and runs in memory, the prefill in one call.
     """
     path = os.fspath(path)
+    if resume and plan.capture != "io":
+        raise GoldenError("--resume: only a streamed run (--capture io) keeps a checkpoint to "
+                          "resume from")
     check_target(path, force)
     _check_memory(plan, chunk)
     t0 = time.perf_counter()
     if plan.capture == "io":
-        n = stream_golden(plan, path, force, progress, chunk)
+        n = stream_golden(plan, path, force, progress, chunk, resume, checkpoint_every)
     else:
         tensors = run_golden(plan, progress)
         n = len(tensors)
@@ -304,41 +339,102 @@ def io_layout(plan: GoldenPlan):
 
 
 def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
-                  chunk: int | None = DEFAULT_CHUNK) -> int:
+                  chunk: int | None = DEFAULT_CHUNK, resume: bool = False,
+                  checkpoint_every: float = CHECKPOINT_EVERY) -> int:
     """Run an ``io`` plan and stream its golden to ``path``: the file is laid out up front
     (:func:`io_layout`, :class:`StreamingGolden`), the prefill runs ``chunk`` rows at a time
     through every layer, and each chunk's inputs (made a chunk at a time by the generator),
     outputs and index rows are written into place as they are made; no ``[seqlen, dim]``
-    tensor is ever held. The file is byte-identical whatever ``chunk`` or thread count, and
-    tensor for tensor what :func:`run_golden` computes. Returns the number of tensors."""
-    cfg = plan.config
+    tensor is ever held, nor a dict of every weight (:class:`GeneratedWeights` makes each as
+    the stack takes it, and it goes to the file then). The file is byte-identical whatever
+    ``chunk`` or thread count, and tensor for tensor what :func:`run_golden` computes. Returns
+    the number of tensors.
+
+    The run is resumable (:mod:`.checkpoint`): it fills ``.NAME.partial`` and checkpoints into
+    ``.NAME.ckpt/`` before its first piece and then between pieces (chunks, decode steps) once
+    ``checkpoint_every`` seconds passed since the last. Ctrl-C or SIGTERM after a checkpoint
+    keep both and raise :class:`RunInterrupted`; an OS error is a :class:`DiskError` that says
+    whether the checkpoint was kept. ``resume`` continues from the checkpoint (same plan and
+    ``chunk``, else refused); without it an earlier run's leftovers are refused, or discarded
+    with ``force`` (with ``resume``, ``force`` lets the finished file replace an existing one).
+    """
     layout, copies = io_layout(plan)
-    weights = make_weights(cfg, plan.layers, plan.seed, plan.profile)
-    kinds = {n: k for i in plan.layers for n, (_, k) in weight_specs(cfg, i).items()}
-    with StreamingGolden(path, layout, plan.metadata(), force) as out:
-        for name, array in weights.items():
-            out.write_rows(name, 0, to_storage(name, array, storage_kind(name, kinds)))
-        stack = AttentionStack(cfg, weights, layers=plan.layers)
-
-        def streamed_input(name, first_row, rows, start_pos):
-            x = to_storage(name, make_input(name, (rows, cfg.dim), plan.seed, plan.profile,
-                                            first_row, start_pos), "BF16")
-            out.write_rows(name, first_row, x)
-            return x
-
-        def write(prefix, captures, first_row):
-            for what, value in captures.items():
-                name = prefix + what
-                if name in copies and value.shape[0] != out.shape(name)[0]:
-                    out.copy_tensor(copies[name], name)
-                else:
-                    out.write_rows(name, first_row, to_storage(name, value, storage_kind(name)))
-
-        drive(stack, plan.prefill, plan.decode, plan.capture, streamed_input, write, progress,
-              plan.capture_rows, chunk=chunk)
-        del stack
-        out.commit()
+    ckpt = Checkpoint(path, run_identity(plan.metadata(), chunk), resume, force, checkpoint_every)
+    try:
+        with StreamingGolden(path, layout, plan.metadata(), force, partial=ckpt.partial,
+                             rows_written=ckpt.rows_written()) as out:
+            out.keep = ckpt.saved
+            try:
+                _stream(plan, out, ckpt, copies, progress, chunk)
+            finally:
+                out.keep = ckpt.saved
+            out.commit()
+    except BaseException as e:
+        if not ckpt.saved:
+            ckpt.remove()                # the writer removed the partial file already
+        if isinstance(e, DiskError):
+            raise e.with_hint(_kept(ckpt, "free space (or fix the directory), then ")) from None
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) and ckpt.saved:
+            status = 130 if isinstance(e, KeyboardInterrupt) else e.code
+            raise RunInterrupted(f"{'interrupted' if status == 130 else 'terminated'}; "
+                                 f"{_kept(ckpt, '')}", status) from None
+        raise
+    ckpt.remove()
     return len(layout)
+
+
+def _kept(ckpt: Checkpoint, first: str) -> str:
+    """What is left for ``--resume`` after a run stopped, for its message (``first``: what to
+    do before resuming)."""
+    if not (ckpt.saved and os.path.exists(ckpt.partial) and os.path.isdir(ckpt.dir)):
+        return "nothing was kept to resume from"
+    return (f"kept {ckpt.partial!r} and its checkpoint ({ckpt.where} done): {first}rerun the "
+            f"same command with --resume to continue")
+
+
+def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, progress, chunk):
+    """The body of :func:`stream_golden`: the stack (its weights written as they are made),
+    the checkpoint restored or a first one taken, the drive with checkpoints between pieces."""
+    cfg = plan.config
+
+    def put_weight(name, array, kind):
+        if out.missing_rows(name):       # a resumed run's file holds its weights already
+            out.write_rows(name, 0, to_storage(name, array, "F32" if kind == "f32" else "BF16"))
+
+    stack = AttentionStack(cfg, GeneratedWeights(cfg, plan.layers, plan.seed, plan.profile,
+                                                 made=put_weight), layers=plan.layers)
+    pieces = run_pieces(plan.prefill, plan.decode, chunk)
+    split = len(pieces) - plan.decode > 1
+    observer = ckpt.restore(stack)
+    if ckpt.saved and progress is not None:
+        progress(sum(p[3] for p in pieces[:ckpt.done]) * len(plan.layers), "resumed")
+
+    def boundary(done, observer):
+        if done < len(pieces) and (done == 0 or ckpt.due()):
+            ckpt.save(done, piece_name(pieces[done - 1], split) if done else "nothing",
+                      stack, observer, out)
+            out.keep = True
+
+    def streamed_input(name, first_row, rows, start_pos):
+        x = to_storage(name, make_input(name, (rows, cfg.dim), plan.seed, plan.profile,
+                                        first_row, start_pos), "BF16")
+        out.write_rows(name, first_row, x)
+        return x
+
+    def write(prefix, captures, first_row):
+        for what, value in captures.items():
+            name = prefix + what
+            if name in copies and value.shape[0] != out.shape(name)[0]:
+                out.copy_tensor(copies[name], name)
+            else:
+                out.write_rows(name, first_row, to_storage(name, value, storage_kind(name)))
+
+    if not ckpt.saved:
+        observer = StepObserver(cfg, plan.capture_rows)
+        stack.shared.observer = observer
+        boundary(0, observer)
+    drive(stack, plan.prefill, plan.decode, plan.capture, streamed_input, write, progress,
+          plan.capture_rows, chunk=chunk, observer=observer, start=ckpt.done, boundary=boundary)
 
 
 def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:
@@ -386,6 +482,26 @@ def _check_memory(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK):
                           f"is available; select fewer layers (e.g. --layers 20 for v41-flash)")
 
 
+class StoredWeights:
+    """A golden's weights as a mapping that reads each one from the file when asked for it, so
+    a replay holds them only in the stack's forms, never a dict of every float32 weight. A
+    weight the stack asks for and the file lacks is the file's fault: a GoldenError."""
+
+    def __init__(self, golden: GoldenFile):
+        self.golden = golden
+
+    def __contains__(self, name) -> bool:
+        return name in self.golden
+
+    def get(self, name: str, default=None):
+        if name not in self.golden:
+            raise GoldenError(f"{self.golden.path!r}: weight {name} is missing")
+        return np.asarray(self.golden.get(name), dtype=np.float32)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.get(name)
+
+
 def replay(path, progress=None, index_tolerance: float | None = None,
            exact_index: bool = False) -> CompareReport:
     """Recompute every capture of a golden from its own weights and inputs and compare, by the
@@ -399,14 +515,8 @@ def replay(path, progress=None, index_tolerance: float | None = None,
         info = golden.run_info()
         cfg = info.config
         names = set(golden.names)
-        weights = {}
-        for i in info.layers:
-            for name in weight_specs(cfg, i):
-                if name not in names:
-                    raise GoldenError(f"{golden.path!r}: weight {name} is missing")
-                weights[name] = np.asarray(golden.get(name), dtype=np.float32)
         try:
-            stack = AttentionStack(cfg, weights, layers=info.layers)
+            stack = AttentionStack(cfg, StoredWeights(golden), layers=info.layers)
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
         judge = Judge(info, file_scores(golden), index_tolerance, exact_index, strict_evidence=True)
