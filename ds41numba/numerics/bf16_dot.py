@@ -1,18 +1,12 @@
 """bf16 dot products on AVX512-BF16: an LLVM-IR micro-kernel, the many-row product built on it in
 the reference's order, and the bf16-pair layouts it reads.
 
-The choice between these kernels and numpy's f32 BLAS is read from one function,
-:func:`backend`, and switched in one place, :func:`use_backend`.
+Whether they run (or numpy's f32 BLAS instead) is read from :func:`.backend.bf16_dot_enabled`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-
-import llvmlite.binding as llb
 import llvmlite.ir as ir
-import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -20,8 +14,8 @@ from numba.extending import intrinsic
 
 from .formats import as_f32_array, output_buffer
 
-__all__ = ["BACKENDS", "backend", "bf16_dot_enabled", "use_backend", "DOT_ROWS", "DOT_LANES",
-           "GEMM_PAIRS", "bf16_dot_tile", "gemm_bf16", "bf16_pairs", "pack_bf16_pairs"]
+__all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "bf16_dot_tile", "gemm_bf16", "bf16_pairs",
+           "pack_bf16_pairs"]
 
 
 # The reference's products are of bf16 values summed in f32: the bf16 linears, and the indexer's
@@ -37,50 +31,6 @@ __all__ = ["BACKENDS", "backend", "bf16_dot_enabled", "use_backend", "DOT_ROWS",
 DOT_ROWS = 8
 #: Columns of B one call multiplies: two 16-lane vectors.
 DOT_LANES = 32
-
-
-def _bf16_dot_supported() -> bool:
-    """True when this CPU runs ``vdpbf16ps`` and numba compiles for it (the host CPU, features
-    not overridden without it), unless ``DS41NUMBA_BF16_DOT=0`` asks for the f32 BLAS path."""
-    if os.environ.get("DS41NUMBA_BF16_DOT", "1") == "0" or numba.config.CPU_NAME not in (None, "host"):
-        return False
-    features = numba.config.CPU_FEATURES
-    if features is not None and "+avx512bf16" not in features.split(","):
-        return False
-    return bool(llb.get_host_cpu_features().get("avx512bf16", False))
-
-
-BACKENDS = ("avx512bf16", "blas")
-_backend = ["avx512bf16" if _bf16_dot_supported() else "blas"]
-
-
-def backend() -> str:
-    """Which kernels the products of bf16 values run on: ``"avx512bf16"`` (this module's, in the
-    reference's order) where the CPU has AVX512-BF16, else ``"blas"`` (numpy's f32 BLAS,
-    approximate at large K). Decided at import (``DS41NUMBA_BF16_DOT=0`` forces ``"blas"``);
-    every caller asks this function, so :func:`use_backend` switches them all."""
-    return _backend[0]
-
-
-def bf16_dot_enabled() -> bool:
-    """``backend() == "avx512bf16"``."""
-    return _backend[0] == "avx512bf16"
-
-
-@contextlib.contextmanager
-def use_backend(name: str):
-    """Run the block with the products on ``name`` (one of ``BACKENDS``): the one switch the
-    tests use to run a path on purpose. ``"avx512bf16"`` is refused on a CPU without it."""
-    if name not in BACKENDS:
-        raise ValueError(f"use_backend: {name!r} is not one of {BACKENDS}")
-    if name == "avx512bf16" and not _bf16_dot_supported():
-        raise ValueError("use_backend: this CPU (or numba's target) has no AVX512-BF16")
-    before = _backend[0]
-    _backend[0] = name
-    try:
-        yield
-    finally:
-        _backend[0] = before
 
 
 @intrinsic
