@@ -7,8 +7,6 @@ Whether it runs is read from :func:`.backend.int8_dot_enabled`.
 
 from __future__ import annotations
 
-import math
-
 import llvmlite.ir as ir
 import numpy as np
 from numba import njit, prange, types
@@ -46,8 +44,6 @@ _GROUP_QUADS = INT8_GROUP // 4
 _NO_EXP = 1 << 20
 #: The range of no rows (or rows of zeros).
 EMPTY_RANGE = np.array([0, _NO_EXP, -_NO_EXP, 0], np.int64)
-_F32_MAX = np.float32(np.finfo(np.float32).max)
-_F32_TINY = np.float32(np.finfo(np.float32).tiny)
 # Products stay normal f32 numbers (vdpbf16ps flushes denormals, BLAS does not) and finite.
 _MIN_EXP, _MAX_EXP = -126, 124
 
@@ -55,20 +51,19 @@ _MIN_EXP, _MAX_EXP = -126, 124
 @njit(cache=True)
 def _group_exponent(blk):
     """The ``e`` of a group: the smallest with ``INT8_MAX * 2^e >= max |x|``, read from the bits
-    of ``max |x|`` (no division that could round); ``_NO_EXP`` for a group of zeros, and ``-_NO_EXP``
-    when ``max |x|`` is not a finite normal number."""
-    amax = np.float32(0.0)
+    of ``max |x|`` (no division that could round); ``_NO_EXP`` for a group of zeros, and
+    ``-_NO_EXP`` when ``max |x|`` is not a finite normal number (a NaN's bits, as an integer,
+    lie above every finite value's)."""
+    top = np.int32(0)
     for j in range(blk.shape[0]):
-        a = abs(blk[j])
-        if not a <= amax:       # NaN included
-            amax = a
-    if amax == 0:
+        top = max(top, np.float32(blk[j]).view(np.int32) & np.int32(0x7FFFFFFF))
+    if top == 0:
         return _NO_EXP
-    if not amax <= _F32_MAX or amax < _F32_TINY:
+    biased = top >> 23
+    if biased == 0 or biased == 255:
         return -_NO_EXP
-    # amax = f * 2^k, f in [0.5, 1): 12 * 2^(k-4) = 0.75 * 2^k covers it when f <= 0.75.
-    f, k = math.frexp(amax)
-    return k - (4 if f <= 0.75 else 3)
+    # max |x| = m * 2^E, m in [1, 2): 12 * 2^(E-3) = 1.5 * 2^E covers it when m <= 1.5.
+    return biased - 127 - (3 if (top & 0x7FFFFF) <= 0x400000 else 2)
 
 
 @njit(cache=True)
@@ -91,16 +86,16 @@ def _decompose_row(row, ints, scales):
             bad = True
             e = 0
         emin, emax = min(emin, e), max(emax, e)
-        s = np.float32(2.0 ** e)
-        inv = np.float32(2.0 ** -e)
+        s = np.uint32((e + 127) << 23).view(np.float32)
+        inv = np.uint32((127 - e) << 23).view(np.float32)
+        miss = 0
         for j in range(INT8_GROUP):
             t = blk[j] * inv
-            n = np.int32(0)
-            if abs(t) <= INT8_MAX:
-                n = np.int32(t)
-            if np.float32(n) != t or np.float32(n) * s != blk[j]:
-                bad = True
+            # Out of int32's range (or NaN) the conversion is undefined: convert 0 instead.
+            n = np.int32(t if abs(t) <= INT8_MAX else 0)
+            miss += (np.float32(n) != t) | (np.float32(n) * s != blk[j])
             ints[g * INT8_GROUP + j] = n
+        bad |= miss > 0
         scales[g] = s
     return bad, emin, emax
 
@@ -187,7 +182,8 @@ def int8_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
     [n, d / 4], corr int32 [n, d / 32], scales float32 [n, d / 32], range)``; into the first n
     rows of ``out = (quads, corr, scales)`` when given. The range tells :func:`int8_dot_exact`
     whether the products are exact; rows that are not fp4 values are counted there as bad (and
-    packed as anything), not refused: the caller then takes another path."""
+    packed as anything), not refused: the caller then takes another path. A zero's sign is not
+    kept: its products add nothing to a sum that starts at +0, in any kernel."""
     x = _int8_input(x, "int8_rows")
     n, d = x.shape
     shapes = ((n, d // 4), (n, d // INT8_GROUP), (n, d // INT8_GROUP))
