@@ -13,6 +13,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .formats import as_f32_array, output_buffer
+from .vector_ir import (I32, V16F, V16I, close_loop, i64, open_loop, row_operands, row_pointer,
+                        splat)
 
 __all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "bf16_dot_tile", "gemm_bf16", "bf16_pairs",
            "pack_bf16_pairs"]
@@ -46,55 +48,34 @@ def bf16_dot_tile(typingctx, a, b, out):
     sig = types.void(a, b, out)
 
     def codegen(context, builder, signature, args):
-        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-        v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
         # The bf16 pairs as <16 x i32>: the intrinsic's original type, which LLVMs that have
         # since typed it <32 x bfloat> upgrade as they read the IR (llvmlite has no bfloat type).
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16i, v16i]),
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I, V16I]),
                                              "llvm.x86.avx512bf16.dpbf16ps.512")
-        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
-        (a_base, a_row), (b_base, b_row), (o_base, o_row) = [
-            (builder.ptrtoint(ary.data, i64), cgutils.unpack_tuple(builder, ary.strides, 2)[0])
-            for ary in arrays]
+        (a_op, b_op, o_op), arrays = row_operands(context, builder, signature, args)
         n_pairs = cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0]
         nvec = DOT_LANES // 16
 
-        def at(base, row_stride, row, offset, ty):
-            addr = builder.add(base, builder.add(builder.mul(row_stride, row), offset))
-            return builder.inttoptr(addr, ty.as_pointer())
-
-        def const(v):
-            return ir.Constant(i64, v)
-
-        out_ptrs = [[at(o_base, o_row, const(m), const(64 * v), v16f) for v in range(nvec)]
+        out_ptrs = [[row_pointer(builder, o_op, i64(m), i64(64 * v), V16F) for v in range(nvec)]
                     for m in range(DOT_ROWS)]
         start = [[builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
-        entry = builder.basic_block
-        loop = builder.append_basic_block("bf16dot.loop")
-        done = builder.append_basic_block("bf16dot.done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        p = builder.phi(i64)
-        p.add_incoming(const(0), entry)
-        acc = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(DOT_ROWS)]
+        p, entry = open_loop(builder, "bf16dot")
+        acc = [[builder.phi(V16F) for _ in range(nvec)] for _ in range(DOT_ROWS)]
         for m in range(DOT_ROWS):
             for v in range(nvec):
                 acc[m][v].add_incoming(start[m][v], entry)
-        bv = [builder.load(at(b_base, b_row, p, const(64 * v), v16i), align=4) for v in range(nvec)]
+        bv = [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4)
+              for v in range(nvec)]
         new = []
         for m in range(DOT_ROWS):
-            pair = builder.load(at(a_base, a_row, const(m), builder.mul(p, const(4)), i32), align=4)
-            splat = builder.insert_element(ir.Constant(v16i, ir.Undefined), pair, ir.Constant(i32, 0))
-            splat = builder.shuffle_vector(splat, splat, ir.Constant(v16i, None))
-            new.append([builder.call(dot, [acc[m][v], bv[v], splat]) for v in range(nvec)])
-        p_next = builder.add(p, const(1))
-        p.add_incoming(p_next, loop)
+            pair = builder.load(row_pointer(builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4)
+            pairs = splat(builder, pair, V16I)
+            new.append([builder.call(dot, [acc[m][v], bv[v], pairs]) for v in range(nvec)])
+        loop = builder.basic_block
         for m in range(DOT_ROWS):
             for v in range(nvec):
                 acc[m][v].add_incoming(new[m][v], loop)
-        builder.cbranch(builder.icmp_signed("<", p_next, n_pairs), loop, done)
-
-        builder.position_at_end(done)
+        close_loop(builder, p, n_pairs, "bf16dot")
         for m in range(DOT_ROWS):
             for v in range(nvec):
                 builder.store(new[m][v], out_ptrs[m][v], align=4)

@@ -15,6 +15,8 @@ from numba.extending import intrinsic
 
 from .bf16_dot import DOT_LANES, DOT_ROWS
 from .formats import FP4_BLOCK, as_f32_array
+from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, row_operands,
+                        row_pointer, splat)
 
 __all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_dot_tile", "int8_rows",
            "pack_int8_blocks", "int8_blocks_shape", "merge_ranges", "int8_dot_exact"]
@@ -277,59 +279,36 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
     sig = types.void(a, a_corr, a_scale, b, b_scale, out)
 
     def codegen(context, builder, signature, args):
-        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-        v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i, [v16i, v16i, v16i]),
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V16I, V16I]),
                                              "llvm.x86.avx512.vpdpbusd.512")
-        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
-        (a_base, a_row), (c_base, c_row), (s_base, s_row), (b_base, b_row), (t_base, t_row), \
-            (o_base, o_row) = [(builder.ptrtoint(ary.data, i64),
-                                cgutils.unpack_tuple(builder, ary.strides, 2)[0]) for ary in arrays]
+        (a_op, c_op, s_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args)
         n_groups = cgutils.unpack_tuple(builder, arrays[4].shape, 2)[0]
         nvec = DOT_LANES // 16
 
-        def at(base, row_stride, row, offset, ty):
-            addr = builder.add(base, builder.add(builder.mul(row_stride, row), offset))
-            return builder.inttoptr(addr, ty.as_pointer())
+        def load(operand, row, offset, ty):
+            return builder.load(row_pointer(builder, operand, row, offset, ty), align=4)
 
-        def const(v):
-            return ir.Constant(i64, v)
-
-        def splat(value, vty):
-            v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(i32, 0))
-            return builder.shuffle_vector(v, v, ir.Constant(v16i, None))
-
-        entry = builder.basic_block
-        loop = builder.append_basic_block("int8dot.loop")
-        done = builder.append_basic_block("int8dot.done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        g = builder.phi(i64)
-        g.add_incoming(const(0), entry)
-        g4 = builder.mul(g, const(4))
-        acc = [[splat(builder.load(at(c_base, c_row, const(m), g4, i32), align=4), v16i)] * nvec
-               for m in range(DOT_ROWS)]
+        g, _ = open_loop(builder, "int8dot")
+        g4 = builder.mul(g, i64(4))
+        acc = [[splat(builder, load(c_op, i64(m), g4, I32), V16I)] * nvec for m in range(DOT_ROWS)]
         for q in range(_GROUP_QUADS):
-            p = builder.add(builder.mul(g, const(_GROUP_QUADS)), const(q))
-            p4 = builder.mul(p, const(4))
-            bv = [builder.load(at(b_base, b_row, p, const(64 * v), v16i), align=4) for v in range(nvec)]
+            p = builder.add(builder.mul(g, i64(_GROUP_QUADS)), i64(q))
+            p4 = builder.mul(p, i64(4))
+            bv = [load(b_op, p, i64(64 * v), V16I) for v in range(nvec)]
             for m in range(DOT_ROWS):
-                aq = splat(builder.load(at(a_base, a_row, const(m), p4, i32), align=4), v16i)
+                aq = splat(builder, load(a_op, i64(m), p4, I32), V16I)
                 # unsigned bytes (the keys) first, signed (the queries, broadcast) second
                 acc[m] = [builder.call(dot, [acc[m][v], bv[v], aq]) for v in range(nvec)]
-        sk = [builder.load(at(t_base, t_row, g, const(64 * v), v16f), align=4) for v in range(nvec)]
+        sk = [load(t_op, g, i64(64 * v), V16F) for v in range(nvec)]
         for m in range(DOT_ROWS):
-            sq = splat(builder.load(at(s_base, s_row, const(m), g4, f32), align=4), v16f)
+            sq = splat(builder, load(s_op, i64(m), g4, F32), V16F)
             for v in range(nvec):
-                ptr = at(o_base, o_row, const(m), const(64 * v), v16f)
+                ptr = row_pointer(builder, o_op, i64(m), i64(64 * v), V16F)
                 # f32(I) and the scale product are exact; so is their product (a power of two
                 # apart), and the one rounding point, the addition, is exact when int8_dot_exact.
-                term = builder.fmul(builder.sitofp(acc[m][v], v16f), builder.fmul(sq, sk[v]))
+                term = builder.fmul(builder.sitofp(acc[m][v], V16F), builder.fmul(sq, sk[v]))
                 builder.store(builder.fadd(builder.load(ptr, align=4), term), ptr, align=4)
-        g_next = builder.add(g, const(1))
-        g.add_incoming(g_next, loop)
-        builder.cbranch(builder.icmp_signed("<", g_next, n_groups), loop, done)
-        builder.position_at_end(done)
+        close_loop(builder, g, n_groups, "int8dot")
         return context.get_dummy_value()
 
     return sig, codegen
