@@ -349,6 +349,12 @@ def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.
     return _tile_scores_packed(q, keys, w, clen, width, out=out)
 
 
+def _int8_scored(head_dim: int) -> bool:
+    """Index scores of this head size run on AVX512-VNNI: the tier is on, and the heads split
+    into the fp4 quantiser's blocks (which any quantised head does)."""
+    return int8_dot_enabled() and head_dim % INT8_GROUP == 0
+
+
 class IndexKeyCache:
     """The index keys a key owner writes and every index source scores against.
 
@@ -373,7 +379,7 @@ class IndexKeyCache:
         self.blocks = self.int8 = None
         self.int8_range = EMPTY_RANGE
         rows = keys.shape[0] if packed_rows is None else packed_rows
-        if int8_dot_enabled():
+        if _int8_scored(keys.shape[1]):
             self._pack_int8(rows)
         if bf16_dot_enabled() and (self.int8 is None or self.int8_range[0]):
             self._pack_all(rows)
@@ -419,7 +425,7 @@ class IndexKeyCache:
         """A tile's scores ``[T, width]`` after the visibility mask (see :func:`_tile_scores`)."""
         if not bf16_dot_enabled():
             return _tile_scores(iq, w, self.keys[:width], clen, width, out=out)
-        if int8_dot_enabled():
+        if _int8_scored(self.keys.shape[1]):
             if self.int8 is None:       # made while the products ran on another tier
                 self._pack_int8(self.keys.shape[0])
             got = _tile_scores_int8(iq, w, self.int8, self.int8_range, clen, width, out=out,
