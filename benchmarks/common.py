@@ -433,8 +433,8 @@ def _indexer_case():
 
 
 def _index_scores_case(path: str):
-    """Scoring one tile: ``path`` "default" is what the indexer runs on this machine (AVX512-BF16
-    where the CPU has it), "f32" numpy's f32 BLAS (the fallback)."""
+    """Scoring one tile: ``path`` "default" is what the indexer runs on this machine (AVX512-VNNI
+    or AVX512-BF16 where the CPU has them), "f32" numpy's f32 BLAS (the fallback)."""
     cfg = layer_config(_CTX)
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
 

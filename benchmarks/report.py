@@ -376,6 +376,7 @@ def print_text(s: dict, meta: dict):
     w = print
     w(f"ds41numba benchmark report  ({meta['when']}, {meta['cpus']} CPUs, numba threads "
       f"{meta['numba_threads']}, BLAS {meta['blas']}, AVX512-BF16 products {meta['bf16_dot']}, "
+      f"AVX512-VNNI index scores {meta.get('int8_dot', 'off')}, "
       f"load average {meta['load_before']} -> "
       f"{meta['load_after']})")
     for when, m in zip(("before", "after"), s["matmul_parent"]):
@@ -479,11 +480,12 @@ def _meta() -> dict:
                          if i.get("user_api") == "blas") or "?"
     except ImportError:
         blas = "?"
-    from ds41numba.numerics import backend
+    from ds41numba.numerics import bf16_dot_enabled, int8_dot_enabled
 
     return {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "numba_threads": numba.get_num_threads(), "blas": blas,
-            "bf16_dot": "on" if backend() == "avx512bf16" else "off",
+            "bf16_dot": "on" if bf16_dot_enabled() else "off",
+            "int8_dot": "on" if int8_dot_enabled() else "off",
             "python": platform.python_version(),
             "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg())}
 

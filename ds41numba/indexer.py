@@ -22,10 +22,13 @@ import numba
 import numpy as np
 from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
+from numba.extending import overload
 
-from .numerics import (DOT_LANES, DOT_ROWS, bf16_dot_enabled, bf16_dot_tile, bf16_pairs,
-                       bf16_scalar, fp4_quant_e8m0_inplace, in_workers, linear_bf16, nan_max,
-                       output_buffer, pack_bf16_pairs, rms_norm, split_range, to_bf16_rne,
+from .numerics import (DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, bf16_dot_enabled,
+                       bf16_dot_tile, bf16_pairs, bf16_scalar, fp4_quant_e8m0_inplace, in_workers,
+                       int8_blocks_shape, int8_dot_enabled, int8_dot_exact, int8_dot_tile,
+                       int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
+                       pack_bf16_pairs, pack_int8_blocks, rms_norm, split_range, to_bf16_rne,
                        worth_parallel)
 from .rope import apply_rotary
 from .topk import partial_sort_set_into, topk_set_into, torch_cpu_topk_rows
@@ -35,6 +38,8 @@ __all__ = ["IndexerWeights", "IndexerCfg", "IndexKeyCache", "indexer", "index_ke
 
 # Elements of one tile's [tile, positions] scores: 64 MB of f32, whatever the sequence length.
 _TILE_ELEMS = 1 << 24
+# Queries of one tile at most: enough query heads for the packed kernels' rows of DOT_ROWS.
+_TILE_MAX = 256
 # Elements of one worker's [chunk, tile * heads] dot products: 4 MB of f32, mixed while in cache.
 _SCORE_CHUNK_ELEMS = 1 << 20
 # Rows of the indexer's query projection run as one product.
@@ -92,6 +97,12 @@ def index_keys(latents: np.ndarray, positions: np.ndarray, weights: IndexerWeigh
     k = rms_norm(linear_bf16(latents, weights.wk, ref_rows=ref_rows), weights.k_norm, norm_eps)
     k = apply_rotary(k, positions, table, inplace=True)
     return fp4_quant_e8m0_inplace(k)
+
+
+def _tile_rows(width: int) -> int:
+    """Queries scored as one tile against ``width`` positions: as many as keep the tile's
+    ``[tile, width]`` f32 scores within ``_TILE_ELEMS`` (at least one), at most ``_TILE_MAX``."""
+    return max(1, min(_TILE_MAX, _TILE_ELEMS // max(width, 1)))
 
 
 # Positions whose head mixing runs as one batch: enough independent sums to hide the add latency.
@@ -204,20 +215,44 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
     return out
 
 
-@njit(parallel=True, cache=True)
-def _scores_bf16_kernel(qp, w, keys, clen, n_blocks, workers, out):
-    """:func:`_tile_scores` with the dot products on AVX512-BF16.
+def _key_block_dots(q, keys, b, first, rows, d):
+    """``d[r] = 0 + q[r] . keys[b]`` for the query rows ``first .. rows`` (in steps of
+    DOT_ROWS) against key block ``b``, on the kernel the operands were packed for: ``q``, ``keys``
+    are ``(pairs,)``, ``(blocks,)`` for AVX512-BF16, ``(quads, corr, scales)``, ``(quads,
+    scales)`` for AVX512-VNNI. ``first`` is a multiple of DOT_ROWS."""
 
-    ``qp [rows, id / 2]`` holds the tile's query heads (query-major, zero rows padding to a
-    multiple of DOT_ROWS) as bf16 pairs, ``keys`` the packed key blocks. Each worker takes a
-    contiguous run of key blocks; for each block it forms the dot products of the queries that
-    see any of it (a suffix of the tile when ``clen`` grows with the query, as it does) and
-    mixes them while they are in cache. Every score is formed whole by one worker, in a fixed
-    order, so the result does not depend on the thread count.
+
+@overload(_key_block_dots)
+def _key_block_dots_impl(q, keys, b, first, rows, d):
+    if len(q.types) == 1:
+        def bf16_dots(q, keys, b, first, rows, d):
+            d[first:] = 0
+            for r in range(first, rows, DOT_ROWS):
+                bf16_dot_tile(q[0][r:r + DOT_ROWS], keys[0][b], d[r:r + DOT_ROWS])
+        return bf16_dots
+
+    def int8_dots(q, keys, b, first, rows, d):
+        d[first:] = 0
+        for r in range(first, rows, DOT_ROWS):
+            int8_dot_tile(q[0][r:r + DOT_ROWS], q[1][r:r + DOT_ROWS], q[2][r:r + DOT_ROWS],
+                          keys[0][b], keys[1][b], d[r:r + DOT_ROWS])
+    return int8_dots
+
+
+@njit(parallel=True, cache=True)
+def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, out):
+    """:func:`_tile_scores` with the dot products on a packed kernel (:func:`_key_block_dots`).
+
+    ``q`` holds the tile's query heads (query-major, zero rows padding to a multiple of
+    DOT_ROWS), ``keys`` the packed key blocks. Each worker takes a contiguous run of key blocks;
+    for each block it forms the dot products of the queries that see any of it (a suffix of the
+    tile when ``clen`` grows with the query, as it does) and mixes them while they are in cache.
+    Every score is formed whole by one worker, in a fixed order, so the result does not depend
+    on the thread count.
     """
     T, ih = w.shape
     for wk in prange(workers):
-        d = np.empty((qp.shape[0], DOT_LANES), np.float32)
+        d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
         for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
             t0 = b * DOT_LANES
             s_lo = 0
@@ -225,63 +260,129 @@ def _scores_bf16_kernel(qp, w, keys, clen, n_blocks, workers, out):
                 s_lo += 1
             if s_lo == T:
                 continue
-            first = s_lo * ih // DOT_ROWS * DOT_ROWS
-            d[first:] = 0
-            for r in range(first, T * ih, DOT_ROWS):
-                bf16_dot_tile(qp[r:r + DOT_ROWS], keys[b], d[r:r + DOT_ROWS])
+            _key_block_dots(q, keys, b, s_lo * ih // DOT_ROWS * DOT_ROWS, T * ih, d)
             _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
 
 
 def _query_pairs_size(T: int, ih: int, idim: int) -> int:
-    """uint32 elements of a tile's query heads as bf16 pairs, rows padded to DOT_ROWS."""
+    """uint32 elements of a tile's query heads as bf16 pairs, rows padded to DOT_ROWS: also room
+    for their int8 layout (5/16 of a uint32 per value against 1/2)."""
     return -(-T * ih // DOT_ROWS) * DOT_ROWS * (idim // 2)
+
+
+def _query_buffer(qbuf, T, ih, idim):
+    """``qbuf`` if it holds a tile's query heads, else a fresh buffer that does."""
+    size = _query_pairs_size(T, ih, idim)
+    return qbuf if qbuf is not None and qbuf.size >= size else np.empty(size, np.uint32)
+
+
+def _query_pairs(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
+    """A tile's query heads ``iq [T, ih, id]`` as the bf16 kernel's A operand, in ``qbuf``."""
+    T, ih, idim = iq.shape
+    size = _query_pairs_size(T, ih, idim)
+    qp = qbuf[:size].reshape(-1, idim // 2)
+    bf16_pairs(iq.reshape(T * ih, idim), out=qp[:T * ih])
+    qp[T * ih:] = 0
+    return (qp,)
+
+
+def _query_int8(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
+    """A tile's query heads ``iq [T, ih, id]`` as the VNNI kernel's A operand, in ``qbuf``:
+    ``((quads, corr, scales), range)``, the padding rows zeros of scale 1."""
+    T, ih, idim = iq.shape
+    rows = -(-T * ih // DOT_ROWS) * DOT_ROWS
+    n_quads, n_groups = rows * idim // 4, rows * (idim // INT8_GROUP)
+    quads = qbuf[:n_quads].reshape(rows, idim // 4)
+    corr = qbuf[n_quads:n_quads + n_groups].view(np.int32).reshape(rows, -1)
+    scales = qbuf[n_quads + n_groups:n_quads + 2 * n_groups].view(np.float32).reshape(rows, -1)
+    *_, rng = int8_rows(iq.reshape(T * ih, idim), out=(quads, corr, scales))
+    quads[T * ih:] = 0
+    corr[T * ih:] = 0
+    scales[T * ih:] = 1
+    return (quads, corr, scales), rng
+
+
+def _tile_scores_packed(q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray, width: int,
+                        out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`_tile_scores` from packed queries and keys (either kernel's, see
+    :func:`_key_block_dots`)."""
+    T = w.shape[0]
+    out = output_buffer(out, (T, width), "_tile_scores_packed")
+    out.fill(-np.inf)
+    n_vis = int(clen.max(initial=0))
+    if keys[0].shape[0] * DOT_LANES < n_vis:
+        raise ValueError(f"_tile_scores_packed: packed keys {keys[0].shape} do not cover {n_vis} "
+                         "positions")
+    if n_vis:
+        n_blocks = -(-n_vis // DOT_LANES)
+        _scores_packed_kernel(q, keys, np.ascontiguousarray(w, np.float32), clen, n_blocks,
+                              min(numba.get_num_threads(), n_blocks), out)
+    return out
 
 
 def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                       width: int, out: np.ndarray | None = None,
                       qbuf: np.ndarray | None = None) -> np.ndarray:
     """:func:`_tile_scores` against packed keys (``[blocks, id / 2, DOT_LANES]``); ``qbuf`` a
-    reusable uint32 buffer of at least the tile's padded query rows."""
+    reusable uint32 buffer of at least :func:`_query_pairs_size` elements."""
     T, ih, idim = iq.shape
-    out = output_buffer(out, (T, width), "_tile_scores_bf16")
-    out.fill(-np.inf)
-    size = _query_pairs_size(T, ih, idim)
-    if qbuf is None or qbuf.size < size:
-        qbuf = np.empty(size, np.uint32)
-    qp = qbuf[:size].reshape(-1, idim // 2)
-    bf16_pairs(iq.reshape(T * ih, idim), out=qp[:T * ih])
-    qp[T * ih:] = 0
-    n_vis = int(clen.max(initial=0))
-    if keys.shape[1] != idim // 2 or keys.shape[0] * DOT_LANES < n_vis:
-        raise ValueError(f"_tile_scores_bf16: packed keys {keys.shape} do not cover {n_vis} "
-                         f"positions of {idim} dims")
-    if n_vis:
-        n_blocks = -(-n_vis // DOT_LANES)
-        _scores_bf16_kernel(qp, np.ascontiguousarray(w, np.float32), keys, clen, n_blocks,
-                            min(numba.get_num_threads(), n_blocks), out)
-    return out
+    if keys.shape[1] != idim // 2:
+        raise ValueError(f"_tile_scores_bf16: packed keys {keys.shape} are not of {idim} dims")
+    q = _query_pairs(iq, _query_buffer(qbuf, T, ih, idim))
+    return _tile_scores_packed(q, (keys,), w, clen, width, out=out)
+
+
+def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
+                      clen: np.ndarray, width: int, out: np.ndarray | None = None,
+                      qbuf: np.ndarray | None = None) -> np.ndarray | None:
+    """:func:`_tile_scores` on AVX512-VNNI against keys packed by
+    :func:`~ds41numba.numerics.pack_int8_blocks` (``(quads, scales)`` and their range), or None
+    when these queries and keys are not all fp4 values whose dot products are exact in f32
+    (:func:`~ds41numba.numerics.int8_dot_exact`): only then is the integer dot product the f32
+    value the other kernels give, and the caller runs one of them instead."""
+    T, ih, idim = iq.shape
+    if keys[0].shape[1] != idim // 4:
+        raise ValueError(f"_tile_scores_int8: packed keys {keys[0].shape} are not of {idim} dims")
+    q, q_range = _query_int8(iq, _query_buffer(qbuf, T, ih, idim))
+    if not int8_dot_exact(q_range, key_range, idim):
+        return None
+    return _tile_scores_packed(q, keys, w, clen, width, out=out)
+
+
+def _int8_scored(head_dim: int) -> bool:
+    """Index scores of this head size run on AVX512-VNNI: the tier is on, and the heads split
+    into the fp4 quantiser's blocks (which any quantised head does)."""
+    return int8_dot_enabled() and head_dim % INT8_GROUP == 0
 
 
 class IndexKeyCache:
     """The index keys a key owner writes and every index source scores against.
 
     ``keys`` holds the rows (f32 ``[capacity, id]``, bf16 values: the fp4-quantised keys). When
-    the products run on AVX512-BF16 (:func:`~ds41numba.numerics.backend`) the cache keeps the
-    same rows a second time in the layout that scorer reads (``blocks``, see
-    :func:`~ds41numba.numerics.pack_bf16_pairs`), written together with them: a decode step
-    scores every key, and repacking them all each step would cost more than scoring them
-    (15 ms at 65,536 keys). :meth:`scores` picks the kernel; both give the same scores.
+    the products run on a packed kernel (:func:`~ds41numba.numerics.backend`) the cache keeps
+    the same rows a second time in the layout that kernel reads, written together with them: a
+    decode step scores every key, and repacking them all each step would cost more than scoring
+    them (15 ms at 65,536 keys). On AVX512-VNNI that is ``int8`` (``(quads, scales)``, see
+    :func:`~ds41numba.numerics.pack_int8_blocks`, with ``int8_range``, what decides whether their
+    integer dot products are exact); on AVX512-BF16 ``blocks`` (see
+    :func:`~ds41numba.numerics.pack_bf16_pairs`), which the VNNI tier also packs, once, the
+    first time a tile's products are not exact as integers. :meth:`scores` picks the kernel;
+    every kernel gives the same scores.
     """
 
-    __slots__ = ("keys", "blocks")
+    __slots__ = ("keys", "blocks", "int8", "int8_range")
 
     def __init__(self, keys: np.ndarray, packed_rows: int | None = None):
         """Wrap ``keys`` (kept as given, not copied); its first ``packed_rows`` rows (all by
         default) hold keys already and are packed."""
         self.keys = keys
-        self.blocks = None
-        if bf16_dot_enabled():
-            self._pack_all(keys.shape[0] if packed_rows is None else packed_rows)
+        self.blocks = self.int8 = None
+        self.int8_range = EMPTY_RANGE
+        rows = keys.shape[0] if packed_rows is None else packed_rows
+        if _int8_scored(keys.shape[1]):
+            self._pack_int8(rows)
+        if bf16_dot_enabled() and (self.int8 is None or self.int8_range[0]):
+            self._pack_all(rows)
 
     @classmethod
     def empty(cls, capacity: int, head_dim: int) -> "IndexKeyCache":
@@ -294,18 +395,44 @@ class IndexKeyCache:
         if rows:
             pack_bf16_pairs(self.keys[:rows], self.blocks, 0)
 
+    def _pack_int8(self, rows: int) -> None:
+        quads, scales = int8_blocks_shape(*self.keys.shape)
+        # The rows not written yet: zeros (bytes 0 + KEY_OFFSET) of scale 1.
+        self.int8 = (np.full(quads, np.uint32(0x0C0C0C0C)), np.ones(scales, np.float32))
+        self.int8_range = EMPTY_RANGE
+        if rows:
+            self.int8_range = pack_int8_blocks(self.keys[:rows], self.int8, 0)[2]
+
     def write(self, first_row: int, keys: np.ndarray) -> None:
-        """Keys of rows ``first_row .. first_row + len(keys)``, into both layouts."""
+        """Keys of rows ``first_row .. first_row + len(keys)``, into every layout kept. The
+        range only widens (rows written over keep counting), which can only send a tile to the
+        bf16 kernel, never give a wrong score; keys that are not fp4 values (a bad range) start
+        the bf16 layout at once."""
         self.keys[first_row:first_row + len(keys)] = keys
-        if self.blocks is not None and len(keys):
-            pack_bf16_pairs(self.keys[first_row:first_row + len(keys)], self.blocks, first_row)
+        if not len(keys):
+            return
+        rows = self.keys[first_row:first_row + len(keys)]
+        if self.blocks is not None:
+            pack_bf16_pairs(rows, self.blocks, first_row)
+        if self.int8 is not None:
+            self.int8_range = merge_ranges(self.int8_range,
+                                           pack_int8_blocks(rows, self.int8, first_row)[2])
+            if self.int8_range[0] and self.blocks is None:    # keys the bf16 kernel will score
+                self._pack_all(self.keys.shape[0])
 
     def scores(self, iq: np.ndarray, w: np.ndarray, clen: np.ndarray, width: int,
                out: np.ndarray | None = None, qbuf: np.ndarray | None = None) -> np.ndarray:
         """A tile's scores ``[T, width]`` after the visibility mask (see :func:`_tile_scores`)."""
         if not bf16_dot_enabled():
             return _tile_scores(iq, w, self.keys[:width], clen, width, out=out)
-        if self.blocks is None:     # made while the products ran on BLAS
+        if _int8_scored(self.keys.shape[1]):
+            if self.int8 is None:       # made while the products ran on another tier
+                self._pack_int8(self.keys.shape[0])
+            got = _tile_scores_int8(iq, w, self.int8, self.int8_range, clen, width, out=out,
+                                    qbuf=qbuf)
+            if got is not None:
+                return got
+        if self.blocks is None:
             self._pack_all(self.keys.shape[0])
         return _tile_scores_bf16(iq, w, self.blocks, clen, width, out=out, qbuf=qbuf)
 
@@ -506,7 +633,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         nb = (width + cfg.candidate_block_size - 1) // cfg.candidate_block_size
         published = np.zeros((seqlen, (nb + 7) // 8), dtype=np.uint8)
     score_capture = np.empty((seqlen, width), np.float32) if capture else None
-    tile = tile or max(1, min(256, _TILE_ELEMS // max(width, 1)))
+    tile = tile or _tile_rows(width)
     # The query projection runs for several tiles at once: a 256-row product is well below
     # BLAS's speed.
     proj_rows = tile * max(1, _PROJ_ROWS // tile)

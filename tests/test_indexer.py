@@ -18,7 +18,8 @@ from helpers import EPS, bf16, captured_steps, random_config, random_weights
 from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, linear_bf16,
                        select_candidate_blocks, to_bf16_rne)
 from ds41numba.attention import layer_rope_table
-from ds41numba.numerics import bf16_dot_enabled, pack_bf16_pairs, use_backend, workers
+from ds41numba.numerics import (BACKENDS, backend, bf16_dot_enabled, int8_dot_enabled,
+                                pack_bf16_pairs, pack_int8_blocks, use_backend, workers)
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
 indexer_mod = importlib.import_module("ds41numba.indexer")
@@ -83,13 +84,30 @@ def _index_inputs(rng, T, ih, idim, n):
 LAYOUTS = {"position-major": 1 << 30, "head-major": 1}
 needs_bf16_dot = pytest.mark.skipif(not bf16_dot_enabled(), reason="the AVX512-BF16 kernel is off (no "
                                     "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
-# The f32 BLAS path in both of its layouts, and the AVX512-BF16 kernel.
-SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot)]
+needs_int8_dot = pytest.mark.skipif(not int8_dot_enabled(), reason="the AVX512-VNNI kernel is off (no "
+                                    "such CPU, or DS41NUMBA_INT8_DOT=0)")
+# The f32 BLAS path in both of its layouts, the AVX512-BF16 kernel and the AVX512-VNNI kernel.
+SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot),
+               pytest.param("avx512-vnni", marks=needs_int8_dot)]
+# The tiers this CPU runs, from the highest down.
+TIERS = [b for b in BACKENDS if b == "blas" or BACKENDS.index(b) >= BACKENDS.index(backend())]
+
+
+def int8_tile_scores(iq, w, keys, clen, n):
+    """The VNNI kernel's scores, or None where it declines (products not exact as integers)."""
+    quads, scales, rng = pack_int8_blocks(keys)
+    return indexer_mod._tile_scores_int8(iq, w, (quads, scales), rng, clen, n)
 
 
 def package_tile_scores(path, monkeypatch, iq, w, keys, clen, n):
     if path == "avx512-bf16":
         return indexer_mod._tile_scores_bf16(iq, w, pack_bf16_pairs(keys), clen, n)
+    if path == "avx512-vnni":
+        got = int8_tile_scores(iq, w, keys, clen, n)
+        if got is None:     # not fp4 values (a NaN key): the cache runs the bf16 kernel
+            with use_backend("avx512vnni"):
+                got = indexer_mod.IndexKeyCache(keys).scores(iq, w, clen, n)
+        return got
     monkeypatch.setattr(indexer_mod, "_HEAD_MAJOR_MIN", LAYOUTS[path])
     return indexer_mod._tile_scores(iq, w, keys, clen, n)
 
@@ -105,6 +123,8 @@ def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
         clen[-1] = n
         got = package_tile_scores(path, monkeypatch, iq, w, keys, clen, n)
         want = naive.tile_scores(iq, w, keys, clen)
+        if path == "avx512-vnni":
+            assert int8_tile_scores(iq, w, keys, clen, n) is not None, "the VNNI kernel declined"
         assert got.dtype == np.float32 and got.shape == (T, n)
         assert np.array_equal(got, want), f"{np.sum(got != want)} scores differ"
         assert np.all(got[np.arange(n)[None, :] >= clen[:, None]] == -np.inf)
@@ -125,10 +145,13 @@ def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
     got = package_tile_scores(path, monkeypatch, iq, w, keys, clen, n)
     assert np.array_equal(got, naive.tile_scores(iq, w, keys, clen), equal_nan=True)
     assert np.isnan(got[1, 17]) and np.isnan(got[2, 17])
+    if path == "avx512-vnni":
+        assert int8_tile_scores(iq, w, keys, clen, n) is None
 
 
-@needs_bf16_dot
-def test_bf16_tile_scores_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("path", [pytest.param("avx512-bf16", marks=needs_bf16_dot),
+                                  pytest.param("avx512-vnni", marks=needs_int8_dot)])
+def test_packed_tile_scores_do_not_depend_on_the_thread_count(path):
     rng = np.random.default_rng(13)
     T, ih, idim, n = 7, 8, 64, 1000
     iq, w, keys = _index_inputs(rng, T, ih, idim, n)
@@ -139,10 +162,54 @@ def test_bf16_tile_scores_do_not_depend_on_the_thread_count():
     try:
         for threads in (1, before):
             numba.set_num_threads(threads)
-            got.append(indexer_mod._tile_scores_bf16(iq, w, packed, clen, n))
+            got.append(indexer_mod._tile_scores_bf16(iq, w, packed, clen, n) if path == "avx512-bf16"
+                       else int8_tile_scores(iq, w, keys, clen, n))
     finally:
         numba.set_num_threads(before)
     assert before > 1 and np.array_equal(got[0], got[1])
+
+
+def _spread(x, head, groups, factor):
+    """``x`` with the given 32-value groups of one head (last axis) scaled by ``factor``."""
+    x = x.copy()
+    for g in groups:
+        x[..., head, g * 32:(g + 1) * 32] *= np.float32(factor)
+    return x
+
+
+@needs_int8_dot
+def test_int8_scores_fall_back_to_bf16_where_integer_products_are_not_exact():
+    """Block scales far apart (a query head's spread plus a key's above 9): the VNNI kernel
+    declines and the cache scores that tile on the bf16 kernel, which gives what it always gave;
+    up to that bound it runs and equals the bf16 kernel and the naive scores bit for bit."""
+    rng = np.random.default_rng(16)
+    T, ih, idim, n = 4, 3, 128, 90
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    keys = _spread(keys[:, None], 0, [1], 2.0 ** 4)[:, 0]        # every key: spread 4 or 5
+    clen = np.full(T, n)
+    wide = _spread(iq, 1, [2, 3], 2.0 ** 6)                      # one head: spread 6 or 7
+    bf16_scores = indexer_mod._tile_scores_bf16(wide, w, pack_bf16_pairs(keys), clen, n)
+    assert int8_tile_scores(wide, w, keys, clen, n) is None
+    with use_backend("avx512vnni"):
+        cache = indexer_mod.IndexKeyCache(keys)
+        assert cache.blocks is None
+        assert np.array_equal(cache.scores(wide, w, clen, n), bf16_scores)
+        assert cache.blocks is not None                          # packed once, on demand
+    narrow = _spread(iq, 1, [2, 3], 2.0 ** 3)
+    got = int8_tile_scores(narrow, w, keys, clen, n)
+    assert got is not None
+    assert np.array_equal(got, indexer_mod._tile_scores_bf16(narrow, w, pack_bf16_pairs(keys), clen, n))
+    assert np.array_equal(got, naive.tile_scores(narrow, w, keys, clen))
+
+
+def test_a_tiles_scores_stay_within_budget_at_a_million_positions():
+    """At 1,048,576 positions a tile's [tile, width] f32 scores (the indexer's largest buffer
+    per tile) still fit in _TILE_ELEMS (64 MB); so do the packed queries beside them."""
+    width = 1 << 20
+    tile = indexer_mod._tile_rows(width)
+    assert tile >= 1 and tile * width * 4 <= indexer_mod._TILE_ELEMS * 4 == 64 << 20
+    assert indexer_mod._query_pairs_size(tile, 64, 128) * 4 <= 1 << 20
+    assert indexer_mod._tile_rows(4096) == indexer_mod._TILE_MAX
 
 
 # =============================================================================== the indexer
@@ -159,15 +226,17 @@ def _indexer_case(rng, seqlen=40, n_keys=60, ih=4, idim=32, dim=48, q_rank=24):
     return args
 
 
-def test_indexer_same_selection_on_both_scoring_paths():
-    """The AVX512-BF16 kernel and the f32 BLAS path (CPUs without it) pick the same rows."""
+def test_indexer_same_selection_on_every_scoring_path():
+    """The AVX512-VNNI and AVX512-BF16 kernels and the f32 BLAS path (CPUs without them) pick
+    the same rows from the same scores."""
     args = _indexer_case(np.random.default_rng(14))
     results = []
-    for path in ("blas", "avx512bf16" if bf16_dot_enabled() else "blas"):
+    for path in TIERS:
         with use_backend(path):
             results.append(indexer_mod.indexer(**args, capture=True))
-    assert np.array_equal(results[0][0], results[1][0])
-    assert np.array_equal(results[0][2], results[1][2])
+    for other in results[1:]:
+        assert np.array_equal(results[0][0], other[0])
+        assert np.array_equal(results[0][2], other[2])
     want = naive.tile_scores(*_indexer_scoring_inputs(args))
     assert np.array_equal(results[0][2], want)
 
@@ -184,27 +253,38 @@ def _indexer_scoring_inputs(args):
     return iq, w, args["index_k"][:width], np.arange(1, seqlen + 1) // cfg.ratio
 
 
-@needs_bf16_dot
-def test_index_key_cache_keeps_both_layouts_as_keys_are_written():
+@pytest.mark.parametrize("tier", [pytest.param("avx512bf16", marks=needs_bf16_dot),
+                                  pytest.param("avx512vnni", marks=needs_int8_dot)])
+def test_index_key_cache_keeps_its_layout_as_keys_are_written(tier):
     rng = np.random.default_rng(15)
     args = _indexer_case(rng)
-    cache = indexer_mod.IndexKeyCache.empty(*args["index_k"].shape)
-    for lo, hi in [(0, 33), (33, 34), (34, 60)]:       # a prefill, then rows a step at a time
-        cache.write(lo, args["index_k"][lo:hi])
-    assert np.array_equal(cache.keys, args["index_k"])
-    assert np.array_equal(cache.blocks, pack_bf16_pairs(args["index_k"]))
-    want = indexer_mod.indexer(**args)[0]
-    assert np.array_equal(indexer_mod.indexer(**dict(args, index_k=cache))[0], want)
-    # A cache made while the products ran on BLAS holds no packed copy; scoring on AVX512-BF16
-    # later packs it once.
-    with use_backend("blas"):
-        late = indexer_mod.IndexKeyCache(args["index_k"].copy())
-    assert late.blocks is None
-    assert np.array_equal(indexer_mod.indexer(**dict(args, index_k=late))[0], want)
-    assert np.array_equal(late.blocks, cache.blocks)
-    args["index_k"] = args["index_k"] + np.float32(2.0 ** -12)
-    with pytest.raises(ValueError, match="bf16 values"):
-        indexer_mod.indexer(**args)
+    with use_backend(tier):
+        cache = indexer_mod.IndexKeyCache.empty(*args["index_k"].shape)
+        for lo, hi in [(0, 33), (33, 34), (34, 60)]:       # a prefill, then rows a step at a time
+            cache.write(lo, args["index_k"][lo:hi])
+        assert np.array_equal(cache.keys, args["index_k"])
+        if tier == "avx512bf16":
+            assert np.array_equal(cache.blocks, pack_bf16_pairs(args["index_k"]))
+            assert cache.int8 is None
+        else:
+            quads, scales, key_range = pack_int8_blocks(args["index_k"])
+            assert np.array_equal(cache.int8[0], quads) and np.array_equal(cache.int8[1], scales)
+            assert np.array_equal(cache.int8_range, key_range) and cache.blocks is None
+        want = indexer_mod.indexer(**args)[0]
+        assert np.array_equal(indexer_mod.indexer(**dict(args, index_k=cache))[0], want)
+        # A cache made while the products ran on BLAS holds no packed copy; scoring on a packed
+        # kernel later packs it once.
+        with use_backend("blas"):
+            late = indexer_mod.IndexKeyCache(args["index_k"].copy())
+        assert late.blocks is None and late.int8 is None
+        assert np.array_equal(indexer_mod.indexer(**dict(args, index_k=late))[0], want)
+        if tier == "avx512bf16":
+            assert np.array_equal(late.blocks, cache.blocks)
+        else:
+            assert np.array_equal(late.int8[0], cache.int8[0])
+        args["index_k"] = args["index_k"] + np.float32(2.0 ** -12)
+        with pytest.raises(ValueError, match="bf16 values"):
+            indexer_mod.indexer(**args)
 
 
 # =============================================================================== candidate consumers

@@ -1,27 +1,23 @@
 """bf16 dot products on AVX512-BF16: an LLVM-IR micro-kernel, the many-row product built on it in
 the reference's order, and the bf16-pair layouts it reads.
 
-The choice between these kernels and numpy's f32 BLAS is read from one function,
-:func:`backend`, and switched in one place, :func:`use_backend`.
+Whether they run (or numpy's f32 BLAS instead) is read from :func:`.backend.bf16_dot_enabled`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-
-import llvmlite.binding as llb
 import llvmlite.ir as ir
-import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .formats import as_f32_array, output_buffer
+from .vector_ir import (I32, V16F, V16I, close_loop, i64, open_loop, row_operands, row_pointer,
+                        splat)
 
-__all__ = ["BACKENDS", "backend", "bf16_dot_enabled", "use_backend", "DOT_ROWS", "DOT_LANES",
-           "GEMM_PAIRS", "bf16_dot_tile", "gemm_bf16", "bf16_pairs", "pack_bf16_pairs"]
+__all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "bf16_dot_tile", "gemm_bf16", "bf16_pairs",
+           "pack_bf16_pairs"]
 
 
 # The reference's products are of bf16 values summed in f32: the bf16 linears, and the indexer's
@@ -39,50 +35,6 @@ DOT_ROWS = 8
 DOT_LANES = 32
 
 
-def _bf16_dot_supported() -> bool:
-    """True when this CPU runs ``vdpbf16ps`` and numba compiles for it (the host CPU, features
-    not overridden without it), unless ``DS41NUMBA_BF16_DOT=0`` asks for the f32 BLAS path."""
-    if os.environ.get("DS41NUMBA_BF16_DOT", "1") == "0" or numba.config.CPU_NAME not in (None, "host"):
-        return False
-    features = numba.config.CPU_FEATURES
-    if features is not None and "+avx512bf16" not in features.split(","):
-        return False
-    return bool(llb.get_host_cpu_features().get("avx512bf16", False))
-
-
-BACKENDS = ("avx512bf16", "blas")
-_backend = ["avx512bf16" if _bf16_dot_supported() else "blas"]
-
-
-def backend() -> str:
-    """Which kernels the products of bf16 values run on: ``"avx512bf16"`` (this module's, in the
-    reference's order) where the CPU has AVX512-BF16, else ``"blas"`` (numpy's f32 BLAS,
-    approximate at large K). Decided at import (``DS41NUMBA_BF16_DOT=0`` forces ``"blas"``);
-    every caller asks this function, so :func:`use_backend` switches them all."""
-    return _backend[0]
-
-
-def bf16_dot_enabled() -> bool:
-    """``backend() == "avx512bf16"``."""
-    return _backend[0] == "avx512bf16"
-
-
-@contextlib.contextmanager
-def use_backend(name: str):
-    """Run the block with the products on ``name`` (one of ``BACKENDS``): the one switch the
-    tests use to run a path on purpose. ``"avx512bf16"`` is refused on a CPU without it."""
-    if name not in BACKENDS:
-        raise ValueError(f"use_backend: {name!r} is not one of {BACKENDS}")
-    if name == "avx512bf16" and not _bf16_dot_supported():
-        raise ValueError("use_backend: this CPU (or numba's target) has no AVX512-BF16")
-    before = _backend[0]
-    _backend[0] = name
-    try:
-        yield
-    finally:
-        _backend[0] = before
-
-
 @intrinsic
 def bf16_dot_tile(typingctx, a, b, out):
     """``out[m, j] += sum_p a[m, p] . b[p, j]`` for ``m < DOT_ROWS``, ``j < DOT_LANES``.
@@ -96,55 +48,34 @@ def bf16_dot_tile(typingctx, a, b, out):
     sig = types.void(a, b, out)
 
     def codegen(context, builder, signature, args):
-        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-        v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
         # The bf16 pairs as <16 x i32>: the intrinsic's original type, which LLVMs that have
         # since typed it <32 x bfloat> upgrade as they read the IR (llvmlite has no bfloat type).
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16i, v16i]),
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I, V16I]),
                                              "llvm.x86.avx512bf16.dpbf16ps.512")
-        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
-        (a_base, a_row), (b_base, b_row), (o_base, o_row) = [
-            (builder.ptrtoint(ary.data, i64), cgutils.unpack_tuple(builder, ary.strides, 2)[0])
-            for ary in arrays]
+        (a_op, b_op, o_op), arrays = row_operands(context, builder, signature, args)
         n_pairs = cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0]
         nvec = DOT_LANES // 16
 
-        def at(base, row_stride, row, offset, ty):
-            addr = builder.add(base, builder.add(builder.mul(row_stride, row), offset))
-            return builder.inttoptr(addr, ty.as_pointer())
-
-        def const(v):
-            return ir.Constant(i64, v)
-
-        out_ptrs = [[at(o_base, o_row, const(m), const(64 * v), v16f) for v in range(nvec)]
+        out_ptrs = [[row_pointer(builder, o_op, i64(m), i64(64 * v), V16F) for v in range(nvec)]
                     for m in range(DOT_ROWS)]
         start = [[builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
-        entry = builder.basic_block
-        loop = builder.append_basic_block("bf16dot.loop")
-        done = builder.append_basic_block("bf16dot.done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        p = builder.phi(i64)
-        p.add_incoming(const(0), entry)
-        acc = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(DOT_ROWS)]
+        p, entry = open_loop(builder, "bf16dot")
+        acc = [[builder.phi(V16F) for _ in range(nvec)] for _ in range(DOT_ROWS)]
         for m in range(DOT_ROWS):
             for v in range(nvec):
                 acc[m][v].add_incoming(start[m][v], entry)
-        bv = [builder.load(at(b_base, b_row, p, const(64 * v), v16i), align=4) for v in range(nvec)]
+        bv = [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4)
+              for v in range(nvec)]
         new = []
         for m in range(DOT_ROWS):
-            pair = builder.load(at(a_base, a_row, const(m), builder.mul(p, const(4)), i32), align=4)
-            splat = builder.insert_element(ir.Constant(v16i, ir.Undefined), pair, ir.Constant(i32, 0))
-            splat = builder.shuffle_vector(splat, splat, ir.Constant(v16i, None))
-            new.append([builder.call(dot, [acc[m][v], bv[v], splat]) for v in range(nvec)])
-        p_next = builder.add(p, const(1))
-        p.add_incoming(p_next, loop)
+            pair = builder.load(row_pointer(builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4)
+            pairs = splat(builder, pair, V16I)
+            new.append([builder.call(dot, [acc[m][v], bv[v], pairs]) for v in range(nvec)])
+        loop = builder.basic_block
         for m in range(DOT_ROWS):
             for v in range(nvec):
                 acc[m][v].add_incoming(new[m][v], loop)
-        builder.cbranch(builder.icmp_signed("<", p_next, n_pairs), loop, done)
-
-        builder.position_at_end(done)
+        close_loop(builder, p, n_pairs, "bf16dot")
         for m in range(DOT_ROWS):
             for v in range(nvec):
                 builder.store(new[m][v], out_ptrs[m][v], align=4)

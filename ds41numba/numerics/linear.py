@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_dot_enabled, bf16_pairs, gemm_bf16, pack_bf16_pairs
+from .backend import bf16_dot_enabled
+from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_pairs, gemm_bf16, pack_bf16_pairs
 from .f32_products import F32Matrix, linear_f32_ordered
 from .formats import as_f32_array, bf16_scalar, output_buffer, round_bf16_inplace
 from .workers import worth_parallel

@@ -1,0 +1,89 @@
+"""Which kernels the products run on: the one function that chooses (:func:`backend`) and the
+one switch (:func:`use_backend`).
+
+The backends are nested tiers, each running everything the next one down runs plus one more
+instruction set, so a CPU is simply on the highest tier it supports:
+
+- ``"avx512vnni"``: ``"avx512bf16"`` and the indexer's fp4 dot products as integer dot products
+  on AVX512-VNNI (:mod:`.int8_dot`);
+- ``"avx512bf16"``: the bf16 products of many rows (linears, index scores) on AVX512-BF16
+  (:mod:`.bf16_dot`), in the reference's order;
+- ``"blas"``: numpy's f32 BLAS for all of them.
+
+Every CPU with AVX512-BF16 so far (Cooper Lake, Sapphire Rapids, Zen 4) also has AVX512-VNNI, so
+nesting the tiers costs nothing there; a CPU with VNNI but no BF16 stays on ``"blas"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import llvmlite.binding as llb
+import numba
+
+__all__ = ["BACKENDS", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend"]
+
+#: From the highest tier down.
+BACKENDS = ("avx512vnni", "avx512bf16", "blas")
+# The LLVM CPU features each tier needs, and the environment variable that turns it off ("0").
+_NEEDS = {"avx512vnni": ("avx512bf16", "avx512vnni"), "avx512bf16": ("avx512bf16",), "blas": ()}
+_OFF_SWITCH = {"avx512vnni": "DS41NUMBA_INT8_DOT", "avx512bf16": "DS41NUMBA_BF16_DOT"}
+
+
+def _supported(name: str) -> bool:
+    """True when this CPU has the features of tier ``name`` and numba compiles for them (the host
+    CPU, features not overridden without them). The LLVM-IR kernels name their instructions
+    outright, so compiling them for another target would fail or fault."""
+    needs = _NEEDS[name]
+    if not needs:
+        return True
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    overridden = numba.config.CPU_FEATURES
+    host = llb.get_host_cpu_features()
+    return all((overridden is None or f"+{f}" in overridden.split(",")) and bool(host.get(f, False))
+               for f in needs)
+
+
+def _allowed(name: str) -> bool:
+    """Tier ``name`` and every tier below it not switched off in the environment."""
+    tiers = BACKENDS[BACKENDS.index(name):]
+    return all(os.environ.get(_OFF_SWITCH.get(t, ""), "1") != "0" for t in tiers if t in _OFF_SWITCH)
+
+
+_backend = [next(b for b in BACKENDS if _supported(b) and _allowed(b))]
+
+
+def backend() -> str:
+    """The tier the products run on (one of ``BACKENDS``): the highest this CPU supports, decided
+    at import (``DS41NUMBA_INT8_DOT=0`` stops below ``"avx512vnni"``, ``DS41NUMBA_BF16_DOT=0``
+    forces ``"blas"``). Every caller asks this function, so :func:`use_backend` switches them
+    all."""
+    return _backend[0]
+
+
+def bf16_dot_enabled() -> bool:
+    """The bf16 products run on AVX512-BF16 (tier ``"avx512bf16"`` or above)."""
+    return _backend[0] in ("avx512vnni", "avx512bf16")
+
+
+def int8_dot_enabled() -> bool:
+    """The indexer's fp4 dot products run as integer dot products on AVX512-VNNI."""
+    return _backend[0] == "avx512vnni"
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the block on tier ``name`` (one of ``BACKENDS``): the one switch the tests use to run
+    a path on purpose. A tier this CPU (or numba's target) lacks is refused."""
+    if name not in BACKENDS:
+        raise ValueError(f"use_backend: {name!r} is not one of {BACKENDS}")
+    if not _supported(name):
+        raise ValueError(f"use_backend: this CPU (or numba's target) lacks {' and '.join(_NEEDS[name])}")
+    before = _backend[0]
+    _backend[0] = name
+    try:
+        yield
+    finally:
+        _backend[0] = before

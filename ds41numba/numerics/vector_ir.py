@@ -1,0 +1,63 @@
+"""The pieces of LLVM IR the vector micro-kernels (:mod:`.bf16_dot`, :mod:`.int8_dot`) build
+from: numba has no vector types, so those kernels address their 2-D operands by hand.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+from numba.core import cgutils
+
+__all__ = ["I32", "I64", "F32", "V16I", "V16F", "row_operands", "row_pointer", "i64", "splat", "open_loop",
+           "close_loop"]
+
+I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+
+
+def row_operands(context, builder, signature, args):
+    """Per 2-D array argument, ``(address of its data as an i64, its row stride in bytes)``, and
+    the arrays themselves (for their shapes). Each row must be contiguous; rows may lie apart."""
+    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+    return [(builder.ptrtoint(ary.data, I64), cgutils.unpack_tuple(builder, ary.strides, 2)[0])
+            for ary in arrays], arrays
+
+
+def row_pointer(builder, operand, row, offset, ty):
+    """A pointer to ``ty`` at byte ``offset`` of row ``row`` (both i64) of a row operand."""
+    base, row_stride = operand
+    addr = builder.add(base, builder.add(builder.mul(row_stride, row), offset))
+    return builder.inttoptr(addr, ty.as_pointer())
+
+
+def i64(v):
+    """The i64 constant ``v``."""
+    return ir.Constant(I64, v)
+
+
+def splat(builder, value, vty):
+    """``value`` in every lane of a 16-lane vector of type ``vty``."""
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(V16I, None))
+
+
+def open_loop(builder, name):
+    """Start a loop of one or more iterations: returns ``(i, entry)``, the i64 counter (from 0)
+    and the block the loop is entered from, with the builder inside the loop's body."""
+    entry = builder.basic_block
+    body = builder.append_basic_block(f"{name}.loop")
+    builder.branch(body)
+    builder.position_at_end(body)
+    i = builder.phi(I64)
+    i.add_incoming(i64(0), entry)
+    return i, entry
+
+
+def close_loop(builder, i, n, name):
+    """End the loop of counter ``i`` (:func:`open_loop`) after ``n`` iterations; the builder
+    continues after it."""
+    body = builder.basic_block
+    done = builder.append_basic_block(f"{name}.done")
+    i_next = builder.add(i, i64(1))
+    i.add_incoming(i_next, body)
+    builder.cbranch(builder.icmp_signed("<", i_next, n), body, done)
+    builder.position_at_end(done)
