@@ -350,9 +350,15 @@ class Bf16Matrix:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: 2 a parameter, plus the padding of each group's rows to a multiple of
-        ``DOT_LANES`` and of an odd ``in`` to even."""
+        """Bytes held (:meth:`held_bytes`): the pairs are all there is."""
         return self._pairs.nbytes
+
+    @staticmethod
+    def held_bytes(shape, groups: int = 1) -> int:
+        """Bytes a Bf16Matrix of ``shape [out, in]`` holds: 2 a parameter, plus the padding of
+        each group's rows to a multiple of ``DOT_LANES`` and of an odd ``in`` to even."""
+        n_out, k_in = shape
+        return groups * -(-(n_out // groups) // DOT_LANES) * DOT_LANES * -(-k_in // 2) * 4
 
     def to_f32(self, group: int | None = None) -> np.ndarray:
         """A fresh float32 copy ``[out, in]`` of the weight (``[out / groups, in]``, the rows of
