@@ -264,8 +264,8 @@ def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
                     for j in range(DOT_LANES):
                         r[j] = (r[j] + x1 * _pair_hi(w0[j])) + x0 * _pair_lo(w0[j])
             if p1 > p_end:
-                # An odd K: its last product alone, not as a pair with a zero (which would turn
-                # a sum of -0.0 into +0.0).
+                # An odd K: its last product alone, as the reference adds it (x holds no value
+                # to pair it with).
                 xl = xi[k_in - 1]
                 for q in range(nq):
                     w0 = pairs[b0 + q, p_end]
