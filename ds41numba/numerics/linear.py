@@ -93,12 +93,13 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     be grouped: see there). With a :class:`Bf16Matrix` the sums follow the reference's order
     (:func:`bf16_k_block`) for a call of ``ref_rows`` rows (default: the rows of x; a tiled
     loop passes the length of the whole step): at most ``MATVEC_MAX_ROWS`` rows (a decode step)
-    through the kernel that reads the weight as bf16 bits, more rows of bf16 values through the
-    AVX512-BF16 kernel where the CPU has it (:attr:`Bf16Matrix.dot_bf16`). Elsewhere, and for a
-    plain float32 ``w``, numpy's f32 BLAS sums in its own order: approximate (README, "How
-    exact"). So do products of at most ``TINY_BF16_LINEAR`` multiply-adds per group, which
-    torch does not hand to oneDNN but sums in a kernel of its own (an order not pinned down;
-    they occur only at toy shapes, where BLAS reproduces the reference's goldens).
+    through the kernel that reads the held bf16 pairs a row at a time, more rows of bf16 values
+    through the AVX512-BF16 kernel where the CPU has it (:attr:`Bf16Matrix.dot_bf16`).
+    Elsewhere, and for a plain float32 ``w``, numpy's f32 BLAS sums in its own order:
+    approximate (README, "How exact"). So do products of at most ``TINY_BF16_LINEAR``
+    multiply-adds per group, which torch does not hand to oneDNN but sums in a kernel of its
+    own (an order not pinned down; they occur only at toy shapes, where BLAS reproduces the
+    reference's goldens).
     Returns ``[..., out]``, written into ``out`` (a C-contiguous float32 buffer) when given.
     """
     if not isinstance(w, Bf16Matrix):
@@ -159,7 +160,8 @@ def bf16_k_block(ref_rows: int, k: int) -> int:
 # b * DOT_LANES + j of its group, pair p its inputs 2p (low half) and 2p + 1 (high half; zero
 # past an odd K). Every other use (the decode kernel, BLAS) reads or widens that one copy.
 
-#: At most this many input rows take the fused bf16-bits kernel; more go through BLAS.
+#: At most this many input rows take the decode kernel (:meth:`Bf16Matrix.matvec`); more the
+#: many-row product.
 MATVEC_MAX_ROWS = 8
 #: bf16 products of at most this many multiply-adds (M * N * K, per group) are not oneDNN's in
 #: the reference but torch's own kernel (../shared/orders/README.md: "about 4096"; the toy
@@ -196,7 +198,8 @@ def _pack_bits(bits, out, first):
         r = first + i
         blk, lane = out[r // DOT_LANES], r % DOT_LANES
         for p in range(k // 2):
-            blk[p, lane] = np.uint32(bits[i, 2 * p]) | (np.uint32(bits[i, 2 * p + 1]) << np.uint32(16))
+            hi = np.uint32(bits[i, 2 * p + 1]) << np.uint32(16)
+            blk[p, lane] = np.uint32(bits[i, 2 * p]) | hi
         if k % 2:
             blk[k // 2, lane] = np.uint32(bits[i, k - 1])
 
@@ -370,7 +373,8 @@ class Bf16Matrix:
             return np.concatenate([self.to_f32(g) for g in range(self.groups)])
         g = 0 if group is None else group
         if not 0 <= g < self.groups:
-            raise ValueError(f"Bf16Matrix.to_f32: group must be in 0..{self.groups - 1}, got {group}")
+            raise ValueError(f"Bf16Matrix.to_f32: group must be in 0..{self.groups - 1}, "
+                             f"got {group}")
         out = np.empty((rank, k_in), np.float32)
         _widen_pairs(self._pairs[g * nb:(g + 1) * nb], k_in, out)
         return out
