@@ -204,18 +204,30 @@ def _pack_bits(bits, out, first):
             blk[k // 2, lane] = np.uint32(bits[i, k - 1])
 
 
+# Pairs widened at a time per block: a block's panel of them (4 KB) stays in L1 while each of
+# its rows is written out contiguously.
+_WIDEN_PAIRS = 32
+
+
 @njit(parallel=True, cache=True)
 def _widen_pairs(pairs, k_in, out):
     """``out [rows, k_in]`` float32: rows ``0 .. rows - 1`` of the blocks ``pairs [blocks, ceil(k_in
     / 2), DOT_LANES]`` (their first lanes), each value exactly the bf16 it holds."""
     rows = out.shape[0]
+    both = k_in // 2
     for b in prange(-(-rows // DOT_LANES)):
-        for p in range(pairs.shape[1]):
-            for j in range(min(DOT_LANES, rows - b * DOT_LANES)):
-                pair = pairs[b, p, j]
-                out[b * DOT_LANES + j, 2 * p] = _pair_lo(pair)
-                if 2 * p + 1 < k_in:
-                    out[b * DOT_LANES + j, 2 * p + 1] = _pair_hi(pair)
+        lanes = min(DOT_LANES, rows - b * DOT_LANES)
+        for p0 in range(0, both, _WIDEN_PAIRS):
+            p1 = min(both, p0 + _WIDEN_PAIRS)
+            for j in range(lanes):
+                row = out[b * DOT_LANES + j]
+                for p in range(p0, p1):
+                    pair = pairs[b, p, j]
+                    row[2 * p] = _pair_lo(pair)
+                    row[2 * p + 1] = _pair_hi(pair)
+        if k_in % 2:
+            for j in range(lanes):
+                out[b * DOT_LANES + j, k_in - 1] = _pair_lo(pairs[b, both, j])
 
 
 @njit(cache=True, nogil=True)
