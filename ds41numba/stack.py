@@ -24,7 +24,7 @@ from .indexer import IndexerWeights, IndexKeyCache, candidate_mask
 from .numerics import Bf16Matrix, F32Matrix, is_bf16_valued
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "StepOrder",
-           "weight_specs"]
+           "weight_specs", "held_weight_bytes"]
 
 
 def weight_specs(config: AttnConfig, layer_id: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -59,30 +59,57 @@ def weight_specs(config: AttnConfig, layer_id: int) -> dict[str, tuple[tuple[int
     return {f"layers.{layer_id}.attn.{name}": v for name, v in spec.items()}
 
 
-def _checked_weight(name: str, array, shape: tuple[int, ...], kind: str) -> np.ndarray:
+def held_weight_bytes(config: AttnConfig, layers) -> int:
+    """Bytes the parameters of ``layers`` take once an :class:`AttentionStack` holds them
+    (:meth:`AttentionStack.weight_bytes`), from the shapes alone: for checking that a run fits
+    in memory before making any weight."""
+    total = 0
+    for i in layers:
+        for full, (shape, kind) in weight_specs(config, i).items():
+            if len(shape) == 1:
+                total += 4 * shape[0]
+            elif kind == "bf16":
+                groups = config.o_groups if full.endswith(".attn.wo_a.weight") else 1
+                total += Bf16Matrix.held_bytes(shape, groups)
+            else:
+                total += F32Matrix.held_bytes(shape)
+    return total
+
+
+def _checked_weight(name: str, array, shape: tuple[int, ...], kind: str, groups: int = 1):
+    """One parameter checked and in the form it is held in: a :class:`Bf16Matrix` (a bf16
+    projection: 2 bytes a parameter), an :class:`F32Matrix` (the ratio > 1 compressor's f32
+    projections) or a float32 vector (norms, the sink). Nothing of ``array`` is kept beyond
+    that, so a mapping that makes each tensor on request has one alive at a time."""
     if array is None:
         raise ValueError(f"weights: {name} is missing (expected shape {shape})")
     a = np.asarray(array)
-    if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"):
+    bf16 = a.dtype.name == "bfloat16"
+    if not (np.issubdtype(a.dtype, np.floating) or bf16):
         raise ValueError(f"weights: {name} has dtype {a.dtype}, expected a float array")
     if a.shape != shape:
         raise ValueError(f"weights: {name} has shape {a.shape}, expected {shape}")
+    if kind == "bf16" and a.ndim == 2 and bf16:     # bf16 already: nothing to check or widen
+        return Bf16Matrix(a, groups=groups)
     a = np.ascontiguousarray(a, dtype=np.float32)
     if kind == "bf16" and not is_bf16_valued(a):
         raise ValueError(f"weights: {name} must hold bf16 values (round it to bfloat16 first)")
-    return a
+    if a.ndim == 1:
+        return a
+    return Bf16Matrix(a, groups=groups) if kind == "bf16" else F32Matrix(a)
 
 
 @dataclass
 class AttnWeights:
-    """One layer's attention parameters: float32 arrays (norms, the sink, f32 compressor weights)
-    and :class:`Bf16Matrix` projections; ``wo_a`` is grouped (``o_groups``)."""
+    """One layer's attention parameters: float32 arrays (norms, the sink), :class:`Bf16Matrix`
+    projections and, for a ratio > 1 compressor, :class:`F32Matrix` ones; ``wo_a`` is grouped
+    (``o_groups``)."""
 
     attn_sink: np.ndarray
-    wq_a: np.ndarray
+    wq_a: Bf16Matrix
     q_norm: np.ndarray
-    wq_b: np.ndarray
-    wkv: np.ndarray
+    wq_b: Bf16Matrix
+    wkv: Bf16Matrix
     kv_norm: np.ndarray
     wo_a: Bf16Matrix
     wo_b: Bf16Matrix
@@ -91,32 +118,42 @@ class AttnWeights:
 
     @classmethod
     def from_mapping(cls, config: AttnConfig, layer_id: int, weights) -> "AttnWeights":
-        """Pick and check layer ``layer_id``'s parameters out of ``{"layers.{i}.attn.NAME": array}``."""
+        """Pick and check layer ``layer_id``'s parameters out of ``{"layers.{i}.attn.NAME": array}``.
+
+        Each is asked for once (``weights.get``), checked and wrapped before the next is asked
+        for; a mapping may make them on request (float32 holding bf16 values, or
+        ``ml_dtypes.bfloat16`` for the bf16 ones)."""
         prefix = f"layers.{layer_id}.attn."
-        got, kinds = {}, {}
+        got = {}
         for full, (shape, kind) in weight_specs(config, layer_id).items():
             name = full[len(prefix):]
-            got[name] = _checked_weight(full, weights.get(full), shape, kind)
-            kinds[name] = kind
-        # Projections become Bf16Matrix (bf16 weights) or F32Matrix (the ratio > 1 compressor's
-        # f32 weights), which sum in the reference's order; wo_a is grouped: o_groups
-        # independent projections.
-        proj = {name: (Bf16Matrix if kinds[name] == "bf16" else F32Matrix)(a) if a.ndim == 2 else a
-                for name, a in got.items()}
+            # wo_a is grouped: o_groups independent projections.
+            groups = config.o_groups if name == "wo_a.weight" else 1
+            got[name] = _checked_weight(full, weights.get(full), shape, kind, groups)
         comp = idx = None
-        if "compressor.norm.weight" in proj:
-            comp = CompressorWeights(wkv=proj["compressor.wkv.weight"],
-                                     wgate=proj.get("compressor.wgate.weight"),
-                                     norm=proj["compressor.norm.weight"])
-        if "indexer.wq_b.weight" in proj:
-            idx = IndexerWeights(wq_b=proj["indexer.wq_b.weight"],
-                                 weights_proj=proj["indexer.weights_proj.weight"],
-                                 wk=proj.get("indexer.wk.weight"),
-                                 k_norm=proj.get("indexer.k_norm.weight"))
-        wo_a = Bf16Matrix(got["wo_a.weight"], groups=config.o_groups)
-        return cls(attn_sink=proj["attn_sink"], wq_a=proj["wq_a.weight"], q_norm=proj["q_norm.weight"],
-                   wq_b=proj["wq_b.weight"], wkv=proj["wkv.weight"], kv_norm=proj["kv_norm.weight"],
-                   wo_a=wo_a, wo_b=proj["wo_b.weight"], compressor=comp, indexer=idx)
+        if "compressor.norm.weight" in got:
+            comp = CompressorWeights(wkv=got["compressor.wkv.weight"],
+                                     wgate=got.get("compressor.wgate.weight"),
+                                     norm=got["compressor.norm.weight"])
+        if "indexer.wq_b.weight" in got:
+            idx = IndexerWeights(wq_b=got["indexer.wq_b.weight"],
+                                 weights_proj=got["indexer.weights_proj.weight"],
+                                 wk=got.get("indexer.wk.weight"),
+                                 k_norm=got.get("indexer.k_norm.weight"))
+        return cls(attn_sink=got["attn_sink"], wq_a=got["wq_a.weight"], q_norm=got["q_norm.weight"],
+                   wq_b=got["wq_b.weight"], wkv=got["wkv.weight"], kv_norm=got["kv_norm.weight"],
+                   wo_a=got["wo_a.weight"], wo_b=got["wo_b.weight"], compressor=comp, indexer=idx)
+
+    def nbytes(self) -> int:
+        """Bytes this layer's parameters hold (see :meth:`AttentionStack.weight_bytes`)."""
+        parts = [self.attn_sink, self.wq_a, self.q_norm, self.wq_b, self.wkv, self.kv_norm,
+                 self.wo_a, self.wo_b]
+        if self.compressor is not None:
+            parts += [self.compressor.wkv, self.compressor.wgate, self.compressor.norm]
+        if self.indexer is not None:
+            parts += [self.indexer.wq_b, self.indexer.weights_proj, self.indexer.wk,
+                      self.indexer.k_norm]
+        return sum(int(p.nbytes) for p in parts if p is not None)
 
 
 @dataclass
@@ -210,6 +247,14 @@ class AttentionStack:
         self.shared = SharedRuntime()
         self.tile = None if tile is None else int(tile)
         self._order = StepOrder(config, self.layers, self.states, self.shared)
+
+    def weight_bytes(self) -> int:
+        """Bytes the stack's parameters hold: 2 a parameter for every bf16 projection (plus its
+        padding, :attr:`Bf16Matrix.nbytes`), 8 for the ratio > 1 compressors' f32 projections
+        (the array and the packed copy its first product builds, counted from the start), 4 for
+        the norms and sinks. :func:`held_weight_bytes` gives the same number from the config
+        before any weight is made."""
+        return sum(w.nbytes() for w in self.weights.values())
 
     def snapshot(self) -> dict:
         """What the stack carries from step to step (every layer's state, the shared slots and

@@ -6,6 +6,9 @@ code tables and on every tie. The quantisers are compared with naive.py's ml_dty
 checked on the reference's own outputs (tests/data), which must be their fixed points.
 """
 
+import gc
+import weakref
+
 import ml_dtypes
 import numba
 import numpy as np
@@ -802,6 +805,108 @@ def test_linear_bf16_follows_the_reference_order(m, k, n, groups, ref_rows):
         assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 1e-30)
     else:
         assert_same_bits(got, want)
+
+
+def _bf16_rows(rng, shape, scale=1.0):
+    return naive.to_bf16_rne((rng.standard_normal(shape) * scale).astype(F32))
+
+
+@pytest.mark.parametrize("m, k, n, groups, ref_rows", [
+    (1, 64, 32, 1, None), (1, 1280, 300, 1, None), (1, 5, 7, 1, None), (1, 511, 33, 1, None),
+    (1, 1025, 96, 1, None), (2, 1537, 130, 1, None), (8, 2048, 64, 1, None), (1, 4096, 8 * 40, 8, None),
+    (3, 1024, 4 * 160, 4, 3), (1, 777, 2 * 200, 2, 1), (5, 3000, 40, 1, 2048), (1, 1100, 129, 1, 9),
+    (7, 513, 256, 1, 1)])
+def test_matvec_is_the_literal_reference_order(m, k, n, groups, ref_rows):
+    """The decode kernel against the literal emulation, bit for bit: one and several rows, odd K
+    (below, at and above a run), rows not a multiple of a block or of a work item's blocks,
+    grouped weights, and the run length of a call of ``ref_rows`` rows."""
+    rng = np.random.default_rng(m * 7 + k + n)
+    x = _bf16_rows(rng, (m, groups * k))
+    w = _bf16_rows(rng, (n, k), 1 / np.sqrt(k))
+    rank = n // groups
+    want = np.concatenate([naive.linear_bf16_ordered(
+        x[:, g * k:(g + 1) * k], w[g * rank:(g + 1) * rank], ref_rows or m) for g in range(groups)], axis=1)
+    got = nm.Bf16Matrix(w, groups=groups).matvec(x, ref_rows)
+    assert got.shape == (m, n)
+    assert_same_bits(got, want)
+
+
+def test_matvec_propagates_special_values_as_the_literal_order_does():
+    """inf, NaN, inf * 0 and signed zeros (an odd K's last product among them) come out as in
+    the literal order."""
+    w = np.array([[1.0, 1.0, 1.0], [1.0, 2.0, np.inf], [0.0, 1.0, 0.0], [-1.0, np.nan, 1.0]] * 9, F32)
+    for xi in ([-0.0, -0.0, -0.0], [1.0, -2.0, 0.5], [1.0, 2.0, np.inf], [np.inf, 0.0, -1.0]):
+        x = np.array([xi], F32)
+        with np.errstate(invalid="ignore"):
+            want = naive.linear_bf16_ordered(x, w, 1)
+        assert_same_bits(nm.Bf16Matrix(w).matvec(x), want)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("k, n, groups", [(1280, 96, 1), (2048, 8 * 32, 8), (1537, 70, 1)])
+def test_one_row_and_many_row_products_of_one_matrix_agree(k, n, groups):
+    """The decode kernel and the AVX512-BF16 product read the same held pairs in the same order:
+    each row on its own (told the call has the many rows' count) is the many-row product's row."""
+    rng = np.random.default_rng(k + n)
+    x = _bf16_rows(rng, (24, groups * k))
+    mat = nm.Bf16Matrix(_bf16_rows(rng, (n, k), 1 / np.sqrt(k)), groups=groups)
+    many = nm.linear_bf16(x, mat)
+    rows = np.concatenate([mat.matvec(x[i:i + 1], ref_rows=24) for i in range(24)])
+    assert_same_bits(rows, many)
+
+
+@pytest.mark.parametrize("m, k, n, groups", [(20, 96, 40, 1), (16, 128, 64, 4), (3, 20, 30, 1),
+                                             (40, 777, 64, 2), (9, 1100, 64, 1)])
+def test_blas_path_widens_the_held_weight_exactly(m, k, n, groups):
+    """On the BLAS backend (a CPU without AVX512-BF16) and for the tiny products, the held pairs
+    are widened back to the very f32 weight: the result is BLAS's own product of that weight, as
+    before the weight was held once."""
+    rng = np.random.default_rng(m + k + n)
+    x = _bf16_rows(rng, (m, groups * k))
+    w = _bf16_rows(rng, (n, k), 1 / np.sqrt(k))
+    mat = nm.Bf16Matrix(w, groups=groups)
+    rank = n // groups
+    assert_same_bits(mat.to_f32(), w)
+    assert_same_bits(mat.to_f32(groups - 1), w[(groups - 1) * rank:])
+    want = np.empty((m, n), F32)
+    for g in range(groups):
+        y = np.empty((m, rank), F32)
+        linear_mod._blas_product(np.ascontiguousarray(x[:, g * k:(g + 1) * k]),
+                                 np.ascontiguousarray(w[g * rank:(g + 1) * rank]), y, m)
+        want[:, g * rank:(g + 1) * rank] = naive.to_bf16_rne(y)
+    with nm.use_backend("blas"):
+        got = nm.linear_bf16(x, mat)
+    assert_same_bits(got, want)
+
+
+def test_bf16_and_f32_inputs_build_the_same_matrix():
+    """An ``ml_dtypes.bfloat16`` weight and the float32 one holding its values give the same held
+    pairs, the same products on every path, and hold 2 bytes a parameter plus only the padding;
+    neither keeps the caller's array."""
+    rng = np.random.default_rng(11)
+    for (n, k, groups) in [(64, 512, 1), (8 * 40, 65, 8), (70, 511, 1)]:
+        w = _bf16_rows(rng, (n, k))
+        a, b = nm.Bf16Matrix(w, groups=groups), nm.Bf16Matrix(w.astype(ml_dtypes.bfloat16), groups=groups)
+        assert np.array_equal(a._pairs, b._pairs) and a.shape == b.shape == (n, k)
+        rank = n // groups
+        padded = groups * (-(-rank // 32) * 32) * (k + k % 2)
+        assert a.nbytes == b.nbytes == 2 * padded == nm.Bf16Matrix.held_bytes((n, k), groups)
+        x = _bf16_rows(rng, (12, groups * k))
+        for rows in (1, 12):
+            assert_same_bits(nm.linear_bf16(x[:rows], a), nm.linear_bf16(x[:rows], b))
+        with nm.use_backend("blas"):
+            assert_same_bits(nm.linear_bf16(x, a), nm.linear_bf16(x, b))
+    assert nm.Bf16Matrix(np.zeros((64, 512), F32)).nbytes == 64 * 512 * 2
+    w = _bf16_rows(rng, (40, 30))
+    ref = weakref.ref(w)
+    mat = nm.Bf16Matrix(w)
+    del w
+    gc.collect()
+    assert ref() is None and mat.shape == (40, 30)
+    with pytest.raises(ValueError, match="bf16 values"):
+        nm.Bf16Matrix(_bf16_rows(rng, (4, 6)) + F32(2.0 ** -12))
+    with pytest.raises(TypeError, match="float32"):
+        nm.Bf16Matrix(np.zeros((4, 6)))
 
 
 def test_bf16_pair_layouts():

@@ -19,8 +19,10 @@ own process (thread counts are fixed at start-up) and prints a digest of every o
 and shared slot of the mixed golden's replay.
 """
 
+import gc
 import pickle
 import os
+import weakref
 import subprocess
 import sys
 
@@ -564,6 +566,64 @@ def test_weights_in_other_float_dtypes_and_layouts(tiny_weights):
     x = xs(6)
     want = AttentionStack(TINY, tiny_weights).forward(2, x, 0).out
     assert np.array_equal(AttentionStack(TINY, w).forward(2, x, 0).out, want)
+
+
+class _LazyWeights:
+    """A mapping that makes each weight on request (a fresh array, as a loader would read it) and
+    records, at each request, which of the bf16 projections it handed out are still alive."""
+
+    def __init__(self, weights, dtype_of):
+        self.weights, self.dtype_of = weights, dtype_of
+        self.handed, self.alive_at_request, self.asked = {}, [], []
+
+    def get(self, name):
+        gc.collect()
+        self.alive_at_request.append([n for n, r in self.handed.items() if r() is not None])
+        self.asked.append(name)
+        a = self.weights[name].astype(self.dtype_of(name))      # a new array every time
+        if a.ndim == 2 and weight_kind(name) == "bf16":
+            self.handed[name] = weakref.ref(a)
+        return a
+
+
+def test_a_lazy_mapping_has_one_weight_alive_at_a_time(tiny_weights):
+    """The stack asks for each weight once and keeps none of the bf16 projections it was handed
+    (it holds them as pairs), so a loader that reads each tensor on request has at most the one
+    being wrapped alive; the results are those of the plain dict. (The genuine f32 parameters
+    are kept as given: they are what the stack holds.)"""
+    x = xs(6)
+    want = AttentionStack(TINY, tiny_weights).forward(2, x, 0).out
+    names = sorted(n for i in range(TINY.n_layers) for n in weight_specs(TINY, i))
+    for dtype_of in (lambda name: np.float32,
+                     lambda name: ml_dtypes.bfloat16 if weight_kind(name) == "bf16" else np.float32):
+        lazy = _LazyWeights(tiny_weights, dtype_of)
+        st = AttentionStack(TINY, lazy)
+        assert sorted(lazy.asked) == names and len(lazy.handed) == 39
+        assert all(alive == [] for alive in lazy.alive_at_request)
+        gc.collect()
+        assert all(r() is None for r in lazy.handed.values())
+        assert np.array_equal(st.forward(2, x, 0).out, want)
+
+
+def test_weight_bytes_are_two_a_bf16_parameter(tiny_weights):
+    from ds41numba.numerics import Bf16Matrix
+    from ds41numba.stack import held_weight_bytes
+
+    st = AttentionStack(TINY, tiny_weights)
+    assert st.weight_bytes() == held_weight_bytes(TINY, range(TINY.n_layers))
+    padded = 0      # 2 bytes a parameter, each group's rows padded to 32, an odd width to even
+    for name, (shape, kind) in ((n, v) for i in range(TINY.n_layers) for n, v in weight_specs(TINY, i).items()):
+        if kind == "bf16" and len(shape) == 2:
+            groups = TINY.o_groups if name.endswith("wo_a.weight") else 1
+            padded += groups * (-(-shape[0] // groups // 32) * 32) * (shape[1] + shape[1] % 2) * 2
+    held = sum(w.nbytes for i in st.weights for w in vars(st.weights[i]).values()
+               if isinstance(w, Bf16Matrix))
+    held += sum(w.nbytes for i in st.weights for part in (st.weights[i].compressor, st.weights[i].indexer)
+                if part is not None for w in vars(part).values() if isinstance(w, Bf16Matrix))
+    assert held == padded
+    # 43 v41-flash layers now fit in 24 GB of weights.
+    flash = preset("v41-flash")
+    assert held_weight_bytes(flash, range(flash.n_layers)) < 12 * 2 ** 30
 
 
 def weight_kind(name):

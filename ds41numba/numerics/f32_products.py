@@ -576,6 +576,19 @@ class F32Matrix:
         return self._packed
 
     @property
+    def nbytes(self) -> int:
+        """Bytes held once the first product has built the packed copy (:meth:`held_bytes`)."""
+        return self.held_bytes(self.f32.shape)
+
+    @staticmethod
+    def held_bytes(shape) -> int:
+        """Bytes an F32Matrix of ``shape [out, in]`` holds once it has run a product: the array
+        and its packed copy (rows padded to a multiple of ``TILE_LANES``, 64 bytes more for its
+        alignment)."""
+        n, k = shape
+        return 4 * n * k + (-(-n // TILE_LANES) * TILE_LANES * k + 16) * 4
+
+    @property
     def gemv_peel(self) -> int:
         """The reference's gemv peel for this weight: ``4 - (-ldw mod 4)``, 4 for a leading
         dimension that is a multiple of 4."""

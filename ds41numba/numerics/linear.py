@@ -9,9 +9,9 @@ import numpy as np
 from numba import njit, prange
 
 from .backend import bf16_dot_enabled
-from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_pairs, gemm_bf16, pack_bf16_pairs
+from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_pairs, gemm_bf16
 from .f32_products import F32Matrix, linear_f32_ordered
-from .formats import as_f32_array, bf16_scalar, output_buffer, round_bf16_inplace
+from .formats import as_f32_array, bf16_scalar, is_bf16_valued, output_buffer, round_bf16_inplace
 from .workers import worth_parallel
 
 __all__ = ["linear_bf16", "linear_f32", "Bf16Matrix", "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR",
@@ -94,12 +94,13 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     be grouped: see there). With a :class:`Bf16Matrix` the sums follow the reference's order
     (:func:`bf16_k_block`) for a call of ``ref_rows`` rows (default: the rows of x; a tiled
     loop passes the length of the whole step): at most ``MATVEC_MAX_ROWS`` rows (a decode step)
-    through the kernel that reads the weight as bf16 bits, more rows of bf16 values through the
-    AVX512-BF16 kernel where the CPU has it (:attr:`Bf16Matrix.dot_bf16`). Elsewhere, and for a
-    plain float32 ``w``, numpy's f32 BLAS sums in its own order: approximate (README, "How
-    exact"). So do products of at most ``TINY_BF16_LINEAR`` multiply-adds per group, which
-    torch does not hand to oneDNN but sums in a kernel of its own (an order not pinned down;
-    they occur only at toy shapes, where BLAS reproduces the reference's goldens).
+    through the kernel that reads the held bf16 pairs a row at a time, more rows of bf16 values
+    through the AVX512-BF16 kernel where the CPU has it (:attr:`Bf16Matrix.dot_bf16`).
+    Elsewhere, and for a plain float32 ``w``, numpy's f32 BLAS sums in its own order:
+    approximate (README, "How exact"). So do products of at most ``TINY_BF16_LINEAR``
+    multiply-adds per group, which torch does not hand to oneDNN but sums in a kernel of its
+    own (an order not pinned down; they occur only at toy shapes, where BLAS reproduces the
+    reference's goldens).
     Returns ``[..., out]``, written into ``out`` (a C-contiguous float32 buffer) when given.
     """
     if not isinstance(w, Bf16Matrix):
@@ -109,8 +110,8 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
         raise ValueError(f"linear_bf16: x of shape {x.shape} does not match a weight taking "
                          f"{w.in_features} inputs")
     rows = x.size // max(x.shape[-1], 1)
-    shape = x.shape[:-1] + (w.f32.shape[0],)
-    n_out, k_in = w.f32.shape
+    n_out, k_in = w.shape
+    shape = x.shape[:-1] + (n_out,)
     ref_m = rows if ref_rows is None else ref_rows
     ordered = ref_m * (n_out // w.groups) * k_in > TINY_BF16_LINEAR
     # The kernel is chosen by the reference's rows, not ours: a few rows of a long prefill (a
@@ -122,19 +123,18 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
         y[...] = w.matvec(x, ref_rows)
         return y
     if ordered and bf16_dot_enabled():
-        y = output_buffer(out, (rows, w.f32.shape[0]), "linear_bf16")
+        y = output_buffer(out, (rows, n_out), "linear_bf16")
         if w.dot_bf16(x.reshape(rows, w.in_features), y, ref_rows):
             return round_bf16_inplace(y).reshape(shape)
+    # numpy's BLAS: the weight widened for this call only (each group once).
     if w.groups == 1:
-        return round_bf16_inplace(linear_f32(x, w.f32, out, ref_rows=ref_m))
-    per_group = x.reshape(-1, w.groups, w.f32.shape[1])
-    rank = w.f32.shape[0] // w.groups
-    y = output_buffer(out, (rows, w.f32.shape[0]), "linear_bf16")
+        return round_bf16_inplace(linear_f32(x, w.to_f32(), out, ref_rows=ref_m))
+    per_group = x.reshape(-1, w.groups, k_in)
+    rank = n_out // w.groups
+    y = output_buffer(out, (rows, n_out), "linear_bf16")
     for g in range(w.groups):
-        linear_f32(per_group[:, g], w.f32[g * rank:(g + 1) * rank], out=y[:, g * rank:(g + 1) * rank],
-                   ref_rows=ref_m)
+        linear_f32(per_group[:, g], w.to_f32(g), out=y[:, g * rank:(g + 1) * rank], ref_rows=ref_m)
     return round_bf16_inplace(y).reshape(shape)
-
 
 
 def bf16_k_block(ref_rows: int, k: int) -> int:
@@ -153,93 +153,163 @@ def bf16_k_block(ref_rows: int, k: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# bf16 weights as bits, for matrix-vector products
+# bf16 weights held once, as pairs
 # ----------------------------------------------------------------------------------------------
 
-# A decode step multiplies one row by every weight: it is bound by reading the weights, so it
-# reads them as bf16 bits. Output rows are packed in blocks of _MV_BLOCK laid out [in, block], so
-# each block streams contiguously and the inner loop runs across the block's outputs (SIMD lanes
-# without reassociating any sum: every output still adds its products in input order).
-_MV_BLOCK = 64
-#: At most this many input rows take the fused bf16-bits kernel; more go through BLAS.
+# A Bf16Matrix holds its weight once, in the AVX512-BF16 kernel's B layout (pack_bf16_pairs):
+# uint32 [groups * blocks, ceil(in / 2), DOT_LANES], lane j of block b holding output row
+# b * DOT_LANES + j of its group, pair p its inputs 2p (low half) and 2p + 1 (high half; zero
+# past an odd K). Every other use (the decode kernel, BLAS) reads or widens that one copy.
+
+#: At most this many input rows take the decode kernel (:meth:`Bf16Matrix.matvec`); more the
+#: many-row product.
 MATVEC_MAX_ROWS = 8
 #: bf16 products of at most this many multiply-adds (M * N * K, per group) are not oneDNN's in
 #: the reference but torch's own kernel (../shared/orders/README.md: "about 4096"; the toy
 #: goldens agree: their 2,048-MAC decode products follow BLAS, their 8,192-MAC ones oneDNN).
 TINY_BF16_LINEAR = 4096
+# Rows of the caller's weight converted to bf16 bits at a time while packing: the only
+# temporary of a construction.
+_PACK_ROWS = 1024
+# A decode step multiplies one row by every weight: it is bound by reading the weights. One work
+# item of the decode kernel covers this many DOT_LANES-wide blocks of outputs, so a pass over
+# the inputs advances several independent accumulator chains (one block alone would wait on
+# the latency of its adds).
+_MV_BLOCKS = 4
 
 
 @njit(cache=True)
-def _widen(bits):
-    """A bf16 bit pattern (uint16) as the f32 it stands for."""
-    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+def _pair_lo(pair):
+    """The f32 value of a bf16 pair's low half (its even input)."""
+    return np.uint32(pair << np.uint32(16)).view(np.float32)
+
+
+@njit(cache=True)
+def _pair_hi(pair):
+    """The f32 value of a bf16 pair's high half (its odd input)."""
+    return np.uint32(pair & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+@njit(parallel=True, cache=True)
+def _pack_bits(bits, out, first):
+    """bf16 bit rows ``bits [n, k]`` (uint16) into lanes ``first ..`` of ``out [blocks, ceil(k/2),
+    DOT_LANES]``; the high half of an odd k's last pair stays zero."""
+    k = bits.shape[1]
+    for i in prange(bits.shape[0]):
+        r = first + i
+        blk, lane = out[r // DOT_LANES], r % DOT_LANES
+        for p in range(k // 2):
+            hi = np.uint32(bits[i, 2 * p + 1]) << np.uint32(16)
+            blk[p, lane] = np.uint32(bits[i, 2 * p]) | hi
+        if k % 2:
+            blk[k // 2, lane] = np.uint32(bits[i, k - 1])
+
+
+# Pairs widened at a time per block: a block's panel of them (4 KB) stays in L1 while each of
+# its rows is written out contiguously.
+_WIDEN_PAIRS = 32
+
+
+@njit(parallel=True, cache=True)
+def _widen_pairs(pairs, k_in, out):
+    """``out [rows, k_in]`` float32: rows ``0 .. rows - 1`` of the blocks ``pairs [blocks, ceil(k_in
+    / 2), DOT_LANES]`` (their first lanes), each value exactly the bf16 it holds."""
+    rows = out.shape[0]
+    both = k_in // 2
+    for b in prange(-(-rows // DOT_LANES)):
+        lanes = min(DOT_LANES, rows - b * DOT_LANES)
+        for p0 in range(0, both, _WIDEN_PAIRS):
+            p1 = min(both, p0 + _WIDEN_PAIRS)
+            for j in range(lanes):
+                row = out[b * DOT_LANES + j]
+                for p in range(p0, p1):
+                    pair = pairs[b, p, j]
+                    row[2 * p] = _pair_lo(pair)
+                    row[2 * p + 1] = _pair_hi(pair)
+        if k_in % 2:
+            for j in range(lanes):
+                out[b * DOT_LANES + j, k_in - 1] = _pair_lo(pairs[b, both, j])
 
 
 @njit(cache=True, nogil=True)
-def _matvec_bf16_block(x, bits, out, groups, block, b):
-    """Block ``b`` of ``out = bf16(x @ W.T)`` for W packed as bf16 bits ``[blocks, in, _MV_BLOCK]``.
+def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
+    """Work item ``item`` of ``out = bf16(x @ W.T)``: up to ``_MV_BLOCKS`` blocks of one group.
 
-    The blocks split evenly into ``groups``; block b belongs to group ``g = b // (blocks /
-    groups)``, reads inputs ``x[:, g*in : (g+1)*in]`` and writes outputs ``g*rank + ...``
-    (``rank = out.shape[1] / groups``); padding rows of a group's last block are dropped. Each
+    The blocks of ``pairs`` split evenly into ``groups``; a group's blocks are covered by items of
+    ``_MV_BLOCKS`` (the last fewer), group g reads inputs ``x[:, g*k_in : (g+1)*k_in]`` and writes
+    outputs ``g*rank ..`` (``rank = out.shape[1] / groups``); padding lanes are dropped. Each
     output adds its products in the reference's order: runs of ``block`` inputs (even, see
-    :func:`bf16_k_block`) each from zero, every pair as ``(acc + p[2i+1]) + p[2i]``, run sums
-    added in order. Two pairs per pass keep the accumulator in a register (measured faster
-    here than one or four: enough work per load of the accumulators, few enough weight rows
-    in flight).
+    :func:`bf16_k_block`) each from zero, every pair as ``(acc + x[2i+1]*w[2i+1]) + x[2i]*w[2i]``,
+    an odd K's last product added alone, run sums added in order. Two pairs per pass keep the
+    accumulators in registers (enough work per load of them, few enough weight rows in flight).
     """
     m = x.shape[0]
-    k_in = bits.shape[1]
-    per_group = bits.shape[0] // groups
+    n_pairs = pairs.shape[1]
+    per_group = pairs.shape[0] // groups
+    items = -(-per_group // _MV_BLOCKS)
+    g = item // items
+    b0 = g * per_group + (item % items) * _MV_BLOCKS
+    nq = min(_MV_BLOCKS, (g + 1) * per_group - b0)
     rank = out.shape[1] // groups
-    g = b // per_group
-    x0_col = g * k_in
-    acc = np.zeros((m, _MV_BLOCK), np.float32)
-    part = np.empty(_MV_BLOCK, np.float32)
+    both = k_in // 2              # the pairs holding two products
+    acc = np.zeros((m, _MV_BLOCKS * DOT_LANES), np.float32)
+    part = np.empty(_MV_BLOCKS * DOT_LANES, np.float32)
     for i in range(m):
-        xi = x[i, x0_col:x0_col + k_in]
-        for k0 in range(0, k_in, block):
-            k1 = min(k_in, k0 + block)
+        xi = x[i, g * k_in:(g + 1) * k_in]
+        for p0 in range(0, n_pairs, block // 2):
+            p1 = min(n_pairs, p0 + block // 2)
             # The first run sums straight into the output row, later ones from zero apart.
-            run = acc[i] if k0 == 0 else part
-            if k0:
+            run = acc[i] if p0 == 0 else part
+            if p0:
                 run[:] = 0
-            k4 = k0 + (k1 - k0) // 4 * 4
-            for k in range(k0, k4, 4):
-                x0, x1, x2, x3 = xi[k], xi[k + 1], xi[k + 2], xi[k + 3]
-                for j in range(_MV_BLOCK):
-                    a = run[j]
-                    a = (a + x1 * _widen(bits[b, k + 1, j])) + x0 * _widen(bits[b, k, j])
-                    a = (a + x3 * _widen(bits[b, k + 3, j])) + x2 * _widen(bits[b, k + 2, j])
-                    run[j] = a
-            if k1 - k4 >= 2:
-                x0, x1 = xi[k4], xi[k4 + 1]
-                for j in range(_MV_BLOCK):
-                    run[j] = (run[j] + x1 * _widen(bits[b, k4 + 1, j])) + x0 * _widen(bits[b, k4, j])
-            if (k1 - k4) % 2:
-                for j in range(_MV_BLOCK):
-                    run[j] += xi[k1 - 1] * _widen(bits[b, k1 - 1, j])
-            if k0:
-                for j in range(_MV_BLOCK):
+            p_end = min(p1, both)
+            p2 = p0 + (p_end - p0) // 2 * 2
+            for p in range(p0, p2, 2):
+                x0, x1, x2, x3 = xi[2 * p], xi[2 * p + 1], xi[2 * p + 2], xi[2 * p + 3]
+                for q in range(nq):
+                    w0, w1 = pairs[b0 + q, p], pairs[b0 + q, p + 1]
+                    r = run[q * DOT_LANES:(q + 1) * DOT_LANES]
+                    for j in range(DOT_LANES):
+                        a = (r[j] + x1 * _pair_hi(w0[j])) + x0 * _pair_lo(w0[j])
+                        r[j] = (a + x3 * _pair_hi(w1[j])) + x2 * _pair_lo(w1[j])
+            if p_end > p2:
+                x0, x1 = xi[2 * p2], xi[2 * p2 + 1]
+                for q in range(nq):
+                    w0 = pairs[b0 + q, p2]
+                    r = run[q * DOT_LANES:(q + 1) * DOT_LANES]
+                    for j in range(DOT_LANES):
+                        r[j] = (r[j] + x1 * _pair_hi(w0[j])) + x0 * _pair_lo(w0[j])
+            if p1 > p_end:
+                # An odd K: its last product alone, as the reference adds it (x holds no value
+                # to pair it with).
+                xl = xi[k_in - 1]
+                for q in range(nq):
+                    w0 = pairs[b0 + q, p_end]
+                    for j in range(DOT_LANES):
+                        run[q * DOT_LANES + j] += xl * _pair_lo(w0[j])
+            if p0:
+                for j in range(nq * DOT_LANES):
                     acc[i, j] += part[j]
-    first = (b - g * per_group) * _MV_BLOCK
+    first = (b0 - g * per_group) * DOT_LANES
     for i in range(m):
-        for j in range(min(_MV_BLOCK, rank - first)):
+        for j in range(min(nq * DOT_LANES, rank - first)):
             out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
 
 
 @njit(parallel=True, cache=True)
-def _matvec_bf16_parallel(x, bits, out, groups, block):
-    for b in prange(bits.shape[0]):
-        _matvec_bf16_block(x, bits, out, groups, block, b)
+def _matvec_bf16_parallel(x, pairs, out, groups, k_in, block):
+    items = groups * -(-(pairs.shape[0] // groups) // _MV_BLOCKS)
+    for item in prange(items):
+        _matvec_bf16_block(x, pairs, out, groups, k_in, block, item)
 
 
 @njit(cache=True)
-def _matvec_bf16_serial(x, bits, out, groups, block):
+def _matvec_bf16_serial(x, pairs, out, groups, k_in, block):
     # Small weights (the indexer's head weights, its keys' projection): waking numba's workers
     # would cost more than the product (workers.worth_parallel).
-    for b in range(bits.shape[0]):
-        _matvec_bf16_block(x, bits, out, groups, block, b)
+    items = groups * -(-(pairs.shape[0] // groups) // _MV_BLOCKS)
+    for item in range(items):
+        _matvec_bf16_block(x, pairs, out, groups, k_in, block, item)
 
 
 def _even_width(x):
@@ -251,60 +321,76 @@ def _even_width(x):
 
 
 class Bf16Matrix:
-    """A bf16-valued weight: f32 for BLAS, and bf16 bits for matrix-vector products.
+    """A bf16-valued weight, held once as bf16 pairs (2 bytes a parameter plus padding).
 
-    ``w [out, in]``. With ``groups = G > 1`` it is the reference's grouped projection (``wo_a``):
-    the input splits into G equal parts and part g goes through rows ``g*out/G .. (g+1)*out/G``
-    only, so ``in_features = G * in``. The f32 array is kept as given (no copy when already
-    C-contiguous float32); the packed bits are built on the first matrix-vector product, the
-    AVX512-BF16 operand on the first product of many rows (each half the f32 weight's size).
-    Treat the weight as read-only once wrapped.
+    ``w [out, in]``: a float32 array holding bf16 values or an ``ml_dtypes.bfloat16`` array
+    (read a block of rows at a time, never widened whole). With ``groups = G > 1`` it is the
+    reference's grouped projection (``wo_a``): the input splits into G equal parts and part g
+    goes through rows ``g*out/G .. (g+1)*out/G`` only, so ``in_features = G * in``. The packed
+    pairs are the only copy kept (not the caller's array): the decode kernel and the
+    AVX512-BF16 product read them as they are, the BLAS path widens them per call
+    (:meth:`to_f32`).
     """
 
-    __slots__ = ("f32", "groups", "_bits", "_pairs")
+    __slots__ = ("shape", "groups", "_pairs")
 
     def __init__(self, w, groups: int = 1):
-        w = np.ascontiguousarray(as_f32_array(w, "Bf16Matrix"))
+        w = np.asarray(w)
+        if w.dtype.name != "bfloat16":
+            w = as_f32_array(w, "Bf16Matrix")
         if w.ndim != 2:
             raise ValueError(f"Bf16Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
         if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 \
                 or w.shape[0] % groups:
             raise ValueError(f"Bf16Matrix: groups must be a positive divisor of out "
                              f"({w.shape[0]}), got {groups!r}")
-        self.f32 = w
+        self.shape = tuple(int(s) for s in w.shape)
         self.groups = int(groups)
-        self._bits = None
-        self._pairs = None
+        self._pairs = self._packed(w)
 
-    @property
-    def shape(self):
-        return self.f32.shape
+    def _packed(self, w):
+        """``w`` in the pairs layout, group by group, ``_PACK_ROWS`` rows at a time."""
+        n_out, k_in = self.shape
+        rank = n_out // self.groups
+        nb = -(-rank // DOT_LANES)
+        pairs = np.zeros((self.groups * nb, -(-k_in // 2), DOT_LANES), np.uint32)
+        for g in range(self.groups):
+            for r0 in range(0, rank, _PACK_ROWS):
+                rows = w[g * rank + r0:g * rank + min(rank, r0 + _PACK_ROWS)]
+                _pack_bits(_bf16_bits(rows), pairs[g * nb:(g + 1) * nb], r0)
+        return pairs
 
     @property
     def in_features(self):
-        return self.f32.shape[1] * self.groups
+        return self.shape[1] * self.groups
 
-    def _packed(self):
-        if self._bits is None:
-            n_out, k_in = self.f32.shape
-            rank = n_out // self.groups
-            nb = -(-rank // _MV_BLOCK)
-            hi = np.zeros((self.groups, nb * _MV_BLOCK, k_in), np.uint16)
-            hi[:, :rank] = (self.f32.view(np.uint32) >> 16).reshape(self.groups, rank, k_in)
-            blocks = hi.reshape(self.groups * nb, _MV_BLOCK, k_in)
-            self._bits = np.ascontiguousarray(blocks.transpose(0, 2, 1))
-        return self._bits
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (:meth:`held_bytes`): the pairs are all there is."""
+        return self._pairs.nbytes
 
-    def _packed_pairs(self):
-        if self._pairs is None:
-            n_out, k_in = self.f32.shape
-            rank = n_out // self.groups
-            nb = -(-rank // DOT_LANES)
-            self._pairs = np.zeros((self.groups * nb, -(-k_in // 2), DOT_LANES), np.uint32)
-            for g in range(self.groups):
-                pack_bf16_pairs(_even_width(self.f32[g * rank:(g + 1) * rank]),
-                                self._pairs[g * nb:(g + 1) * nb])
-        return self._pairs
+    @staticmethod
+    def held_bytes(shape, groups: int = 1) -> int:
+        """Bytes a Bf16Matrix of ``shape [out, in]`` holds: 2 a parameter, plus the padding of
+        each group's rows to a multiple of ``DOT_LANES`` and of an odd ``in`` to even."""
+        n_out, k_in = shape
+        return groups * -(-(n_out // groups) // DOT_LANES) * DOT_LANES * -(-k_in // 2) * 4
+
+    def to_f32(self, group: int | None = None) -> np.ndarray:
+        """A fresh float32 copy ``[out, in]`` of the weight (``[out / groups, in]``, the rows of
+        ``group``, when given), exact: for numpy's BLAS, made per use and not kept."""
+        n_out, k_in = self.shape
+        rank = n_out // self.groups
+        nb = self._pairs.shape[0] // self.groups
+        if group is None and self.groups > 1:
+            return np.concatenate([self.to_f32(g) for g in range(self.groups)])
+        g = 0 if group is None else group
+        if not 0 <= g < self.groups:
+            raise ValueError(f"Bf16Matrix.to_f32: group must be in 0..{self.groups - 1}, "
+                             f"got {group}")
+        out = np.empty((rank, k_in), np.float32)
+        _widen_pairs(self._pairs[g * nb:(g + 1) * nb], k_in, out)
+        return out
 
     def dot_bf16(self, x, out, ref_rows: int | None = None) -> bool:
         """``out = x @ w.T`` in f32 (not rounded) on AVX512-BF16, for rows ``x [m, in_features]``
@@ -314,16 +400,15 @@ class Bf16Matrix:
         (no AVX512-BF16, x not bf16-valued; ``out`` may then be partly
         written): use BLAS instead.
 
-        Rows run ``_WIDEN_ROWS`` at a time, so the operand copy of a long input stays small. The
-        weight is packed on the first call (a second copy, half the f32 weight's size).
+        Rows run ``_WIDEN_ROWS`` at a time, so the operand copy of a long input stays small.
         """
-        k_in = self.f32.shape[1]
+        k_in = self.shape[1]
         if not bf16_dot_enabled():
             return False
         x = np.ascontiguousarray(x)
-        m, n_out = x.shape[0], self.f32.shape[0]
+        m, n_out = x.shape[0], self.shape[0]
         rank = n_out // self.groups
-        b = self._packed_pairs()
+        b = self._pairs
         block_pairs = bf16_k_block(m if ref_rows is None else ref_rows, k_in) // 2
         for r0 in range(0, m, _WIDEN_ROWS):
             chunk = _even_width(x[r0:r0 + _WIDEN_ROWS])
@@ -349,13 +434,22 @@ class Bf16Matrix:
         return True
 
     def matvec(self, x, ref_rows: int | None = None):
-        """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the bf16 bits, summed
+        """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the held pairs, summed
         in the reference's order for a call of ``ref_rows`` rows (default: the rows of x)."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
-        out = np.empty((x2.shape[0], self.f32.shape[0]), np.float32)
-        k_in = self.f32.shape[1]
+        n_out, k_in = self.shape
+        out = np.empty((x2.shape[0], n_out), np.float32)
         block = bf16_k_block(x2.shape[0] if ref_rows is None else ref_rows, k_in)
-        kernel = _matvec_bf16_parallel if worth_parallel(x2.size * self.f32.shape[0] // self.groups) \
+        kernel = _matvec_bf16_parallel if worth_parallel(x2.size * n_out // self.groups) \
             else _matvec_bf16_serial
-        kernel(x2, self._packed(), out, self.groups, block + block % 2)
-        return out.reshape(x.shape[:-1] + (self.f32.shape[0],))
+        kernel(x2, self._pairs, out, self.groups, k_in, block + block % 2)
+        return out.reshape(x.shape[:-1] + (n_out,))
+
+
+def _bf16_bits(rows):
+    """bf16-valued rows (float32 or ``ml_dtypes.bfloat16``) as their bf16 bit patterns (uint16)."""
+    if rows.dtype.name == "bfloat16":
+        return np.ascontiguousarray(rows).view(np.uint16)
+    if not is_bf16_valued(rows):
+        raise ValueError("Bf16Matrix: w must hold bf16 values (round it to bfloat16 first)")
+    return (np.ascontiguousarray(rows).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
