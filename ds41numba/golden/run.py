@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import AttnConfig
-from ..stack import AttentionStack, weight_specs
+from ..stack import AttentionStack, held_weight_bytes, weight_specs
 from .captures import (CAPTURE_MODES, RUNNERS_UP, WEIGHT_NAME, StepObserver, forward_capture,
                        layer_captures, records_shared, storage_kind, to_storage)
 from .compare import CompareReport, Judge, TensorResult, compare_order, file_scores
@@ -438,12 +438,15 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
 
 
 def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:
-    """An estimate of a run's peak memory: the weights as the stack holds them (each parameter
-    as f32 plus its two packed product layouts, about 8 bytes), the caches the run fills, the
-    tensors it keeps (an ``io`` golden streams them; ``all`` holds every step's), and the
+    """An estimate of a run's peak memory: the weights as the stack holds them
+    (:func:`~ds41numba.stack.held_weight_bytes`: 2 bytes a bf16 parameter) plus the one f32
+    weight being made or widened at a time, the caches the run fills, the tensors it keeps (an
+    ``io`` golden streams them; ``all`` holds every step's, and its f32 weights), and the
     working set of a prefill chunk (``chunk`` rows; ``all`` runs the prefill in one)."""
     c = plan.config
-    params = sum(math.prod(shape) for i in plan.layers for shape, _ in weight_specs(c, i).values())
+    shapes = [shape for i in plan.layers for shape, _ in weight_specs(c, i).values()]
+    params = sum(math.prod(s) for s in shapes)
+    weights = held_weight_bytes(c, plan.layers) + 4 * max(math.prod(s) for s in shapes)
     tokens = plan.prefill + plan.decode
     caches = 0
     for i in plan.layers:
@@ -452,14 +455,14 @@ def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:
             rows = tokens // c.ratio(i)
             caches += rows * c.head_dim * 4
             if c.is_index_source(i):
-                caches += rows * c.index_head_dim * 6
-    kept = 0 if plan.capture == "io" else 2 * 2 * tokens * len(plan.layers) * c.dim
+                caches += rows * c.index_head_dim * 6      # f32 keys and the scorer's layout
+    kept = 0 if plan.capture == "io" else 2 * 2 * tokens * len(plan.layers) * c.dim + 4 * params
     rows = plan.prefill if plan.capture != "io" or chunk is None else min(plan.prefill, chunk)
     tile = min(rows, 1024)
     working = (rows * (8 * c.dim + 4 * c.q_lora_rank + 4 * (c.window_size + c.index_topk))
                + tile * (3 * c.n_heads * c.head_dim * 4 + c.o_groups * c.o_lora_rank * 4)
                + (1 << 26) * 2)
-    return 8 * params + caches + kept + working
+    return weights + caches + kept + working
 
 
 def _available_bytes() -> int | None:
