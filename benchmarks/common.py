@@ -330,13 +330,14 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return to_bf16_rne(np.ascontiguousarray(a, dtype=np.float32))
 
 
-def _normal(shape, seed) -> np.ndarray:
+def normal_bf16(shape, seed) -> np.ndarray:
+    """Standard normal values rounded to bf16 (seeded)."""
     return _bf16(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
 
 
 def _inplace_case(name, label, shape, fn_name):
     def build():
-        return {"src": _normal(shape, 10), "buf": np.empty(shape, np.float32)}
+        return {"src": normal_bf16(shape, 10), "buf": np.empty(shape, np.float32)}
 
     def prepare(st):
         np.copyto(st["buf"], st["src"])
@@ -352,7 +353,7 @@ def _inplace_case(name, label, shape, fn_name):
 
 def _topk_case(name, label, rows, n, k):
     def build():
-        return {"vals": _normal((rows, n), 11), "k": k}
+        return {"vals": normal_bf16((rows, n), 11), "k": k}
 
     def run(st):
         from ds41numba.topk import torch_cpu_topk_rows
@@ -374,8 +375,8 @@ def _sparse_attn_case():
 
     def build():
         rng = np.random.default_rng(12)
-        q = _normal((_TILE, H, hd), 13)
-        kv = _normal((2 * _CTX, hd), 14)     # the prefill's window rows, then the compressed cache
+        q = normal_bf16((_TILE, H, hd), 13)
+        kv = normal_bf16((2 * _CTX, hd), 14)     # the prefill's window rows, then the compressed cache
         idx = np.empty((_TILE, win + k), np.int32)
         for i in range(_TILE):
             s = start + i
@@ -394,10 +395,11 @@ def _sparse_attn_case():
                       flops=4 * H * hd * valid, elements=valid * H)
 
 
-def _index_keys(n, idim, seed):
+def index_keys(n, idim, seed):
+    """``n`` random fp4 (e2m1, e8m0-scaled) index keys of ``idim`` values, as a key owner writes them."""
     from ds41numba.numerics import fp4_quant_e8m0_inplace
 
-    return fp4_quant_e8m0_inplace(_normal((n, idim), seed))
+    return fp4_quant_e8m0_inplace(normal_bf16((n, idim), seed))
 
 
 def _indexer_case():
@@ -412,12 +414,12 @@ def _indexer_case():
         from ds41numba.indexer import IndexerCfg, IndexerWeights
 
         w = weight_subset(layer, ["indexer.wq_b.weight", "indexer.weights_proj.weight"])
-        return {"x": layer_input(layer, _TILE), "qr": _normal((_TILE, cfg.q_lora_rank), 15),
+        return {"x": layer_input(layer, _TILE), "qr": normal_bf16((_TILE, cfg.q_lora_rank), 15),
                 "cfg": IndexerCfg.for_layer(cfg, layer),
                 "weights": IndexerWeights(wq_b=w["indexer.wq_b.weight"],
                                           weights_proj=w["indexer.weights_proj.weight"]),
                 "table": layer_rope_table(cfg, cfg.ratio(layer), _CTX),
-                "keys": _index_keys(_CTX, idim, 16)}
+                "keys": index_keys(_CTX, idim, 16)}
 
     def run(st):
         from ds41numba.indexer import indexer
@@ -442,9 +444,9 @@ def _index_scores_case(path: str):
         from ds41numba.indexer import IndexKeyCache
         from ds41numba.numerics import fp4_quant_e8m0_inplace
 
-        iq = fp4_quant_e8m0_inplace(_normal((_TILE, ih, idim), 17))
-        w = _normal((_TILE, ih), 18) * np.float32(0.01)
-        keys = IndexKeyCache(_index_keys(_CTX, idim, 16))
+        iq = fp4_quant_e8m0_inplace(normal_bf16((_TILE, ih, idim), 17))
+        w = normal_bf16((_TILE, ih), 18) * np.float32(0.01)
+        keys = IndexKeyCache(index_keys(_CTX, idim, 16))
         return {"iq": iq, "w": _bf16(w), "keys": keys, "clen": np.full(_TILE, _CTX, np.int64)}
 
     def run(st):
@@ -471,7 +473,7 @@ def _projection_case(tokens=1024):
         from ds41numba.numerics import Bf16Matrix
 
         w = Bf16Matrix(weight_subset(20, ["wq_b.weight"])["wq_b.weight"])
-        return {"x": _normal((tokens, k_in), 21), "w": w,
+        return {"x": normal_bf16((tokens, k_in), 21), "w": w,
                 "out": np.empty((tokens, n_out), np.float32)}
 
     def run(st):
@@ -534,7 +536,7 @@ def _rope_case(name, label, shape, first_pos):
     def build():
         from ds41numba.attention import layer_rope_table
 
-        return {"x": _normal(shape, 21), "pos": np.arange(first_pos, first_pos + shape[0]),
+        return {"x": normal_bf16(shape, 21), "pos": np.arange(first_pos, first_pos + shape[0]),
                 "table": layer_rope_table(cfg, 1, _CTX)}
 
     def run(st):

@@ -21,7 +21,8 @@ Peak RSS is each run's own (``getrusage`` in its subprocess) and is fitted as
 and index keys), nothing else.
 
 Options: ``--layer 20`` (default), ``--lengths 16384,32768``, ``--chunk 4096``, ``--decode 4``,
-``--project 65536,131072,262144,1048576``, ``--dir DIR`` (where the goldens are written;
+``--project 65536,131072,262144,1048576``, ``--widths 65536,131072,262144`` (where the
+indexer is timed directly, see :func:`indexer_seconds`), ``--runs-from JSON``, ``--dir DIR`` (where the goldens are written;
 each is deleted after its run), ``--json-file PATH``.
 """
 
@@ -76,6 +77,33 @@ def run_worker(layer: int, prefill: int, decode: int, chunk: int, directory: str
             "ratio": plan.config.ratio(layer), "seconds": summary["seconds"],
             "bytes": summary["bytes"], "forwards": forwards,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def indexer_seconds(layer: int, width: int, prefill: int, queries: int = 64, repeat: int = 3) -> float:
+    """Seconds a query spends in the indexer (projections, scores, candidate blocks, top-k) when
+    it sees ``width`` compressed positions of a prefill of ``prefill`` tokens: the median of
+    ``repeat`` calls on ``queries`` queries, over random fp4 keys (the values do not change the
+    work). Measured directly because at the lengths a chunked run can reach in minutes the
+    indexer's growth is lost in the noise of the rest."""
+    from ds41numba.attention import layer_rope_table
+    from ds41numba.indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer
+
+    cfg = common.layer_config(prefill, layer)
+    r = cfg.ratio(layer)
+    w = common.weight_subset(layer, ["indexer.wq_b.weight", "indexer.weights_proj.weight"])
+    weights = IndexerWeights(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"])
+    keys = IndexKeyCache(common.index_keys(prefill // r, cfg.index_head_dim, 16))
+    start = width * r - queries
+    x = common.layer_input(layer, queries)
+    qr = common.normal_bf16((queries, cfg.q_lora_rank), 15)
+    table = layer_rope_table(cfg, r, prefill)
+    icfg = IndexerCfg.for_layer(cfg, layer)
+    times = []
+    for _ in range(repeat + 1):           # the first call loads the kernels
+        t0 = time.perf_counter()
+        indexer(x, qr, start, icfg, weights, table, keys, cfg.window_size, prefill_len=prefill)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:])) / queries
 
 
 def _features(rows, middle, prefill, ratio):
@@ -135,8 +163,12 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--project", type=_ints, default=[65536, 131072, 262144, 1048576])
+    ap.add_argument("--widths", type=_ints, default=[65536, 131072, 262144],
+                    help="positions a query sees where the indexer is timed directly")
     ap.add_argument("--dir", default=None, help="where the goldens are written (default: a temp dir)")
     ap.add_argument("--json-file", default=None)
+    ap.add_argument("--runs-from", default=None, metavar="JSON",
+                    help="take the runs from an earlier --json-file instead of running them")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     directory = args.dir or tempfile.gettempdir()
@@ -144,7 +176,10 @@ def main(argv=None) -> int:
         print(json.dumps(run_worker(args.layer, args.worker, args.decode, args.chunk, directory)))
         return 0
     runs = []
-    for n in args.lengths:
+    if args.runs_from:
+        with open(args.runs_from) as f:
+            runs = json.load(f)["runs"]
+    for n in [] if args.runs_from else args.lengths:
         t0 = time.perf_counter()
         print(f"layer {args.layer}, {n} tokens ...", file=sys.stderr, flush=True)
         done = subprocess.run([sys.executable, "-m", "benchmarks.cost_model", "--layer", str(args.layer),
@@ -171,6 +206,22 @@ def main(argv=None) -> int:
         if "rss_per_token" in model:
             line += f", peak RSS {(model['rss_r0'] + model['rss_per_token'] * n) / 1e9:.2f} GB"
         print(line)
+    if ratio and args.widths:
+        # The indexer timed directly in a prefill of the longest projected length (its score
+        # rows that wide): t_idx(W) = i0 + i1 * W seconds a query.
+        longest = max(args.project)
+        idx = {w: indexer_seconds(args.layer, w, longest) for w in args.widths}
+        i1, i0 = np.polyfit(list(idx), list(idx.values()), 1)
+        model.update(indexer_per_query={str(w): t for w, t in idx.items()}, i0=float(i0), i1=float(i1))
+        print(f"  indexer alone, a query seeing W positions of a {longest:,}-token prefill: "
+              + ", ".join(f"W={w:,}: {t * 1e3:.2f} ms" for w, t in idx.items())
+              + f"  (fit {i0 * 1e3:.2f} ms + {i1 * 1e9:.2f} ns x W)")
+        per_token = sum(f["seconds"] for f in runs[0]["forwards"] if f["step"] == 0) / runs[0]["prefill"]
+        for n in args.project:
+            # the short run's per-token time for everything, plus the indexer's growth past it
+            t = n * (per_token + i0) + i1 * n * n / (2 * ratio)
+            print(f"  projected {n:>9,} tokens from the indexer's own rate: prefill {t / 3600:6.2f} h "
+                  f"(indexer {i1 * n * n / (2 * ratio) / t:.0%})")
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump({"runs": runs, "model": model}, f, indent=1)
