@@ -132,8 +132,13 @@ def fit(runs: list[dict]) -> dict:
     x, y = np.concatenate(cols), np.asarray(times)
     if x.shape[1] == 3 and len({r["prefill"] for r in runs}) < 2:
         x = x[:, :2]            # one length cannot tell b from c: fold c into a's column
+    names = ["a", "b", "c"][:x.shape[1]]
     coef = np.linalg.lstsq(x, y, rcond=None)[0]
-    names = ("a", "b", "c")[:len(coef)]
+    while len(coef) > 1 and coef[1:].min() < 0:
+        # A negative growth term is noise, not physics: drop it and refit with the others.
+        drop = 1 + int(np.argmin(coef[1:]))
+        x, names = np.delete(x, drop, axis=1), names[:drop] + names[drop + 1:]
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
     out = {n: float(v) for n, v in zip(names, coef)}
     out["residual"] = float(np.sqrt(np.mean((x @ coef - y) ** 2)) / np.mean(y))
     n = np.array([r["prefill"] for r in runs], np.float64)
@@ -148,8 +153,9 @@ def project(model: dict, ratio: int, prefill: int, chunk: int) -> float:
     """Seconds of the prefill of ``prefill`` tokens the fitted model predicts."""
     firsts = np.arange(0, prefill, chunk)
     rows = np.minimum(chunk, prefill - firsts)
-    coef = [model[n] for n in ("a", "b", "c") if n in model]
-    return float(np.sum(_features(rows, firsts + rows / 2, prefill, ratio)[:, :len(coef)] @ coef))
+    cols = _features(rows, firsts + rows / 2, prefill, ratio)
+    names = ("a", "b", "c")[:cols.shape[1]]
+    return float(sum(cols[:, j].sum() * model[n] for j, n in enumerate(names) if n in model))
 
 
 def _ints(text):
