@@ -176,8 +176,29 @@ def _mix_heads_by_head(d, w, clen, t0, out):
             o[j] = bf16_scalar(a[j])
 
 
+@njit(parallel=True, cache=True)
+def _mask_kernel(out, clen, upto):
+    for s in prange(out.shape[0]):
+        out[s, min(max(clen[s], 0), upto):upto] = -np.inf
+
+
+def _masked_buffer(out, shape, clen, dirty_to, name):
+    """``out`` (or a new buffer) of ``shape`` with every row -inf from its ``clen`` on.
+
+    The kernels write only the positions a row sees. ``dirty_to`` says the columns from there
+    on already hold -inf in every row (a buffer reused tile after tile, whose queries see more
+    and more positions): only the columns before it are masked, not the whole row, which in a
+    long chunked prefill is the whole prefill wide while a query sees the positions before it.
+    """
+    fresh = out is None
+    out = output_buffer(out, shape, name)
+    upto = shape[1] if fresh or dirty_to is None else min(int(dirty_to), shape[1])
+    _mask_kernel(out, np.ascontiguousarray(clen, np.int64), upto)
+    return out
+
+
 def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
-                 width: int, out: np.ndarray | None = None) -> np.ndarray:
+                 width: int, out: np.ndarray | None = None, dirty_to: int | None = None) -> np.ndarray:
     """Scores ``[T, width]`` of a tile of queries after the visibility mask (into ``out``, a
     float32 buffer of that shape, when given).
 
@@ -188,8 +209,7 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
     vector); a decode step's few heads position-major (``keys @ iq^T``, faster for that shape).
     """
     T, ih, idim = iq.shape
-    out = output_buffer(out, (T, width), "_tile_scores")
-    out.fill(-np.inf)
+    out = _masked_buffer(out, (T, width), clen, dirty_to, "_tile_scores")
     n_vis = int(clen.max(initial=0))
     flat = iq.reshape(T * ih, idim)
     chunk = max(_MIX_GROUP, _SCORE_CHUNK_ELEMS // (T * ih))
@@ -303,12 +323,11 @@ def _query_int8(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
 
 
 def _tile_scores_packed(q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray, width: int,
-                        out: np.ndarray | None = None) -> np.ndarray:
+                        out: np.ndarray | None = None, dirty_to: int | None = None) -> np.ndarray:
     """:func:`_tile_scores` from packed queries and keys (either kernel's, see
     :func:`_key_block_dots`)."""
     T = w.shape[0]
-    out = output_buffer(out, (T, width), "_tile_scores_packed")
-    out.fill(-np.inf)
+    out = _masked_buffer(out, (T, width), clen, dirty_to, "_tile_scores_packed")
     n_vis = int(clen.max(initial=0))
     if keys[0].shape[0] * DOT_LANES < n_vis:
         raise ValueError(f"_tile_scores_packed: packed keys {keys[0].shape} do not cover {n_vis} "
@@ -322,19 +341,20 @@ def _tile_scores_packed(q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray, 
 
 def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                       width: int, out: np.ndarray | None = None,
-                      qbuf: np.ndarray | None = None) -> np.ndarray:
+                      qbuf: np.ndarray | None = None, dirty_to: int | None = None) -> np.ndarray:
     """:func:`_tile_scores` against packed keys (``[blocks, id / 2, DOT_LANES]``); ``qbuf`` a
     reusable uint32 buffer of at least :func:`_query_pairs_size` elements."""
     T, ih, idim = iq.shape
     if keys.shape[1] != idim // 2:
         raise ValueError(f"_tile_scores_bf16: packed keys {keys.shape} are not of {idim} dims")
     q = _query_pairs(iq, _query_buffer(qbuf, T, ih, idim))
-    return _tile_scores_packed(q, (keys,), w, clen, width, out=out)
+    return _tile_scores_packed(q, (keys,), w, clen, width, out=out, dirty_to=dirty_to)
 
 
 def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
                       clen: np.ndarray, width: int, out: np.ndarray | None = None,
-                      qbuf: np.ndarray | None = None) -> np.ndarray | None:
+                      qbuf: np.ndarray | None = None,
+                      dirty_to: int | None = None) -> np.ndarray | None:
     """:func:`_tile_scores` on AVX512-VNNI against keys packed by
     :func:`~ds41numba.numerics.pack_int8_blocks` (``(quads, scales)`` and their range), or None
     when these queries and keys are not all fp4 values whose dot products are exact in f32
@@ -346,7 +366,7 @@ def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.
     q, q_range = _query_int8(iq, _query_buffer(qbuf, T, ih, idim))
     if not int8_dot_exact(q_range, key_range, idim):
         return None
-    return _tile_scores_packed(q, keys, w, clen, width, out=out)
+    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to)
 
 
 def _int8_scored(head_dim: int) -> bool:
@@ -421,30 +441,39 @@ class IndexKeyCache:
                 self._pack_all(self.keys.shape[0])
 
     def scores(self, iq: np.ndarray, w: np.ndarray, clen: np.ndarray, width: int,
-               out: np.ndarray | None = None, qbuf: np.ndarray | None = None) -> np.ndarray:
-        """A tile's scores ``[T, width]`` after the visibility mask (see :func:`_tile_scores`)."""
+               out: np.ndarray | None = None, qbuf: np.ndarray | None = None,
+               dirty_to: int | None = None) -> np.ndarray:
+        """A tile's scores ``[T, width]`` after the visibility mask (see :func:`_tile_scores`);
+        ``dirty_to``: the columns of ``out`` from there on hold -inf already (:func:`_masked_buffer`)."""
         if not bf16_dot_enabled():
-            return _tile_scores(iq, w, self.keys[:width], clen, width, out=out)
+            return _tile_scores(iq, w, self.keys[:width], clen, width, out=out, dirty_to=dirty_to)
         if _int8_scored(self.keys.shape[1]):
             if self.int8 is None:       # made while the products ran on another tier
                 self._pack_int8(self.keys.shape[0])
             got = _tile_scores_int8(iq, w, self.int8, self.int8_range, clen, width, out=out,
-                                    qbuf=qbuf)
+                                    qbuf=qbuf, dirty_to=dirty_to)
             if got is not None:
                 return got
         if self.blocks is None:
             self._pack_all(self.keys.shape[0])
-        return _tile_scores_bf16(iq, w, self.blocks, clen, width, out=out, qbuf=qbuf)
+        return _tile_scores_bf16(iq, w, self.blocks, clen, width, out=out, qbuf=qbuf,
+                                 dirty_to=dirty_to)
 
 
 @njit(parallel=True, cache=True)
-def _block_scores(scores, clen, block):
-    """Per row, the max over each block of ``block`` positions; the newest visible block is +inf."""
+def _block_scores(scores, clen, block, masked):
+    """Per row, the max over each block of ``block`` positions; the newest visible block is +inf.
+
+    With ``masked`` the positions at or past ``clen[s]`` are known to hold -inf (the indexer's
+    visibility mask), so their blocks keep the -inf they start with and the loop stops there:
+    in a long chunked prefill a row is the whole prefill wide (1,048,576 positions) while a
+    query sees only the positions before it.
+    """
     rows, width = scores.shape
     nb = (width + block - 1) // block
     out = np.full((rows, nb), -np.inf, np.float32)
     for s in prange(rows):
-        for t in range(width):
+        for t in range(min(width, max(clen[s], 0)) if masked else width):
             v = scores[s, t]
             b = t // block
             out[s, b] = nan_max(out[s, b], v)
@@ -454,9 +483,11 @@ def _block_scores(scores, clen, block):
 
 
 def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int,
-                          block: int) -> np.ndarray:
-    """Per row, which blocks are candidates: ``[rows, n_blocks]`` bool."""
-    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen.astype(np.int64), block)
+                          block: int, masked: bool = False) -> np.ndarray:
+    """Per row, which blocks are candidates: ``[rows, n_blocks]`` bool (``masked``: the scores
+    past ``clen`` are -inf, see :func:`_block_scores`)."""
+    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen.astype(np.int64), block,
+                       masked)
     rows, nb = bs.shape
     k = min(topk_blocks, nb)
     picked = torch_cpu_topk_rows(bs, k)
@@ -640,6 +671,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     # Buffers reused by every tile (fresh arrays this size cost page faults each time).
     iq_buf = np.empty((min(proj_rows, seqlen), cfg.n_heads, cfg.head_dim), np.float32)
     score_buf = np.empty((min(tile, seqlen), width), np.float32)
+    dirty_to = None              # score_buf's columns from here on hold -inf (None: unknown)
     qbuf = (np.empty(_query_pairs_size(min(tile, seqlen), cfg.n_heads, cfg.head_dim), np.uint32)
             if bf16_dot_enabled() else None)
     for s0 in range(0, seqlen, tile):
@@ -651,14 +683,17 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             iq_rows = fp4_quant_e8m0_inplace(apply_rotary(iq_rows, positions[s0:p1], table, inplace=True))
         iq = iq_rows[s0 % proj_rows:s0 % proj_rows + s1 - s0]
         scores = index_k.scores(iq, w_all[s0:s1], clen[s0:s1], width, out=score_buf[:s1 - s0],
-                                qbuf=qbuf)
+                                qbuf=qbuf, dirty_to=dirty_to)
+        # What the tile wrote: below each row's clen (later writers only write -inf).
+        dirty_to = max(int(clen[s0:s1].max(initial=0)), 0)
         if capture:
             score_capture[s0:s1] = scores
         if observer is not None:
             observer.index_scores(s0, iq, w_all[s0:s1], scores)
         if cfg.candidate_source:
             published[s0:s1] = np.packbits(_candidate_block_mask(
-                scores, clen[s0:s1], cfg.candidate_topk_blocks, cfg.candidate_block_size), axis=1)
+                scores, clen[s0:s1], cfg.candidate_topk_blocks, cfg.candidate_block_size,
+                masked=True), axis=1)
         if cfg.use_candidates:
             allowed = candidate_mask(candidate_blocks[s0:s1], width, cfg.candidate_block_size)
             scores[~allowed] = -np.inf

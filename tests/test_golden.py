@@ -443,7 +443,7 @@ def test_another_head_order_passes_as_boundary_swaps(tmp_path, monkeypatch):
     golden.write_golden(plan, path)
     indexer = importlib.import_module("ds41numba.indexer")
 
-    def scores(self, iq, w, clen, width, out=None, qbuf=None):
+    def scores(self, iq, w, clen, width, out=None, qbuf=None, dirty_to=None):
         return _reversed_head_sum_scores(iq, w, self.keys[:width], clen, width, out)
 
     monkeypatch.setattr(indexer.IndexKeyCache, "scores", scores)

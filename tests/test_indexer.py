@@ -131,6 +131,25 @@ def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
         assert np.array_equal(to_bf16_rne(got), got)
 
 
+@pytest.mark.parametrize("tier", BACKENDS)
+def test_a_reused_score_buffer_is_masked_only_where_it_was_written(tier):
+    """The indexer reuses one score buffer tile after tile and masks only the columns a
+    previous tile wrote (``dirty_to``): a buffer full of garbage masked in full, then reused
+    for queries that see fewer positions, gives exactly a fresh buffer's scores."""
+    rng = np.random.default_rng(12)
+    T, ih, idim, n = 6, 4, 128, 300
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    with use_backend(tier):
+        cache = indexer_mod.IndexKeyCache(keys)
+        buf = np.full((T, n), 7.0, np.float32)                 # garbage everywhere
+        wide = np.array([250, 260, 270, 280, 290, 300])
+        first = cache.scores(iq, w, wide, n, out=buf).copy()
+        assert np.array_equal(first, naive.tile_scores(iq, w, keys, wide))
+        narrow = np.array([0, 10, 120, 121, 200, 299])
+        got = cache.scores(iq, w, narrow, n, out=buf, dirty_to=int(wide.max()))
+        assert np.array_equal(got, naive.tile_scores(iq, w, keys, narrow))
+
+
 @pytest.mark.parametrize("path", SCORE_PATHS)
 def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
     """Small chunks, split across the workers: every chunk boundary, a NaN and an inf key."""
