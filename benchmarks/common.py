@@ -23,6 +23,7 @@ this sense; they show up as the gap between useful GFLOP/s and numpy's matmul ra
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import statistics
@@ -59,6 +60,17 @@ def _env_sizes(name: str, default: list[int]) -> list[int]:
     if not sizes or any(s < 1 for s in sizes):
         raise ValueError(f"{name} must list positive token counts, got {text!r}")
     return sizes
+
+
+def int_list(text: str, minimum: int = 1) -> list[int]:
+    """A command-line list ``"1024,4096"`` as integers of at least ``minimum`` (argparse type)."""
+    try:
+        vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < minimum for v in vals):
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+    return vals
 
 
 FULL = os.environ.get("DS41_BENCH_FULL", "").strip() not in ("", "0")

@@ -158,18 +158,14 @@ def project(model: dict, ratio: int, prefill: int, chunk: int) -> float:
     return float(sum(cols[:, j].sum() * model[n] for j, n in enumerate(names) if n in model))
 
 
-def _ints(text):
-    return [int(v) for v in text.split(",") if v]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cost_model", description=__doc__.split("\n")[0])
     ap.add_argument("--layer", type=int, default=common.DECODE_LAYER)
-    ap.add_argument("--lengths", type=_ints, default=[16384, 32768])
+    ap.add_argument("--lengths", type=common.int_list, default=[16384, 32768])
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=4)
-    ap.add_argument("--project", type=_ints, default=[65536, 131072, 262144, 1048576])
-    ap.add_argument("--widths", type=_ints, default=[65536, 131072, 262144],
+    ap.add_argument("--project", type=common.int_list, default=[65536, 131072, 262144, 1048576])
+    ap.add_argument("--widths", type=common.int_list, default=[65536, 131072, 262144],
                     help="positions a query sees where the indexer is timed directly")
     ap.add_argument("--dir", default=None, help="where the goldens are written (default: a temp dir)")
     ap.add_argument("--json-file", default=None)

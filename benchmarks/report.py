@@ -65,18 +65,8 @@ def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
 
-def _ints(text: str, minimum: int = 1) -> list[int]:
-    try:
-        vals = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < minimum for v in vals):
-        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
-    return vals
-
-
 def _layer_ids(text: str) -> list[int]:
-    return _ints(text, minimum=0)
+    return common.int_list(text, minimum=0)
 
 
 def _median(xs):
@@ -493,11 +483,11 @@ def _meta() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=_ints, default=None,
+    ap.add_argument("--sizes", type=common.int_list, default=None,
                     help="prefill token counts (default 1024,4096,16384; --quick 1024,4096)")
-    ap.add_argument("--decode-context", type=_ints, default=None,
+    ap.add_argument("--decode-context", type=common.int_list, default=None,
                     help="decode contexts, each reached by a prefill (default 4096,65536; --quick 4096)")
-    ap.add_argument("--long", type=_ints, default=[],
+    ap.add_argument("--long", type=common.int_list, default=[],
                     help="opt-in long prefill(s) of layer 20, e.g. 65536 (checks peak RSS <= 6 GB)")
     ap.add_argument("--layers", type=_layer_ids, default=sorted(common.LAYERS),
                     help="prefill layers (default 0,2,20)")
