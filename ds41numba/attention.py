@@ -7,9 +7,10 @@ those listed rows, with a per-head *sink* logit that absorbs probability mass wi
 contributing a value. The heads' outputs are projected back in ``o_groups`` independent groups
 (``wo_a``) and then mixed (``wo_b``).
 
-The forward builds what every query needs first (window rows, latents, index keys, the
-index selection) and then runs the queries in tiles end to end, so memory grows with
-``seqlen * (dim + head_dim)`` rather than ``seqlen * heads * head_dim``.
+The forward builds what every query needs first (window rows, latents, index keys: the key
+side) and then answers the queries (the index selection, then tiles run end to end), so memory
+grows with ``seqlen * (dim + head_dim)`` rather than ``seqlen * heads * head_dim``. Given the
+caches, any rows of a prefill's queries can be answered on their own (:func:`attention_rows`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, bf16_scalar, fp4_
                        linear_bf16, nan_max, output_buffer, rms_norm, single_threaded_blas)
 from .rope import apply_rotary, fma_f32, yarn_freqs_cis
 
-__all__ = ["CompAttnRun", "attention_any", "sparse_attn", "window_index_rows", "index_rows",
+__all__ = ["CompAttnRun", "attention_any", "attention_rows", "sparse_attn", "window_index_rows", "index_rows",
            "output_projection", "layer_rope_table"]
 
 
@@ -662,23 +663,28 @@ def _default_tile(seqlen: int) -> int:
     return max(1, min(1024, seqlen))
 
 
+def _window_kv(config, weights, x, positions, table, ref_rows):
+    """The KV rows of ``x`` as the window holds them: normed, rotated and fp8-quantised, each row
+    on its own (the products' order is chosen by ``ref_rows``, not by how many rows ``x`` has)."""
+    kv = rms_norm(linear_bf16(x, weights.wkv, ref_rows=ref_rows), weights.kv_norm, config.norm_eps)
+    return act_quant_fp8_inplace(apply_rotary(kv, positions, table, inplace=True))
+
+
 def _window_rows(config, weights, state, x, start_pos, positions, table, prefill_len):
     """This step's window: the KV rows attention reads, the offset, and the first position
     those rows stand for.
 
-    The new rows are normed, rotated and fp8-quantised. A prefill attends to all its new rows
-    and the ring keeps the last ``window_size`` of them; a decode step writes its row into the
-    ring and attends to the whole ring. The offset is the number of window rows, which the
-    compressed entries of an index row are shifted by. A chunk of a prefill (``prefill_len``,
-    start_pos > 0) attends to the ring's rows of the ``win - 1`` positions before it, then its
-    own rows; its index rows are the one-shot prefill's (offset ``prefill_len``), which
-    :func:`_local_rows` maps onto these rows.
+    A prefill attends to all its new rows and the ring keeps the last ``window_size`` of them;
+    a decode step writes its row into the ring and attends to the whole ring. The offset is the
+    number of window rows, which the compressed entries of an index row are shifted by. A chunk
+    of a prefill (``prefill_len``, start_pos > 0) attends to the ring's rows of the ``win - 1``
+    positions before it, then its own rows; its index rows are the one-shot prefill's (offset
+    ``prefill_len``), which :func:`_local_rows` maps onto these rows.
     """
     seqlen, win = x.shape[0], config.window_size
     decode = prefill_len is None and start_pos > 0
     ref_rows = 1 if decode else (seqlen if prefill_len is None else prefill_len)
-    kv = rms_norm(linear_bf16(x, weights.wkv, ref_rows=ref_rows), weights.kv_norm, config.norm_eps)
-    kv = act_quant_fp8_inplace(apply_rotary(kv, positions, table, inplace=True))
+    kv = _window_kv(config, weights, x, positions, table, ref_rows)
     if decode:
         state.window_kv[start_pos % win] = kv[0]
         return state.window_kv.copy(), win, 0
@@ -702,69 +708,76 @@ def _local_rows(idx, first, offset, window_rows, n_window):
     return out
 
 
-def _compressed_rows(config, layer_id, weights, state, shared, x, qr, start_pos, table, offset,
-                     capture, prefill_len):
-    """Steps 4-7 for a ratio > 0 layer: compress, index, publish; return what attention reads.
-
-    Returns ``(rows, idx, index_score)``: the shared compressed cache up to ``end_pos // r``, the
-    compressed index entries (the shared selection, offsets applied) and, for index sources
-    with ``capture``, the scores. ``prefill_len``: the step is a chunk of a prefill that long.
-    """
+def _update_caches(config, layer_id, weights, state, shared, x, start_pos, table, prefill_len):
+    """Steps 4-5 for a ratio > 0 layer, the *key side*: compress, write the index keys and the
+    fp4 latents into the layer's caches, publish them in the shared slots. What the queries then
+    read depends on this step's rows only through those caches. ``prefill_len``: the step is a
+    chunk of a prefill that long."""
     c = config
     seqlen = x.shape[0]
     r = c.ratio(layer_id)
     chunk = prefill_len is not None
-    prefill = chunk or start_pos == 0
-    width = (start_pos + seqlen) // r
     first_row = start_pos // r
-    latents = lpos = index_score = None
+    latents = lpos = None
     if c.is_kv_source(layer_id):
         latents = compressor(x, start_pos, r, weights.compressor, state.compressor, c.norm_eps,
                              prefill_len=prefill_len)
-        lpos = latent_positions(start_pos, seqlen, r, prefill=prefill)
-    if c.is_index_source(layer_id):
-        # A prefill's key owner publishes when the prefill writes keys, whichever chunk this is.
-        writes = latents is not None or (chunk and prefill_len >= r)
-        if c.is_key_owner(layer_id) and writes:
-            # The key owner publishes its cache only on a step that wrote keys: otherwise the
-            # slot keeps the previous writer's cache (even another ratio's), as in the
-            # reference, and this layer scores against that.
-            if latents is not None:
-                keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps,
-                                  ref_rows=prefill_len // r if chunk else None)
-                state.index_cache.write(first_row, keys)
-            shared.index_k = state.index_cache
-        ref_width = prefill_len // r if chunk else width
-        if ref_width == 0:
-            shared.topk_idxs = np.zeros((seqlen, 0), np.int32)
-        else:
-            cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
-            shared.topk_idxs, published, index_score = indexer(
-                x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
-                shared.index_k, offset, candidate_blocks=cands, capture=capture,
-                prefill_len=prefill_len, observer=shared.observer)
-            if published is not None:
-                shared.candidate_blocks = published
-                shared.candidate_width = ref_width
-                shared.candidate_block_size = c.candidate_block_size
+        lpos = latent_positions(start_pos, seqlen, r, prefill=chunk or start_pos == 0)
+    # A prefill's key owner publishes when the prefill writes keys, whichever chunk this is.
+    writes = latents is not None or (chunk and prefill_len >= r)
+    if c.is_key_owner(layer_id) and writes:
+        # The key owner publishes its cache only on a step that wrote keys: otherwise the slot
+        # keeps the previous writer's cache (even another ratio's), as in the reference, and
+        # this layer scores against that.
+        if latents is not None:
+            keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps,
+                              ref_rows=prefill_len // r if chunk else None)
+            state.index_cache.write(first_row, keys)
+        shared.index_k = state.index_cache
     if latents is not None:
         lat = fp4_quant_e4m3_inplace(apply_rotary(latents, lpos, table, inplace=True))
         state.compress_cache[first_row:first_row + len(lat)] = lat
     if c.is_kv_source(layer_id):
         shared.compress_kv = state.compress_cache
-    return shared.compress_kv[:width], shared.topk_idxs, index_score
+
+
+def _select(config, layer_id, weights, shared, x, qr, start_pos, table, offset, capture,
+            prefill_len):
+    """Step 6 for an index source: each query's compressed positions, published as the shared
+    selection (and, at the candidate source, the candidate blocks); returns the scores with
+    ``capture``."""
+    c = config
+    seqlen = x.shape[0]
+    r = c.ratio(layer_id)
+    chunk = prefill_len is not None
+    ref_width = (prefill_len if chunk else start_pos + seqlen) // r
+    if ref_width == 0:
+        shared.topk_idxs = np.zeros((seqlen, 0), np.int32)
+        return None
+    cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
+    shared.topk_idxs, published, index_score = indexer(
+        x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
+        shared.index_k, offset, candidate_blocks=cands, capture=capture,
+        prefill_len=prefill_len, observer=shared.observer)
+    if published is not None:
+        shared.candidate_blocks = published
+        shared.candidate_width = ref_width
+        shared.candidate_block_size = c.candidate_block_size
+    return index_score
 
 
 def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, start_pos: int,
                   capture: bool = False, tile: int | None = None,
-                  prefill_len: int | None = None) -> CompAttnRun:
+                  prefill_len: int | None = None, queries: bool = True) -> CompAttnRun | None:
     """One layer's forward for any ratio; updates ``state`` and the ``shared`` slots.
 
-    Inputs are assumed valid (``AttentionStack.forward`` checks them). What every query needs
-    is built first (window rows, latents, index keys, the index selection); then the queries
-    run in tiles: projection, RoPE, sparse attention, inverse RoPE, output projection.
-    A decode step's products are all small, and BLAS's threads would only contend with the
-    numba kernels between them: BLAS runs single-threaded for it.
+    Inputs are assumed valid (``AttentionStack.forward`` checks them). The *key side* runs
+    first (window rows, latents, index keys: the layer's state and caches); then the *query
+    side*: the index selection, and the queries in tiles (projection, RoPE, sparse attention,
+    inverse RoPE, output projection). ``queries=False`` stops after the key side and returns
+    None: a distributed run fills the caches so and runs the queries elsewhere
+    (:func:`attention_rows`). A decode step's products are all small, and BLAS's threads would
+    only contend with the numba kernels between them: BLAS runs single-threaded for it.
 
     ``prefill_len``: ``x`` is rows ``start_pos ..`` of a prefill of that many tokens, the
     previous chunk (if any) ended at ``start_pos``; every result is the one-shot prefill's rows.
@@ -772,30 +785,76 @@ def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, 
     if x.shape[0] <= MATVEC_MAX_ROWS:
         with single_threaded_blas():
             return _attention_step(config, layer_id, weights, state, shared, x, start_pos,
-                                   capture, tile, prefill_len)
+                                   capture, tile, prefill_len, queries)
     return _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile,
-                           prefill_len)
+                           prefill_len, queries)
 
 
 def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile,
-                    prefill_len=None):
+                    prefill_len=None, queries=True):
     c = config
     seqlen = x.shape[0]
-    H, hd = c.n_heads, c.head_dim
     positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
     table = layer_rope_table(c, c.ratio(layer_id), start_pos + seqlen)
+    window = _window_rows(c, weights, state, x, start_pos, positions, table, prefill_len)
+    if c.ratio(layer_id) > 0:
+        _update_caches(c, layer_id, weights, state, shared, x, start_pos, table, prefill_len)
+    if not queries:
+        return None
+    return _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, capture,
+                           tile, prefill_len)
+
+
+def attention_rows(config, layer_id: int, weights, shared, x: np.ndarray, first_row: int,
+                   prefill_len: int, tile: int | None = None) -> CompAttnRun:
+    """The *query side* of rows ``first_row ..`` of a prefill of ``prefill_len`` tokens, given
+    the caches its key side filled (``shared.compress_kv``, ``shared.index_k`` as layer
+    ``layer_id``'s prefill finds them, at least up to these rows' end) and, for a layer that
+    reads another's, the rows of the shared selection (``shared.topk_idxs``) and candidate blocks
+    the same rows of its sources got. ``x`` holds the input rows from ``max(0, first_row -
+    window_size + 1)`` on: the earlier ones give the window's KV rows, which are recomputed
+    rather than shipped.
+
+    The rows are the one-shot prefill's, bit for bit, whoever runs them and in whatever pieces:
+    a distributed run (:mod:`ds41numba.golden.cluster`) spreads a layer's query tiles over
+    workers this way. ``shared`` receives the rows' own selection at an index source.
+    """
+    c = config
+    win = c.window_size
+    first = max(0, first_row - win + 1)
+    n = x.shape[0] - (first_row - first)
+    if n < 1 or first_row + n > prefill_len:
+        raise ValueError(f"attention_rows: rows {first_row}..{first_row + n - 1} do not lie in a "
+                         f"prefill of {prefill_len} tokens (x holds {x.shape[0]} rows)")
+    table = layer_rope_table(c, c.ratio(layer_id), first_row + n)
+    positions = np.arange(first, first_row + n, dtype=np.int64)
+    kv = _window_kv(c, weights, x, positions, table, prefill_len)
+    with_history = (kv, prefill_len, first)
+    return _answer_queries(c, layer_id, weights, shared, x[first_row - first:], first_row,
+                           with_history, table, False, tile, prefill_len)
+
+
+def _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, capture, tile,
+                    prefill_len):
+    """Steps 6-9, the *query side*: the index selection, then the queries in tiles (projection,
+    RoPE, sparse attention over the window and the selected compressed rows, inverse RoPE,
+    output projection). ``window`` is :func:`_window_rows`'s ``(rows, offset, first)``."""
+    seqlen = x.shape[0]
+    H, hd = c.n_heads, c.head_dim
+    r = c.ratio(layer_id)
+    positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
     # The reference's rows of every product: the whole prefill (a chunk's too), 1 at decode.
     ref_rows = prefill_len if prefill_len is not None else (seqlen if start_pos == 0 else 1)
+    window, offset, first = window
 
     qr = rms_norm(linear_bf16(x, weights.wq_a, ref_rows=ref_rows), weights.q_norm, c.norm_eps)
-    window, offset, first = _window_rows(c, weights, state, x, start_pos, positions, table,
-                                         prefill_len)
     kv_rows, idx_comp, index_score = (window,), None, None
-    if c.ratio(layer_id) > 0:
-        comp, idx_comp, index_score = _compressed_rows(c, layer_id, weights, state, shared, x, qr,
-                                                       start_pos, table, offset, capture,
-                                                       prefill_len)
-        kv_rows = (window, comp)
+    if r > 0:
+        if c.is_index_source(layer_id):
+            index_score = _select(c, layer_id, weights, shared, x, qr, start_pos, table, offset,
+                                  capture, prefill_len)
+        kv_rows = (window, shared.compress_kv[:(start_pos + seqlen) // r])
+        idx_comp = shared.topk_idxs
     idx = index_rows(start_pos, seqlen, c.window_size, idx_comp, prefill_len)
     attend = idx
     if prefill_len is not None and (first or len(window) != offset):

@@ -85,6 +85,15 @@ def _build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS", help="with --capture io, checkpoint between prefill chunks "
                    f"and decode steps once this much work has passed (default: "
                    f"{golden.CHECKPOINT_EVERY:g}; 0: at every one)")
+    where = g.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, metavar="N", help="with --capture io, run the "
+                       "prefill's query tiles (--chunk rows each) on a local Dask cluster of N "
+                       "worker processes, the machine's cores shared among them (needs "
+                       "'ds41numba[dask]'); the file is the same")
+    where.add_argument("--scheduler", metavar="ADDRESS", help="with --capture io, run the "
+                       "prefill's query tiles on the Dask cluster of the scheduler at ADDRESS "
+                       "(e.g. tcp://10.0.0.1:8786; workers started with --nthreads 1, each "
+                       "with ds41numba installed); the file is the same")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
     def index_rules(sub):
@@ -204,15 +213,30 @@ def _golden(args) -> int:
     else:
         stem = preset_name or os.path.splitext(os.path.basename(args.config))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
-    with _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as progress:
+    with _cluster(args, plan) as cluster, \
+            _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as progress:
         info = golden.write_golden(plan, out, force=args.force, progress=progress,
                                    chunk=args.chunk, resume=args.resume,
-                                   checkpoint_every=args.checkpoint_every)
+                                   checkpoint_every=args.checkpoint_every, cluster=cluster)
     what = preset_name or args.config
     print(f"wrote {info['path']}  ({what}, layers {_ranges(plan.layers)}, prefill {plan.prefill} "
           f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "
           f"{_size(info['bytes'])}, {info['seconds']:.1f} s)")
     return 0
+
+
+@contextlib.contextmanager
+def _cluster(args, plan):
+    """The Dask cluster of ``--workers`` / ``--scheduler`` (None without them), closed after."""
+    if args.workers is None and args.scheduler is None:
+        yield None
+        return
+    if plan.capture != "io":
+        raise GoldenError("--workers/--scheduler: only a streamed run (--capture io) runs on a "
+                          "cluster")
+    from .golden.cluster import Cluster
+    with Cluster(scheduler=args.scheduler, workers=args.workers) as cluster:
+        yield cluster
 
 
 def _replay(args) -> int:

@@ -269,7 +269,7 @@ class AttentionStack:
         self._order.states, self._order.shared = self.states, self.shared
 
     def forward(self, layer_id: int, x, start_pos: int, capture: bool = False,
-                prefill_len: int | None = None) -> CompAttnRun:
+                prefill_len: int | None = None, queries: bool = True) -> CompAttnRun | None:
         """Run layer ``layer_id`` on ``x [seqlen, dim]`` (bf16 values) at ``start_pos``.
 
         ``start_pos == 0`` is a prefill and starts a new sequence for this layer; ``start_pos > 0``
@@ -288,6 +288,12 @@ class AttentionStack:
         tokens. After a chunked prefill ``shared.topk_idxs`` and ``shared.candidates`` hold the
         last chunk's rows (the one-shot's last rows), not all ``P``: the decode step's layers
         replace them before any layer reads them.
+
+        ``queries=False`` runs only the key side of the step (the layer's state and caches, the
+        shared caches it publishes; see :func:`~ds41numba.attention.attention_any`) and returns
+        None: the rows' outputs and selection are then :func:`~ds41numba.attention.attention_rows`'
+        to compute, wherever they run. Only a chunk of a prefill (``prefill_len``) may skip
+        its queries: a decode step's selection is read by the layers after it.
         """
         c = self.config
         layer_id = _checked_int("layer_id", layer_id)
@@ -307,6 +313,8 @@ class AttentionStack:
                              f"max_seq_len {c.max_seq_len}")
         if start_pos == 0 and prefill_len is None:
             prefill_len = x.shape[0]          # the one-shot prefill
+        if not queries and prefill_len is None:
+            raise ValueError("queries=False: only a prefill (prefill_len) may run its key side alone")
         # refuses before anything changes
         self._order.admit(layer_id, start_pos, x.shape[0], prefill_len)
         if start_pos == 0:
@@ -316,7 +324,7 @@ class AttentionStack:
             else prefill_len
         run = attention_any(c, layer_id, self.weights[layer_id], self.states[layer_id],
                             self.shared, x, start_pos, capture=capture, tile=self.tile,
-                            prefill_len=chunk)
+                            prefill_len=chunk, queries=queries)
         self._order.ran(layer_id, start_pos, x.shape[0], prefill_len)
         return run
 

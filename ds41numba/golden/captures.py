@@ -199,7 +199,7 @@ class StepObserver:
         self._got: dict[str, np.ndarray] = {}
         self._samples: dict[str, np.ndarray] = {}
         self._steps: dict[int, tuple] = {}       # layer -> (sampled rows, samples) of its step
-        self._row0, self._step_end = 0, True
+        self._row0, self._step_end, self._seqlen = 0, True, 0
 
     def begin(self, layer_id: int, start_pos: int, seqlen: int, prefill_len: int | None = None):
         """Before each forward, with its arguments: ``prefill_len`` makes it the chunk of a
@@ -218,6 +218,7 @@ class StepObserver:
             rows = p[(p >= step0) & (p < step0 + steprows)] - step0
             self._steps[layer_id] = (rows, {"sample.rows": rows.astype(np.int32)} if rows.size else {})
         self.rows, self._samples = self._steps[layer_id]
+        self._seqlen = seqlen
         if self._step_end:
             del self._steps[layer_id]
         self.offset = prefill_len if chunk else (seqlen if start_pos == 0 else c.window_size)
@@ -283,6 +284,15 @@ class StepObserver:
             sel = (rows >= first) & (rows < first + len(p))
             kv[sel] = p[rows[sel] - first]
         self._sample("sample.kv", i, kv)
+
+    def forward_samples(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The samples of this forward's own rows, for a run that collects a step's samples
+        from several processes (:mod:`.cluster`): their indices into the step's ``sample.*``
+        rows (consecutive) and ``{sample.WHAT: those rows}``, without ``sample.rows``."""
+        i, _ = self._sampled(0, self._seqlen)
+        if not i.size:
+            return i, {}
+        return i, {k: v[i] for k, v in self._samples.items() if k != "sample.rows"}
 
     def captures(self) -> dict[str, np.ndarray]:
         """The forward's score captures (its rows) and, with the step's last chunk, the step's

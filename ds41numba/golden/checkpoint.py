@@ -53,7 +53,8 @@ _RECORD = "record.pkl"
 #: The command-line flag behind each identity key, to say what differs.
 _FLAGS = {"config": "the config (--preset/--config)", "preset": "--preset", "layers": "--layers",
           "prefill": "--prefill", "decode": "--decode", "seed": "--seed", "capture": "--capture",
-          "profile": "--profile", "capture_rows": "--capture-rows", "chunk": "--chunk"}
+          "profile": "--profile", "capture_rows": "--capture-rows", "chunk": "--chunk",
+          "schedule": "--workers/--scheduler"}
 
 
 def partial_path(path: str) -> str:
@@ -68,10 +69,15 @@ def checkpoint_dir(path: str) -> str:
     return os.path.join(directory, f".{base}.ckpt")
 
 
-def run_identity(metadata: dict[str, str], chunk: int | None) -> dict[str, str]:
+def run_identity(metadata: dict[str, str], chunk: int | None,
+                 schedule: str | None = None) -> dict[str, str]:
     """What a resumed run must share with the interrupted one: the file's metadata (config, run,
-    generator, version) and the chunk size (the pieces a checkpoint counts)."""
-    return {**metadata, "chunk": str(chunk)}
+    generator, version), the chunk size and the schedule (what the pieces a checkpoint counts
+    are: None for one process, ``"tiles"`` on a cluster, whichever and however many workers)."""
+    identity = {**metadata, "chunk": str(chunk)}
+    if schedule is not None:
+        identity["schedule"] = schedule
+    return identity
 
 
 def identity_differences(then: dict[str, str], now: dict[str, str]) -> list[str]:
@@ -154,6 +160,7 @@ class Checkpoint:
         self.path, self.identity, self.every = os.fspath(path), identity, float(every)
         self.partial, self.dir = partial_path(self.path), checkpoint_dir(self.path)
         self.record: dict | None = None
+        self.extra: dict | None = None           # what the driver saved beside the stack
         self._rows: dict[str, int] = {}          # rows of each cache file the record counts
         self._last = time.monotonic()
         if resume:
@@ -236,9 +243,11 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, done: int, where: str, stack, observer, writer) -> None:
+    def save(self, done: int, where: str, stack, observer, writer, extra: dict | None = None) -> None:
         """A checkpoint after ``done`` pieces (``where`` says which, for messages): sync the
-        partial file, append the caches' new rows, then replace the record atomically."""
+        partial file, append the caches' new rows, then replace the record atomically.
+        ``extra``: what else the driver needs to continue (pickled with the stack, so references
+        to its caches stay references), back as :attr:`extra` after :meth:`restore`."""
         writer.sync()
         caches = _caches(stack)
         with disk_errors(self.dir):
@@ -247,7 +256,8 @@ class Checkpoint:
             for key, (_, rows, n) in caches.items():
                 self._append(key, rows, n)
             buf = io.BytesIO()
-            _CachePickler(buf, caches).dump({"stack": stack.snapshot(), "observer": observer})
+            _CachePickler(buf, caches).dump({"stack": stack.snapshot(), "observer": observer,
+                                             "extra": extra})
             record = {"version": RECORD_VERSION, "identity": self.identity, "done": done,
                       "where": where, "rows_written": dict(writer.rows_written),
                       "caches": {k: (type(obj).__name__, rows.shape, rows.dtype.str, n)
@@ -299,6 +309,7 @@ class Checkpoint:
         with disk_errors(self.dir, "read"):
             state = _CacheUnpickler(io.BytesIO(self.record["state"]), self._read_cache).load()
         stack.restore(state["stack"])
+        self.extra = state.get("extra")
         return state["observer"]
 
     def _read_cache(self, key: str):

@@ -237,15 +237,20 @@ DEFAULT_CHUNK = 4096
 
 def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
                  chunk: int | None = DEFAULT_CHUNK, resume: bool = False,
-                 checkpoint_every: float = CHECKPOINT_EVERY) -> dict:
+                 checkpoint_every: float = CHECKPOINT_EVERY, cluster=None) -> dict:
     """Run ``plan`` and write its golden to ``path`` atomically; returns a summary for printing.
 
     With ``capture="io"`` the file is streamed (:func:`stream_golden`): the prefill runs in
     chunks of ``chunk`` rows and each chunk's rows go into place as they are made, with
     checkpoints every ``checkpoint_every`` seconds that ``resume`` continues from. ``all``
     holds ``[seqlen, positions]`` captures per step and runs in memory, the prefill in one call.
+    ``cluster`` (a :class:`~.cluster.Cluster`, ``io`` only) runs the prefill's queries on its
+    workers, tile by tile; the file is the same.
     """
     path = os.fspath(path)
+    if cluster is not None and plan.capture != "io":
+        raise GoldenError("--workers/--scheduler: only a streamed run (--capture io) runs on a "
+                          "cluster")
     if resume and plan.capture != "io":
         raise GoldenError("--resume: only a streamed run (--capture io) keeps a checkpoint to "
                           "resume from")
@@ -253,7 +258,7 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     _check_memory(plan, chunk)
     t0 = time.perf_counter()
     if plan.capture == "io":
-        n = stream_golden(plan, path, force, progress, chunk, resume, checkpoint_every)
+        n = stream_golden(plan, path, force, progress, chunk, resume, checkpoint_every, cluster)
     else:
         tensors = run_golden(plan, progress)
         n = len(tensors)
@@ -340,7 +345,7 @@ def io_layout(plan: GoldenPlan):
 
 def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
                   chunk: int | None = DEFAULT_CHUNK, resume: bool = False,
-                  checkpoint_every: float = CHECKPOINT_EVERY) -> int:
+                  checkpoint_every: float = CHECKPOINT_EVERY, cluster=None) -> int:
     """Run an ``io`` plan and stream its golden to ``path``: the file is laid out up front
     (:func:`io_layout`, :class:`StreamingGolden`), the prefill runs ``chunk`` rows at a time
     through every layer, and each chunk's inputs (made a chunk at a time by the generator),
@@ -357,15 +362,20 @@ def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     whether the checkpoint was kept. ``resume`` continues from the checkpoint (same plan and
     ``chunk``, else refused); without it an earlier run's leftovers are refused, or discarded
     with ``force`` (with ``resume``, ``force`` lets the finished file replace an existing one).
+
+    ``cluster`` (:class:`~.cluster.Cluster`) runs the prefill's query tiles on its workers
+    (:func:`~.cluster.drive_tiles`); its checkpoints resume on any cluster, not in one process.
     """
     layout, copies = io_layout(plan)
-    ckpt = Checkpoint(path, run_identity(plan.metadata(), chunk), resume, force, checkpoint_every)
+    schedule = None if cluster is None else cluster.schedule
+    ckpt = Checkpoint(path, run_identity(plan.metadata(), chunk, schedule), resume, force,
+                      checkpoint_every)
     try:
         with StreamingGolden(path, layout, plan.metadata(), force, partial=ckpt.partial,
                              rows_written=ckpt.rows_written()) as out:
             out.keep = ckpt.saved
             try:
-                _stream(plan, out, ckpt, copies, progress, chunk)
+                _stream(plan, out, ckpt, copies, progress, chunk, cluster)
             finally:
                 out.keep = ckpt.saved
             out.commit()
@@ -392,9 +402,11 @@ def _kept(ckpt: Checkpoint, first: str) -> str:
             f"same command with --resume to continue")
 
 
-def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, progress, chunk):
+def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, progress, chunk,
+            cluster=None):
     """The body of :func:`stream_golden`: the stack (its weights written as they are made),
-    the checkpoint restored or a first one taken, the drive with checkpoints between pieces."""
+    the checkpoint restored or a first one taken, the drive with checkpoints between pieces
+    (or, on a ``cluster``, :func:`~.cluster.drive_tiles`)."""
     cfg = plan.config
 
     def put_weight(name, array, kind):
@@ -403,10 +415,10 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
 
     stack = AttentionStack(cfg, GeneratedWeights(cfg, plan.layers, plan.seed, plan.profile,
                                                  made=put_weight), layers=plan.layers)
+    observer = ckpt.restore(stack)
     pieces = run_pieces(plan.prefill, plan.decode, chunk)
     split = len(pieces) - plan.decode > 1
-    observer = ckpt.restore(stack)
-    if ckpt.saved and progress is not None:
+    if ckpt.saved and progress is not None and cluster is None:
         progress(sum(p[3] for p in pieces[:ckpt.done]) * len(plan.layers), "resumed")
 
     def boundary(done, observer):
@@ -432,9 +444,19 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
     if not ckpt.saved:
         observer = StepObserver(cfg, plan.capture_rows)
         stack.shared.observer = observer
-        boundary(0, observer)
-    drive(stack, plan.prefill, plan.decode, plan.capture, streamed_input, write, progress,
-          plan.capture_rows, chunk=chunk, observer=observer, start=ckpt.done, boundary=boundary)
+    if cluster is not None:
+        from .cluster import drive_tiles
+        drive_tiles(cluster, plan, stack, ckpt, out, streamed_input, write, progress, chunk,
+                    observer)
+    else:
+        if not ckpt.saved:
+            boundary(0, observer)
+        drive(stack, plan.prefill, plan.decode, plan.capture, streamed_input, write, progress,
+              plan.capture_rows, chunk=chunk, observer=observer, start=ckpt.done,
+              boundary=boundary)
+    for name, source in copies.items():     # a selection no layer of the step replaced
+        if out.missing_rows(name):
+            out.copy_tensor(source, name)
 
 
 def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:

@@ -1,0 +1,198 @@
+"""Golden runs on a Dask cluster (``--workers`` / ``--scheduler``): a local cluster of 2 worker
+processes on the loopback interface writes the one-process run's file byte for byte, whatever
+the tiles; a killed worker costs only its tasks; a scheduler that goes away leaves a checkpoint
+that another cluster resumes to the same bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import signal
+
+import distributed
+import numpy as np
+import pytest
+
+from ds41numba import preset
+from ds41numba.attention import attention_rows
+from ds41numba.cli import main
+from ds41numba.golden import GoldenError, GoldenPlan, RunInterrupted, make_input, write_golden
+from ds41numba.golden import cluster as cluster_module
+from ds41numba.golden.cluster import Cluster
+from ds41numba.golden.generator import GeneratedWeights
+from ds41numba.stack import AttentionStack, SharedRuntime
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def _plan(name="mixed", prefill=203, decode=4, rows=(5, 100, 150, 204), seed=3, profile="default"):
+    cfg = preset(name)
+    return GoldenPlan(cfg, tuple(range(cfg.n_layers)), prefill, decode, seed=seed, capture="io",
+                      preset=name, capture_rows=rows, profile=profile)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(workers=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-process mixed run (chunk 7: chunks split the ratio-4 and -16 groups and the
+    candidate blocks)."""
+    path = tmp_path_factory.mktemp("ref") / "ref.safetensors"
+    write_golden(_plan(), path, chunk=7)
+    return sha(path)
+
+
+@pytest.mark.parametrize("chunk", [37, 64, 203])
+def test_two_workers_write_the_one_process_file(tmp_path, cluster, reference, chunk):
+    path = tmp_path / "c.safetensors"
+    write_golden(_plan(), path, chunk=chunk, cluster=cluster)
+    assert sha(path) == reference
+    assert os.listdir(tmp_path) == ["c.safetensors"]       # no partial file or checkpoint left
+
+
+def test_ties_profile_on_two_workers(tmp_path, cluster):
+    """Tie-heavy scores, NaN and inf rows (the candidate source and its consumers included)."""
+    plan = _plan("tiny", prefill=40, decode=6, rows=(3, 39, 44), profile="ties")
+    write_golden(plan, tmp_path / "one.safetensors", chunk=40)
+    write_golden(plan, tmp_path / "two.safetensors", chunk=9, cluster=cluster)
+    assert sha(tmp_path / "two.safetensors") == sha(tmp_path / "one.safetensors")
+
+
+def test_a_killed_worker_costs_only_its_tasks(tmp_path, cluster, reference):
+    pids = cluster.client.run(os.getpid)
+    victim = sorted(pids.values())[0]
+    seen = {"tiles": 0}
+
+    def progress(n, where):
+        if n and where.startswith("step 0 rows"):
+            seen["tiles"] += 1
+            if seen["tiles"] == 2:
+                os.kill(victim, signal.SIGKILL)
+
+    path = tmp_path / "k.safetensors"
+    write_golden(_plan(), path, chunk=13, cluster=cluster, progress=progress)
+    assert seen["tiles"] == 16 * 8                   # ceil(203 / 13) tiles of each of 8 layers
+    assert victim not in cluster.client.run(os.getpid).values()
+    assert sha(path) == reference
+
+
+def test_workers_that_all_die_lose_the_broadcast_and_get_it_again(tmp_path, cluster, reference,
+                                                                  monkeypatch):
+    """Every copy of a layer's scattered work gone (both workers killed at once): the tiles
+    that needed it are cancelled, the work is sent again to the restarted workers."""
+    seen = {"tiles": 0, "retried": 0}
+    retry = cluster_module._Queries._lost_tile
+
+    def counted(self, *args):
+        seen["retried"] += 1
+        return retry(self, *args)
+
+    monkeypatch.setattr(cluster_module._Queries, "_lost_tile", counted)
+
+    def progress(n, where):
+        if n and where.startswith("step 0 rows") and where.endswith("layer 5"):
+            seen["tiles"] += 1
+            if seen["tiles"] == 3:
+                for pid in cluster.client.run(os.getpid).values():
+                    os.kill(pid, signal.SIGKILL)
+
+    path = tmp_path / "k.safetensors"
+    write_golden(_plan(), path, chunk=13, cluster=cluster, progress=progress)
+    assert seen["retried"] >= 1
+    assert sha(path) == reference
+
+
+def test_a_lost_scheduler_leaves_a_checkpoint_another_cluster_resumes(tmp_path, reference):
+    path = tmp_path / "s.safetensors"
+    doomed = Cluster(workers=2)
+    seen = {"tiles": 0}
+
+    def progress(n, where):
+        if n and where.startswith("step 0 rows"):
+            seen["tiles"] += 1
+            if seen["tiles"] == 20:
+                doomed._local.close()                  # the scheduler and its workers go away
+
+    try:
+        with pytest.raises(RunInterrupted) as stop:
+            write_golden(_plan(), path, chunk=13, cluster=doomed, progress=progress,
+                         checkpoint_every=0)
+    finally:
+        doomed.close()
+    assert stop.value.status == 2
+    assert "went away" in str(stop.value) and "--resume" in str(stop.value)
+    assert not path.exists()
+    with pytest.raises(GoldenError, match="--workers/--scheduler"):
+        write_golden(_plan(), path, chunk=13, resume=True)      # not in one process
+    with Cluster(workers=2) as again:
+        write_golden(_plan(), path, chunk=13, cluster=again, resume=True)
+    assert sha(path) == reference
+
+
+def test_query_rows_anywhere_are_the_stack_rows():
+    """attention_rows on any rows, given the caches the key side filled, is the stack's forward
+    of those rows (every layer kind of ``mixed``)."""
+    cfg = preset("mixed")
+    P = 150
+    weights = GeneratedWeights(cfg, range(cfg.n_layers), 1)
+    whole = AttentionStack(cfg, weights)
+    keys = AttentionStack(cfg, GeneratedWeights(cfg, range(cfg.n_layers), 1))
+    xs = {i: make_input(f"x{i}", (P, cfg.dim), 1) for i in range(cfg.n_layers)}
+    runs = {i: whole.forward(i, xs[i], 0) for i in range(cfg.n_layers)}
+    seen = {}
+    for i in range(cfg.n_layers):
+        keys.forward(i, xs[i], 0, prefill_len=P, queries=False)
+        seen[i] = (keys.shared.compress_kv, keys.shared.index_k)
+    for a, n in [(0, 1), (17, 40), (140, 10)]:
+        selections = {}
+        for i in range(cfg.n_layers):
+            shared = SharedRuntime(compress_kv=seen[i][0], index_k=seen[i][1])
+            src = cfg.index_source_of(i) if cfg.ratio(i) and not cfg.is_index_source(i) else None
+            if src is not None:
+                shared.topk_idxs = selections[src][0]
+            if cfg.uses_candidates(i):
+                shared.candidate_blocks, shared.candidate_width, shared.candidate_block_size = \
+                    selections[cfg.candidate_source_layer][1:]
+            first = max(0, a - cfg.window_size + 1)
+            run = attention_rows(cfg, i, keys.weights[i], shared, xs[i][first:a + n], a, P)
+            selections[i] = (shared.topk_idxs, shared.candidate_blocks, shared.candidate_width,
+                             shared.candidate_block_size)
+            np.testing.assert_array_equal(run.out.view(np.uint32),
+                                          runs[i].out[a:a + n].view(np.uint32))
+            np.testing.assert_array_equal(run.idx, runs[i].idx[a:a + n])
+
+
+def test_refusals(tmp_path, capsys, cluster):
+    with pytest.raises(GoldenError, match="only a streamed run"):
+        write_golden(dataclasses.replace(_plan(), capture="all"), tmp_path / "a.safetensors",
+                     cluster=cluster)
+    assert main(["golden", "--preset", "tiny", "--workers", "2", "--capture", "all",
+                 "--out", str(tmp_path / "b.safetensors")]) == 2
+    assert "only a streamed run" in capsys.readouterr().err
+    assert main(["golden", "--preset", "tiny", "--workers", "0", "--capture", "io",
+                 "--out", str(tmp_path / "b.safetensors")]) == 2
+    assert "--workers must be a positive integer" in capsys.readouterr().err
+    assert main(["golden", "--preset", "tiny", "--scheduler", "tcp://127.0.0.1:1",
+                 "--capture", "io", "--out", str(tmp_path / "b.safetensors")]) == 2
+    assert "cannot reach a Dask scheduler" in capsys.readouterr().err
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                                  dashboard_address=None) as lc:
+        assert main(["golden", "--preset", "tiny", "--scheduler", lc.scheduler_address,
+                     "--capture", "io", "--out", str(tmp_path / "b.safetensors")]) == 2
+    assert "--nthreads 1" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "b.safetensors")
+
+
+def test_cli_workers_writes_the_one_process_file(tmp_path, capsys):
+    args = ["golden", "--preset", "tiny", "--capture", "io", "--prefill", "30", "--decode", "3",
+            "--chunk", "8", "--quiet"]
+    assert main(args + ["--out", str(tmp_path / "one.safetensors")]) == 0
+    assert main(args + ["--workers", "2", "--out", str(tmp_path / "two.safetensors")]) == 0
+    assert sha(tmp_path / "two.safetensors") == sha(tmp_path / "one.safetensors")
