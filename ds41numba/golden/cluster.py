@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import time
 import types
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
@@ -46,11 +47,28 @@ from .captures import StepObserver, layer_captures, storage_kind, to_storage
 from .errors import GoldenError, RunInterrupted
 from .generator import make_input
 
-__all__ = ["Cluster", "LayerWork", "run_tile", "drive_tiles", "SCHEDULE"]
+__all__ = ["Cluster", "LayerWork", "RunStats", "run_tile", "drive_tiles", "SCHEDULE"]
 
 #: The run identity's ``schedule`` of a run made this way: its checkpoints count other pieces
 #: than a one-process run's, so the two cannot resume each other.
 SCHEDULE = "tiles"
+
+
+@dataclass
+class RunStats:
+    """Where a cluster run's time went (:attr:`Cluster.stats` after a run), the inputs of the
+    cost model in the README ("Running on a cluster"): the driver's key side, each layer's
+    broadcast (bytes, seconds), each tile's compute on its worker, the driver's writing of the
+    tiles' rows, the decode steps, and the wall time of the queries part."""
+
+    keys_seconds: float = 0.0
+    started: float = 0.0                               # perf_counter() at the drive's start
+    broadcasts: list = field(default_factory=list)     # (layer, weight bytes, cache bytes, s)
+    tiles: list = field(default_factory=list)          # (layer, first_row, rows, seconds)
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    queries_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
 
 class Cluster:
@@ -71,6 +89,7 @@ class Cluster:
                               "which is not installed: pip install 'ds41numba[dask]'") from None
         self._distributed = distributed
         self._local = None
+        self.stats = RunStats()
         if workers is not None:
             if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
                 raise GoldenError(f"--workers must be a positive integer, got {workers!r}")
@@ -208,6 +227,7 @@ def run_tile(work: LayerWork, first_row: int, rows: int, topk_from=None, candida
     observer = StepObserver(c, work.capture_rows)
     observer.begin(i, first_row, rows, P)
     shared.observer = observer
+    t0 = time.perf_counter()
     with _threads(work.threads):
         run = attention_rows(c, i, work.weights, shared, x, first_row, P)
     got = layer_captures(types.SimpleNamespace(config=c, shared=shared), i, run, first_row, "io",
@@ -219,7 +239,7 @@ def run_tile(work: LayerWork, first_row: int, rows: int, topk_from=None, candida
     samples = {w: to_storage(prefix + w, v, storage_kind(prefix + w)) for w, v in samples.items()}
     selection = (shared.topk_idxs, shared.candidate_blocks, shared.candidate_width,
                  shared.candidate_block_size)
-    return (first_row, file_rows, (at, samples)), selection
+    return (first_row, file_rows, (at, samples), time.perf_counter() - t0), selection
 
 
 class _Queries:
@@ -250,7 +270,11 @@ class _Queries:
                              None if kv is None or not r else kv[:width],
                              None if index_k is None or not r or not c.is_index_source(i)
                              else index_k.keys[:width], self.cluster.threads)
+            t0 = time.perf_counter()
             self.works[i] = self.client.scatter(work, broadcast=True, hash=False)
+            caches = sum(a.nbytes for a in (work.compress_kv, work.index_keys) if a is not None)
+            self.cluster.stats.broadcasts.append((i, work.weights.nbytes(), caches,
+                                                  time.perf_counter() - t0))
         return self.works[i]
 
     def sources(self, i: int):
@@ -291,13 +315,14 @@ class _Queries:
             for fut in tiles:
                 a = self.keys_of.pop(fut.key)
                 try:
-                    first_row, rows, (at, samples) = fut.result()
+                    first_row, rows, (at, samples), seconds = fut.result()
                 except CancelledError as e:
                     self._lost_tile(e, i, a, rows_of[a], retries)
                     tiles.add(self.submit(i, a, rows_of[a]))
                     continue
                 finally:
                     del fut
+                self.cluster.stats.tiles.append((i, first_row, rows_of[first_row], seconds))
                 self._write(i, first_row, rows, at, samples)
                 self.done.add((i, first_row))
                 n = rows_of[first_row]
@@ -325,6 +350,12 @@ class _Queries:
                            if f.status not in ("cancelled", "error", "lost")}
 
     def _write(self, i, first_row, rows, at, samples):
+        t0 = time.perf_counter()
+        self.cluster.stats.write_bytes += sum(v.nbytes for v in rows.values())
+        self._write_rows(i, first_row, rows, at, samples)
+        self.cluster.stats.write_seconds += time.perf_counter() - t0
+
+    def _write_rows(self, i, first_row, rows, at, samples):
         prefix = f"step0.layers.{i}."
         for what, value in rows.items():
             self.out.write_rows(prefix + what, first_row, value)
@@ -386,6 +417,8 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
         save(0, "nothing", force=True)
     stack.shared.observer = observer
 
+    stats = cluster.stats = RunStats(started=time.perf_counter())
+    t0 = stats.started
     # 1. The key side, token-major: inputs written, every layer's state and caches filled.
     for k in range(done, len(keys)):
         a, n = keys[k]
@@ -398,7 +431,9 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
                 seen[i] = (stack.shared.compress_kv, stack.shared.index_k)
         save(k + 1, f"the key side of rows 0-{a + n - 1}")
 
+    stats.keys_seconds = time.perf_counter() - t0
     # 2. The queries, on the workers.
+    t0 = time.perf_counter()
     if done == len(keys):
         queries = _Queries(cluster, plan, stack, seen, done_tiles, out, progress, keys, save)
         try:
@@ -410,8 +445,11 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
                                  f"checkpoint ({ckpt.where} done): rerun with --resume (and "
                                  f"--workers N or --scheduler ADDRESS) to continue", 2) from None
         save(len(keys) + 1, "the prefill", force=True)
+    stats.queries_seconds = time.perf_counter() - t0
 
     # 3. The decode steps, on the driver.
+    t0 = time.perf_counter()
     for k in range(done - len(keys) - 1, len(steps)):
         _drive_piece(stack, steps[k], P, plan.capture, x_of, write, progress, observer, True)
         save(len(keys) + 2 + k, f"step {steps[k][0]}")
+    stats.decode_seconds = time.perf_counter() - t0
