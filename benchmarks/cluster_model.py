@@ -87,7 +87,9 @@ def one_run(plan, path: str, chunk: int, workers: int | None) -> dict:
         write_golden(plan, path, chunk=chunk, force=True, cluster=cluster)
         seconds = time.perf_counter() - t0
         stats = cluster.stats
-    return {"seconds": seconds, "model": model(stats, called - t0, called, workers)}
+        peaks = cluster.client.run(lambda: __import__("resource").getrusage(0).ru_maxrss * 1024)
+    return {"seconds": seconds, "model": model(stats, called - t0, called, workers),
+            "worker_peak_rss": sorted(peaks.values())}
 
 
 def project(terms: dict, threads: int, tokens: int, machines: int, cores: int, here: int,
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
         os.unlink(two)
         m = b["model"]
         pairs.append({"one_process": a["seconds"], "cluster": b["seconds"], "same_bytes": same,
-                      "model": m})
+                      "model": m, "worker_peak_rss": b["worker_peak_rss"]})
         print(f"pair {k + 1}: one process {a['seconds']:.1f} s, --workers {args.workers} "
               f"{b['seconds']:.1f} s (ratio {b['seconds'] / a['seconds']:.3f}), files "
               f"{'identical' if same else 'DIFFER'}; model {m['total']:.1f} s "
@@ -153,7 +155,8 @@ def main(argv=None) -> int:
               f"({(m['broadcast_weight_bytes'] + m['broadcast_cache_bytes']) / 1e6:.0f} MB), "
               f"tiles {m['makespan']:.1f} (sum {m['tile_seconds']:.1f}), write tail "
               f"{m['write_tail']:.2f} (all writes {m['write_seconds']:.1f} s, "
-              f"{m['write_bytes'] / 1e6:.0f} MB), decode {m['decode']:.1f}", flush=True)
+              f"{m['write_bytes'] / 1e6:.0f} MB), decode {m['decode']:.1f}; workers' peak RSS "
+              f"{', '.join(f'{r / 1e9:.2f}' for r in b['worker_peak_rss'])} GB", flush=True)
     threads = max(1, cores // args.workers)
     last = pairs[-1]["model"]
     growth, why = 1.0, "no indexer growth (give --cost-model)"

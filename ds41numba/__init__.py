@@ -30,7 +30,8 @@ compute; where the reference has a function for it, it is:
 
 The rest (the roundings ``to_bf16_rne``, ``to_e4m3_rne``, ``to_e2m1_rne``, ``pow2ceil``,
 ``is_bf16_valued``; ``window_index_rows``, ``output_projection``, ``IndexKeyCache``, ...) are
-ds41numba's own names for what the reference does inline.
+ds41numba's own names for what the reference does inline; ``attention_rows`` answers any rows
+of a prefill's queries on their own, given the caches (what a cluster run spreads).
 """
 
 import os as _os
@@ -53,7 +54,8 @@ from .topk import torch_cpu_topk_rows, torch_cpu_topk_set
 from .config import PRESETS, AttnConfig, preset
 from .compressor import CompressorState, CompressorWeights, compressor
 from .indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer, select_candidate_blocks
-from .attention import CompAttnRun, attention_any, output_projection, sparse_attn, window_index_rows
+from .attention import (CompAttnRun, attention_any, attention_rows, output_projection, sparse_attn,
+                        window_index_rows)
 from .stack import AttentionStack, AttnWeights, LayerAttnState, SharedRuntime, weight_specs
 
 __version__ = "0.1.0"

@@ -31,8 +31,8 @@ from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, bf16_scalar, fp4_
                        linear_bf16, nan_max, output_buffer, rms_norm, single_threaded_blas)
 from .rope import apply_rotary, fma_f32, yarn_freqs_cis
 
-__all__ = ["CompAttnRun", "attention_any", "attention_rows", "sparse_attn", "window_index_rows", "index_rows",
-           "output_projection", "layer_rope_table"]
+__all__ = ["CompAttnRun", "attention_any", "attention_rows", "sparse_attn", "window_index_rows",
+           "index_rows", "output_projection", "layer_rope_table"]
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Exit status: 0 success; 1 a replay or comparison that disagrees; 2 a bad argument, an unreadable
 config or file (a candidate too: truncated, of another format, a tensor of the wrong shape or
 dtype, NaN where an index belongs), an output that exists without ``--force``, a disk that
-fails (full, read-only, removed; always one line on stderr); 130 interrupted by Ctrl-C, 143 by
-SIGTERM. An interrupted ``--capture io`` run that wrote a checkpoint keeps its partial file and
-checkpoint and says to rerun with ``--resume``; any other leaves nothing behind. Output into a
+fails (full, read-only, removed; always one line on stderr), a Dask scheduler that is unreachable
+or goes away mid-run (``--workers``/``--scheduler``); 130 interrupted by Ctrl-C, 143 by SIGTERM.
+An interrupted ``--capture io`` run that wrote a checkpoint (a lost scheduler's too) keeps its
+partial file and checkpoint and says to rerun with ``--resume``; any other leaves nothing behind. Output into a
 pipe that closes early (``| head``) ends quietly.
 """
 
@@ -28,8 +29,8 @@ from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenErro
 __all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config"]
 
 PROG = "ds41numba"
-_EPILOG = ("Exit status: 0 ok, 1 disagreement, 2 bad usage, unreadable input or a failing disk, "
-           "130 interrupted (143 by SIGTERM).")
+_EPILOG = ("Exit status: 0 ok, 1 disagreement, 2 bad usage, unreadable input, a failing disk or "
+           "a lost Dask scheduler, 130 interrupted (143 by SIGTERM).")
 
 
 class _UsageError(Exception):

@@ -46,6 +46,7 @@ from ..stack import AttnWeights, SharedRuntime
 from .captures import StepObserver, layer_captures, storage_kind, to_storage
 from .errors import GoldenError, RunInterrupted
 from .generator import make_input
+from .run import drive_piece, golden_steps, prefill_chunks
 
 __all__ = ["Cluster", "LayerWork", "RunStats", "run_tile", "drive_tiles", "SCHEDULE"]
 
@@ -97,7 +98,7 @@ class Cluster:
             self.threads = max(1, cores // workers)     # numba and BLAS threads of each tile
             self._local = distributed.LocalCluster(
                 n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                dashboard_address=None, silence_logs=logging.ERROR)
+                dashboard_address=":0", silence_logs=logging.ERROR)   # any free port
             self.address = self._local.scheduler_address
             self.client = distributed.Client(self._local)
         else:
@@ -134,6 +135,10 @@ class Cluster:
                                   f"'dask worker {self.address} --nthreads 1' (a tile then uses "
                                   f"NUMBA_NUM_THREADS cores, by default all of its machine's)")
         self.workers = probes
+
+    def drive(self, plan, stack, ckpt, out, x_of, write, progress, chunk, observer) -> None:
+        """A streamed run's pieces on this cluster (:func:`drive_tiles`)."""
+        drive_tiles(self, plan, stack, ckpt, out, x_of, write, progress, chunk, observer)
 
     @property
     def lost(self) -> tuple:
@@ -223,7 +228,8 @@ def run_tile(work: LayerWork, first_row: int, rows: int, topk_from=None, candida
     if topk_from is not None:
         shared.topk_idxs = topk_from[0]
     if candidates_from is not None:
-        _, shared.candidate_blocks, shared.candidate_width, shared.candidate_block_size = candidates_from
+        (_, shared.candidate_blocks, shared.candidate_width,
+         shared.candidate_block_size) = candidates_from
     observer = StepObserver(c, work.capture_rows)
     observer.begin(i, first_row, rows, P)
     shared.observer = observer
@@ -373,13 +379,13 @@ class _Queries:
         kv, index_k = self.seen[i]
         parts = {"sample.rows": rows}
         if r and kv is not None:
-            parts["sample.compress_kv"] = to_storage(prefix + "sample.compress_kv", kv[:P // r], "BF16")
+            parts["sample.compress_kv"] = kv[:P // r]
         if r and index_k is not None and c.is_index_source(i):
-            parts["sample.index_k"] = to_storage(prefix + "sample.index_k", index_k.keys[:P // r], "BF16")
+            parts["sample.index_k"] = index_k.keys[:P // r]
         for what, value in parts.items():
             name = prefix + what
             if name in out.entries and out.missing_rows(name):
-                out.write_rows(name, 0, value)
+                out.write_rows(name, 0, to_storage(name, value, storage_kind(name)))
 
 
 def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress, chunk: int,
@@ -388,8 +394,6 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
     prefill chunk (``chunk`` rows), the queries (one piece, checkpointed tile by tile), the
     decode steps. ``x_of`` and ``write`` are the stream's input maker and writer (as for
     :func:`~.run.drive`); ``ckpt`` the run's checkpoint, already restored into ``stack``."""
-    from .run import _drive_piece, golden_steps, prefill_chunks
-
     P, L = plan.prefill, len(stack.layers)
     keys = prefill_chunks(P, chunk)
     steps = [(s, p, 0, 1) for s, p, _ in golden_steps(P, plan.decode) if s]
@@ -450,6 +454,6 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
     # 3. The decode steps, on the driver.
     t0 = time.perf_counter()
     for k in range(done - len(keys) - 1, len(steps)):
-        _drive_piece(stack, steps[k], P, plan.capture, x_of, write, progress, observer, True)
+        drive_piece(stack, steps[k], P, plan.capture, x_of, write, progress, observer, True)
         save(len(keys) + 2 + k, f"step {steps[k][0]}")
     stats.decode_seconds = time.perf_counter() - t0

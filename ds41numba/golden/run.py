@@ -26,8 +26,8 @@ from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_ten
 from .generator import GeneratedWeights, checked_profile, checked_seed, make_input, make_weights
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
-           "run_golden", "write_golden", "stream_golden", "io_layout", "DEFAULT_CHUNK",
-           "minimum_bytes", "replay", "StoredWeights"]
+           "drive_piece", "run_golden", "write_golden", "stream_golden", "io_layout",
+           "DEFAULT_CHUNK", "minimum_bytes", "replay", "StoredWeights"]
 
 
 def missing_sources(config: AttnConfig, layers) -> list[str]:
@@ -162,14 +162,14 @@ def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, 
     stack.shared.observer = observer
     try:
         for k in range(start, len(pieces)):
-            _drive_piece(stack, pieces[k], prefill, capture, x_of, take, progress, observer, split)
+            drive_piece(stack, pieces[k], prefill, capture, x_of, take, progress, observer, split)
             if boundary is not None:
                 boundary(k + 1, observer)
     finally:
         stack.shared.observer = None
 
 
-def _drive_piece(stack, piece, prefill, capture, x_of, take, progress, observer, split):
+def drive_piece(stack, piece, prefill, capture, x_of, take, progress, observer, split):
     """One piece of :func:`drive` through every layer of the stack."""
     s, start_pos, first, n = piece
     a = start_pos + first
@@ -364,7 +364,7 @@ def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     with ``force`` (with ``resume``, ``force`` lets the finished file replace an existing one).
 
     ``cluster`` (:class:`~.cluster.Cluster`) runs the prefill's query tiles on its workers
-    (:func:`~.cluster.drive_tiles`); its checkpoints resume on any cluster, not in one process.
+    (:meth:`~.cluster.Cluster.drive`); its checkpoints resume on any cluster, not in one process.
     """
     layout, copies = io_layout(plan)
     schedule = None if cluster is None else cluster.schedule
@@ -406,7 +406,7 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
             cluster=None):
     """The body of :func:`stream_golden`: the stack (its weights written as they are made),
     the checkpoint restored or a first one taken, the drive with checkpoints between pieces
-    (or, on a ``cluster``, :func:`~.cluster.drive_tiles`)."""
+    (or, on a ``cluster``, :meth:`~.cluster.Cluster.drive`)."""
     cfg = plan.config
 
     def put_weight(name, array, kind):
@@ -445,9 +445,7 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
         observer = StepObserver(cfg, plan.capture_rows)
         stack.shared.observer = observer
     if cluster is not None:
-        from .cluster import drive_tiles
-        drive_tiles(cluster, plan, stack, ckpt, out, streamed_input, write, progress, chunk,
-                    observer)
+        cluster.drive(plan, stack, ckpt, out, streamed_input, write, progress, chunk, observer)
     else:
         if not ckpt.saved:
             boundary(0, observer)
