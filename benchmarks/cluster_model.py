@@ -70,6 +70,7 @@ def model(stats, start: float, called: float, workers: int) -> dict:
     terms["layers"] = len({i for i, *_ in stats.tiles})
     terms["tile_rows"] = sum(n for _, _, n, _ in stats.tiles)
     terms["write_bytes"] = stats.write_bytes
+    terms["input_bytes"] = stats.input_bytes
     terms["write_seconds"] = stats.write_seconds
     return terms
 
@@ -93,49 +94,33 @@ def one_run(plan, path: str, chunk: int, workers: int | None) -> dict:
 
 
 def project(terms: dict, threads: int, tokens: int, machines: int, cores: int, here: int,
-            growth: float = 1.0, bandwidth: float = 1.25e9) -> dict:
-    """A run of ``tokens`` on ``machines`` of ``cores`` from one measured run's terms: the
-    tiles' work per token-core as measured times ``growth`` (the indexer's longer rows: from
-    ``benchmarks.cost_model``), the key side per token-core as measured on this machine's
-    ``here`` cores, run on a driver of ``cores``; every layer's broadcast
-    bytes (the weights, and the caches growing with the length) sent at ``bandwidth`` bytes/s to
-    each machine in turn."""
-    scale = tokens * terms["layers"] / terms["tile_rows"]         # the prefill's lengths
+            growth: float = 1.0, network: float = 1.25e9, disk: float = 1e9) -> dict:
+    """A run of ``tokens`` on ``machines`` of ``cores`` (and a driver like them) from one
+    measured run's terms, stated assumptions and all:
+
+    * compute: the tiles' core-seconds per token as measured here, times ``growth`` (the
+      indexer's longer rows, from ``benchmarks.cost_model``), spread perfectly over every core
+      (a big machine's memory bandwidth per core is lower: this is a floor);
+    * keys: the driver's key side per token-core as measured on this machine's ``here`` cores,
+      or the writing of the inputs onto its disk at ``disk`` bytes/s if that is slower;
+    * broadcast: every layer's weights, and its caches grown to the length, sent to each machine
+      in turn at ``network`` bytes/s (10 Gb/s);
+    * results: the tiles' rows into the driver at ``network``, and onto its disk at ``disk``
+      bytes/s; both overlap the compute.
+    """
+    scale = tokens * terms["layers"] / terms["tile_rows"]        # the prefill's lengths
     compute = terms["tile_seconds"] * threads * scale * growth / (machines * cores)
-    keys = terms["keys"] * scale * here / cores
+    keys = max(terms["keys"] * scale * here / cores, terms.get("input_bytes", 0) * scale / disk)
     sent = terms["broadcast_weight_bytes"] + terms["broadcast_cache_bytes"] * scale
-    broadcast = sent * machines / bandwidth
-    write = terms["write_seconds"] * scale
-    return {"compute": compute, "keys": keys, "broadcast": broadcast, "write": write,
-            "total": keys + broadcast + max(compute, write)}
+    broadcast = sent * machines / network
+    results = terms["write_bytes"] * scale / min(network, disk)
+    return {"compute": compute, "keys": keys, "broadcast": broadcast, "results": results,
+            "total": keys + broadcast + max(compute, results)}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=common.int_list, default=[20])
-    ap.add_argument("--prefill", type=int, default=16384)
-    ap.add_argument("--decode", type=int, default=4)
-    ap.add_argument("--chunk", type=int, default=4096)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--pairs", type=int, default=2)
-    ap.add_argument("--dir", default=None)
-    ap.add_argument("--cost-model", metavar="JSON", default=None, help="a benchmarks.cost_model "
-                    "--json-file of the same layer: its per-query indexer growth scales the "
-                    "tiles' work to the projected length")
-    ap.add_argument("--project-tokens", type=int, default=1 << 20)
-    ap.add_argument("--machines", type=int, default=16)
-    ap.add_argument("--cores", type=int, default=64)
-    ap.add_argument("--json-file", default=None)
-    args = ap.parse_args(argv)
-
-    from ds41numba.config import preset
-    from ds41numba.golden import GoldenPlan
-
-    plan = GoldenPlan(config=preset(common.PRESET), layers=tuple(args.layers),
-                      prefill=args.prefill, decode=args.decode, capture="io",
-                      preset=common.PRESET)
+def measure(plan, args) -> list[dict]:
+    """``--pairs`` A B pairs, one process then the cluster, each pair's files compared."""
     directory = args.dir or tempfile.mkdtemp(prefix="ds41-cluster-")
-    cores = len(os.sched_getaffinity(0))
     pairs = []
     for k in range(args.pairs):
         one, two = (os.path.join(directory, f"{w}.safetensors") for w in ("one", "cluster"))
@@ -157,22 +142,64 @@ def main(argv=None) -> int:
               f"{m['write_tail']:.2f} (all writes {m['write_seconds']:.1f} s, "
               f"{m['write_bytes'] / 1e6:.0f} MB), decode {m['decode']:.1f}; workers' peak RSS "
               f"{', '.join(f'{r / 1e9:.2f}' for r in b['worker_peak_rss'])} GB", flush=True)
+    return pairs
+
+
+def indexer_growth(path: str, ratio: int, short: int, long: int) -> float:
+    """How much more a query of a ``long`` prefill costs than one of a ``short`` one, from a
+    ``benchmarks.cost_model`` fit: ``a + i0 + i1 * visible``, a query seeing P / 2r on average."""
+    with open(path) as f:
+        cm = json.load(f)["model"]
+    r = ratio or 1
+    per_query = lambda n: cm["a"] + cm["i0"] + cm["i1"] * n / (2 * r)
+    return per_query(long) / per_query(short)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=common.int_list, default=[20])
+    ap.add_argument("--prefill", type=int, default=16384)
+    ap.add_argument("--decode", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--cost-model", metavar="JSON", default=None, help="a benchmarks.cost_model "
+                    "--json-file of the same layer: its per-query indexer growth scales the "
+                    "tiles' work to the projected length")
+    ap.add_argument("--project-tokens", type=int, default=1 << 20)
+    ap.add_argument("--machines", type=int, default=16)
+    ap.add_argument("--cores", type=int, default=64)
+    ap.add_argument("--runs-from", metavar="JSON", default=None, help="an earlier --json-file: "
+                    "project from its pairs instead of measuring")
+    ap.add_argument("--json-file", default=None)
+    args = ap.parse_args(argv)
+
+    from ds41numba.config import preset
+    from ds41numba.golden import GoldenPlan
+
+    plan = GoldenPlan(config=preset(common.PRESET), layers=tuple(args.layers),
+                      prefill=args.prefill, decode=args.decode, capture="io",
+                      preset=common.PRESET)
+    cores = len(os.sched_getaffinity(0))
+    if args.runs_from is None:
+        pairs = measure(plan, args)
+    else:
+        with open(args.runs_from) as f:
+            pairs = json.load(f)["pairs"]
     threads = max(1, cores // args.workers)
-    last = pairs[-1]["model"]
     growth, why = 1.0, "no indexer growth (give --cost-model)"
     if args.cost_model:
-        with open(args.cost_model) as f:
-            cm = json.load(f)["model"]
-        r = plan.config.ratio(args.layers[-1]) or 1
-        per_query = lambda n: cm["a"] + cm["i0"] + cm["i1"] * n / (2 * r)   # mean visible n / 2r
-        growth = per_query(args.project_tokens) / per_query(args.prefill)
+        growth = indexer_growth(args.cost_model, plan.config.ratio(args.layers[-1]),
+                                args.prefill, args.project_tokens)
         why = f"the indexer's growth x{growth:.2f} from {args.cost_model}"
-    proj = project(last, threads, args.project_tokens, args.machines, args.cores, cores, growth)
+    proj = project(pairs[-1]["model"], threads, args.project_tokens, args.machines, args.cores,
+                   cores, growth)
     print(f"projected layers {args.layers} at {args.project_tokens:,} tokens on {args.machines} "
           f"machines of {args.cores} cores and a driver like them (this machine's per-core "
-          f"rates, {why}): "
-          f"{proj['total'] / 3600:.2f} h (compute {proj['compute']:.0f} s, keys {proj['keys']:.0f} s, "
-          f"broadcast {proj['broadcast']:.0f} s at 10 Gb/s, writes {proj['write']:.0f} s)")
+          f"rates, {why}): {proj['total']:.0f} s (compute {proj['compute']:.0f} s, keys "
+          f"{proj['keys']:.0f} s, broadcast {proj['broadcast']:.0f} s at 10 Gb/s, results "
+          f"{proj['results']:.0f} s at 1 GB/s; disk 1 GB/s)")
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump({"pairs": pairs, "cores": cores, "workers": args.workers,

@@ -190,6 +190,13 @@ def test_refusals(tmp_path, capsys, cluster):
     assert not os.path.exists(tmp_path / "b.safetensors")
 
 
+def test_workers_of_another_version_are_refused(monkeypatch):
+    import ds41numba
+    monkeypatch.setattr(ds41numba, "__version__", "0.0.0-driver")   # the workers keep theirs
+    with pytest.raises(GoldenError, match="install the same version everywhere"):
+        Cluster(workers=1)
+
+
 def test_cli_workers_writes_the_one_process_file(tmp_path, capsys):
     """Any number of workers and threads (one worker of two threads here) gives the file."""
     args = ["golden", "--preset", "tiny", "--capture", "io", "--prefill", "30", "--decode", "3",

@@ -7,8 +7,9 @@ has three parts:
 1. *keys*, on the driver: the prefill's chunks through every layer's key side, token-major as
    in a one-process run (``AttentionStack.forward(..., queries=False)``): the inputs are
    written, and every layer's state and caches filled as the one-process run fills them;
-2. *queries*, on the workers, one layer at a time in layer order: the layer's weights and the
-   caches it reads go to every worker once (``Client.scatter(..., broadcast=True)``); each
+2. *queries*, on the workers, one layer at a time in layer order: the layer's weights go to
+   every worker once (``Client.scatter(..., broadcast=True)``), and so do the caches it reads,
+   once for all the layers that read the same (a kv source's and the layers after it); each
    tile is a task (:func:`~ds41numba.attention.attention_rows`) that makes its own input rows
    with the generator and returns that tile's rows of the file (``out``, ``idx``, the selection
    and the scores behind it, samples), which the driver writes into place as they come back. A
@@ -48,7 +49,7 @@ from .errors import GoldenError, RunInterrupted
 from .generator import make_input
 from .run import drive_piece, golden_steps, prefill_chunks
 
-__all__ = ["Cluster", "LayerWork", "RunStats", "run_tile", "drive_tiles", "SCHEDULE"]
+__all__ = ["Cluster", "LayerWork", "CacheRows", "RunStats", "run_tile", "drive_tiles", "SCHEDULE"]
 
 #: The run identity's ``schedule`` of a run made this way: its checkpoints count other pieces
 #: than a one-process run's, so the two cannot resume each other.
@@ -63,6 +64,7 @@ class RunStats:
     tiles' rows, the decode steps, and the wall time of the queries part."""
 
     keys_seconds: float = 0.0
+    input_bytes: int = 0                               # the inputs the key side wrote
     started: float = 0.0                               # perf_counter() at the drive's start
     broadcasts: list = field(default_factory=list)     # (layer, weight bytes, cache bytes, s)
     tiles: list = field(default_factory=list)          # (layer, first_row, rows, seconds)
@@ -127,6 +129,11 @@ class Cluster:
             raise GoldenError(f"the Dask workers at {self.address!r} cannot run ds41numba's "
                               f"tasks ({type(e).__name__}: {e}): install ds41numba on every "
                               f"worker") from None
+        from .. import __version__
+        for w, probe in probes.items():
+            if probe["ds41numba"] != __version__:
+                raise GoldenError(f"Dask worker {w} has ds41numba {probe['ds41numba']}, this "
+                                  f"driver {__version__}: install the same version everywhere")
         nthreads = self.client.nthreads()
         for w, n in nthreads.items():
             if n != 1:
@@ -170,8 +177,8 @@ def _probe() -> dict:
 @dataclass
 class LayerWork:
     """What every worker needs for one layer's query tiles, sent to each once: the run's
-    generator settings, the layer's weights and the caches its prefill reads (as the layer
-    found them in the shared slots: its kv source's compressed rows, the index keys)."""
+    generator settings and the layer's weights. The caches it reads are sent apart
+    (:class:`CacheRows`): several layers read the same ones."""
 
     config: object
     layer: int
@@ -180,19 +187,25 @@ class LayerWork:
     profile: str
     capture_rows: tuple
     weights: AttnWeights
-    compress_kv: np.ndarray | None
-    index_keys: np.ndarray | None
     threads: int | None = None
-    _index_k: IndexKeyCache | None = field(default=None, repr=False)
 
-    def index_cache(self) -> IndexKeyCache | None:
-        """The index keys in the scorer's layout of this worker's CPU, packed on first use."""
-        if self._index_k is None and self.index_keys is not None:
-            self._index_k = IndexKeyCache(self.index_keys)
+
+class CacheRows:
+    """A cache's filled rows as a layer's prefill found them in a shared slot (a kv source's
+    compressed KV, a key owner's index keys), sent to each worker once for every layer that
+    reads it; the index keys are put in this worker's scorer layout on first use."""
+
+    def __init__(self, rows: np.ndarray):
+        self.rows = rows
+        self._index_k = None
+
+    def index_cache(self) -> IndexKeyCache:
+        if self._index_k is None:
+            self._index_k = IndexKeyCache(self.rows)
         return self._index_k
 
     def __getstate__(self):
-        return {**self.__dict__, "_index_k": None}
+        return {"rows": self.rows, "_index_k": None}
 
 
 @contextmanager
@@ -210,10 +223,12 @@ def _threads(n: int | None):
         numba.set_num_threads(before)
 
 
-def run_tile(work: LayerWork, first_row: int, rows: int, topk_from=None, candidates_from=None):
+def run_tile(work: LayerWork, kv: CacheRows | None, keys: CacheRows | None, first_row: int,
+             rows: int, topk_from=None, candidates_from=None):
     """One tile of a layer's prefill queries (rows ``first_row ..``), as a worker runs it.
 
-    ``topk_from`` / ``candidates_from``: the selection of the same rows at the layer's index
+    ``kv`` and ``keys``: the compressed KV rows and the index keys the layer reads (None where
+    it reads none). ``topk_from`` / ``candidates_from``: the selection of the same rows at the layer's index
     source and candidate source (their tiles' second result), for a layer that reads them.
     Returns ``(file_rows, selection)``: ``(first_row, {WHAT: rows in storage dtype}, (sample
     index, {sample.WHAT: rows}))`` for the driver to write, and this tile's selection
@@ -224,7 +239,8 @@ def run_tile(work: LayerWork, first_row: int, rows: int, topk_from=None, candida
     name = f"step0.layers.{i}.x"
     x = to_storage(name, make_input(name, (first_row + rows - first, c.dim), work.seed,
                                     work.profile, first, 0), "BF16")
-    shared = SharedRuntime(compress_kv=work.compress_kv, index_k=work.index_cache())
+    shared = SharedRuntime(compress_kv=None if kv is None else kv.rows,
+                           index_k=None if keys is None else keys.index_cache())
     if topk_from is not None:
         shared.topk_idxs = topk_from[0]
     if candidates_from is not None:
@@ -262,26 +278,49 @@ class _Queries:
         self.seen, self.done, self.out, self.progress = seen, done, out, progress
         self.tiles, self.save = tiles, save
         self.works = {}          # layer -> the scattered LayerWork (its turn only)
+        self.cache_rows = {}     # (id of a cache, rows) -> (the cache, its scattered rows)
         self.keys_of = {}        # key of a tile's rows future -> its first row
         self.selections = {}     # (layer, first_row) -> future of that tile's selection
 
     def work(self, i: int):
+        """Layer i's LayerWork on every worker (scattered on first use in its turn)."""
         if i not in self.works:
-            c, P = self.plan.config, self.plan.prefill
-            kv, index_k = self.seen[i]
-            r = c.ratio(i)
-            width = P // r if r else 0
-            work = LayerWork(c, i, P, self.plan.seed, self.plan.profile, self.plan.capture_rows,
-                             self.stack.weights[i],
-                             None if kv is None or not r else kv[:width],
-                             None if index_k is None or not r or not c.is_index_source(i)
-                             else index_k.keys[:width], self.cluster.threads)
+            work = LayerWork(self.plan.config, i, self.plan.prefill, self.plan.seed,
+                             self.plan.profile, self.plan.capture_rows, self.stack.weights[i],
+                             self.cluster.threads)
             t0 = time.perf_counter()
             self.works[i] = self.client.scatter(work, broadcast=True, hash=False)
-            caches = sum(a.nbytes for a in (work.compress_kv, work.index_keys) if a is not None)
-            self.cluster.stats.broadcasts.append((i, work.weights.nbytes(), caches,
+            self.cluster.stats.broadcasts.append((i, work.weights.nbytes(), 0,
                                                   time.perf_counter() - t0))
         return self.works[i]
+
+    def reads(self, i: int) -> tuple:
+        """The caches layer i's tiles read: its compressed KV and its index keys (or None)."""
+        c = self.plan.config
+        kv, index_k = self.seen[i]
+        if not c.ratio(i):
+            return None, None
+        return kv, (index_k.keys if c.is_index_source(i) and index_k is not None else None)
+
+    def caches(self, i: int):
+        """The futures of the caches layer i reads (:meth:`reads`), each scattered once for all
+        the layers that read it."""
+        P, r = self.plan.prefill, self.plan.config.ratio(i)
+        out = []
+        for cache in self.reads(i):
+            if cache is None:
+                out.append(None)
+                continue
+            key = (id(cache), P // r)
+            if key not in self.cache_rows:
+                t0 = time.perf_counter()
+                rows = cache[:P // r]
+                fut = self.client.scatter(CacheRows(rows), broadcast=True, hash=False)
+                self.cache_rows[key] = (cache, fut)
+                self.cluster.stats.broadcasts.append((i, 0, rows.nbytes,
+                                                      time.perf_counter() - t0))
+            out.append(self.cache_rows[key][1])
+        return out
 
     def sources(self, i: int):
         """The layers whose selection (index source) and candidates layer i's tiles read."""
@@ -293,7 +332,7 @@ class _Queries:
     def submit(self, i: int, a: int, n: int):
         """Layer i's tile at rows ``a ..``: the future of its file rows."""
         topk, cands = self.sources(i)
-        tile = self.client.submit(run_tile, self.work(i), a, n,
+        tile = self.client.submit(run_tile, self.work(i), *self.caches(i), a, n,
                                   None if topk is None else self.selection(topk, a, n),
                                   None if cands is None else self.selection(cands, a, n),
                                   key=f"ds41numba-tile-{i}-{a}-{os.urandom(4).hex()}")
@@ -339,6 +378,8 @@ class _Queries:
             keep = {s for k in layers[pos + 1:] for s in self.sources(k) if s is not None}
             self.selections = {k: f for k, f in self.selections.items() if k[0] in keep}
             self.works.clear()
+            still = {id(x) for k in layers[pos + 1:] for x in self.reads(k) if x is not None}
+            self.cache_rows = {k: v for k, v in self.cache_rows.items() if k[0] in still}
 
     def _lost_tile(self, error, i: int, a: int, n: int, retries: dict) -> None:
         """Layer i's tile at rows ``a ..`` was cancelled. With the scheduler still there, what
@@ -352,6 +393,7 @@ class _Queries:
             raise GoldenError(f"layer {i} rows {a}-{a + n - 1}: the workers lost what the tile "
                               f"reads three times over; giving up") from None
         self.works.clear()
+        self.cache_rows.clear()
         self.selections = {k: f for k, f in self.selections.items()
                            if f.status not in ("cancelled", "error", "lost")}
 
@@ -429,8 +471,9 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
         for i in stack.layers:
             if progress is not None:
                 progress(0, f"keys of rows {a}-{a + n - 1} layer {i}")
-            stack.forward(i, x_of(f"step0.layers.{i}.x", a, n, 0), a, prefill_len=P,
-                          queries=False)
+            x = x_of(f"step0.layers.{i}.x", a, n, 0)
+            stats.input_bytes += x.nbytes
+            stack.forward(i, x, a, prefill_len=P, queries=False)
             if k == len(keys) - 1:
                 seen[i] = (stack.shared.compress_kv, stack.shared.index_k)
         save(k + 1, f"the key side of rows 0-{a + n - 1}")
