@@ -136,6 +136,36 @@ def test_a_lost_scheduler_leaves_a_checkpoint_another_cluster_resumes(tmp_path, 
     assert sha(path) == reference
 
 
+def test_interrupted_in_the_key_side_then_resumed(tmp_path, cluster, reference):
+    """Ctrl-C while the driver fills the caches: the checkpoint resumes on the cluster; a
+    one-process checkpoint is not continued on a cluster, nor the other way round."""
+    path = tmp_path / "i.safetensors"
+    calls = {"n": 0}
+
+    def progress(n, where):
+        if where.startswith("keys of rows"):
+            calls["n"] += 1
+            if calls["n"] == 20:              # chunk 3 of 16, layer 3
+                raise KeyboardInterrupt
+
+    with pytest.raises(RunInterrupted) as stop:
+        write_golden(_plan(), path, chunk=13, cluster=cluster, progress=progress,
+                     checkpoint_every=0)
+    assert stop.value.status == 130
+    write_golden(_plan(), path, chunk=13, cluster=cluster, resume=True)
+    assert sha(path) == reference
+
+    def stop_at_chunk_3(n, where):
+        if where.startswith("step 0 rows 26"):
+            raise KeyboardInterrupt
+
+    local = tmp_path / "l.safetensors"
+    with pytest.raises(RunInterrupted):
+        write_golden(_plan(), local, chunk=13, checkpoint_every=0, progress=stop_at_chunk_3)
+    with pytest.raises(GoldenError, match=r"--workers/--scheduler \(unset then, tiles now\)"):
+        write_golden(_plan(), local, chunk=13, cluster=cluster, resume=True)
+
+
 def test_query_rows_anywhere_are_the_stack_rows():
     """attention_rows on any rows, given the caches the key side filled, is the stack's forward
     of those rows (every layer kind of ``mixed``)."""

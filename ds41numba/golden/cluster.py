@@ -445,7 +445,7 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
     done = ckpt.done
 
     def save(piece: int | None = None, where: str | None = None, force: bool = False):
-        """A checkpoint (if due, or ``force``) after ``piece`` pieces (default: as before)."""
+        """A checkpoint (if due, or ``force``) after ``piece`` pieces (None: as many as so far)."""
         nonlocal done
         done = done if piece is None else piece
         if done < len(keys) + 1 + len(steps) and (force or ckpt.due()):
