@@ -820,18 +820,46 @@ def attention_rows(config, layer_id: int, weights, shared, x: np.ndarray, first_
     workers this way. ``shared`` receives the rows' own selection at an index source.
     """
     c = config
-    win = c.window_size
-    first = max(0, first_row - win + 1)
-    n = x.shape[0] - (first_row - first)
-    if n < 1 or first_row + n > prefill_len:
-        raise ValueError(f"attention_rows: rows {first_row}..{first_row + n - 1} do not lie in a "
-                         f"prefill of {prefill_len} tokens (x holds {x.shape[0]} rows)")
+    first, n = _check_rows(c, layer_id, shared, x, first_row, prefill_len)
     table = layer_rope_table(c, c.ratio(layer_id), first_row + n)
     positions = np.arange(first, first_row + n, dtype=np.int64)
     kv = _window_kv(c, weights, x, positions, table, prefill_len)
     with_history = (kv, prefill_len, first)
     return _answer_queries(c, layer_id, weights, shared, x[first_row - first:], first_row,
                            with_history, table, False, tile, prefill_len)
+
+
+def _check_rows(c, layer_id, shared, x, first_row, prefill_len) -> tuple[int, int]:
+    """:func:`attention_rows`' arguments checked: ``(first position x holds, rows answered)``."""
+    def bad(msg):
+        raise ValueError(f"attention_rows: {msg}")
+
+    for name, v in (("first_row", first_row), ("prefill_len", prefill_len)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            bad(f"{name} must be an int, got {type(v).__name__}")
+    if not (isinstance(x, np.ndarray) and x.ndim == 2 and x.shape[1] == c.dim
+            and (x.dtype == np.float32 or x.dtype.name == "bfloat16")):
+        bad(f"x must be [rows, {c.dim}] float32 (bf16 values) or bfloat16, got "
+            f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', ()))}")
+    first = max(0, first_row - c.window_size + 1)
+    n = x.shape[0] - (first_row - first)
+    if first_row < 0 or n < 1 or first_row + n > prefill_len:
+        bad(f"rows {first_row}..{first_row + n - 1} do not lie in a prefill of {prefill_len} "
+            f"tokens (x holds {x.shape[0]} rows from position {first})")
+    r = c.ratio(layer_id)
+    if r:
+        need = (first_row + n) // r
+        kv = shared.compress_kv
+        if kv is None or kv.shape[0] < need:
+            bad(f"layer {layer_id} reads {need} compressed rows, shared.compress_kv holds "
+                f"{0 if kv is None else kv.shape[0]}")
+        if c.is_index_source(layer_id) and prefill_len // r and shared.index_k is None:
+            bad(f"layer {layer_id} scores against the index keys: shared.index_k is None")
+        if not c.is_index_source(layer_id) and (shared.topk_idxs is None
+                                                or shared.topk_idxs.shape[0] != n):
+            bad(f"layer {layer_id} reuses its index source's selection: shared.topk_idxs must "
+                f"hold these {n} rows")
+    return first, n
 
 
 def _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, capture, tile,

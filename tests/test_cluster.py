@@ -199,6 +199,22 @@ def test_query_rows_anywhere_are_the_stack_rows():
             np.testing.assert_array_equal(run.idx, runs[i].idx[a:a + n])
 
 
+def test_attention_rows_refuses_what_it_cannot_answer():
+    cfg = preset("mixed")
+    stack = AttentionStack(cfg, GeneratedWeights(cfg, range(cfg.n_layers), 1))
+    x = make_input("x", (40, cfg.dim), 1)
+    w = stack.weights[5]
+    with pytest.raises(ValueError, match="do not lie in a prefill of 30"):
+        attention_rows(cfg, 0, stack.weights[0], SharedRuntime(), x, 0, 30)
+    with pytest.raises(ValueError, match="shared.compress_kv holds 0"):
+        attention_rows(cfg, 5, w, SharedRuntime(), x, 0, 40)
+    with pytest.raises(ValueError, match="must be \\[rows, 128\\]"):
+        attention_rows(cfg, 0, stack.weights[0], SharedRuntime(), x[:, :5], 0, 40)
+    with pytest.raises(ValueError, match="shared.topk_idxs must hold these 40 rows"):
+        attention_rows(cfg, 2, stack.weights[2], SharedRuntime(compress_kv=np.zeros((10, 64),
+                                                                 np.float32)), x, 0, 40)
+
+
 def test_refusals(tmp_path, capsys, cluster):
     with pytest.raises(GoldenError, match="only a streamed run"):
         write_golden(dataclasses.replace(_plan(), capture="all"), tmp_path / "a.safetensors",
