@@ -232,9 +232,7 @@ def _cluster(args, plan):
     if args.workers is None and args.scheduler is None:
         yield None
         return
-    if plan.capture != "io":
-        raise GoldenError("--workers/--scheduler: only a streamed run (--capture io) runs on a "
-                          "cluster")
+    golden.check_cluster_capture(plan.capture)
     from .golden.cluster import Cluster
     with Cluster(scheduler=args.scheduler, workers=args.workers) as cluster:
         yield cluster

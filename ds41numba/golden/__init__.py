@@ -45,8 +45,9 @@ from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden
                     write_tensors_atomic)
 from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, make_input,
                         make_tensor, make_weight, make_weights, stream_key, weight_distribution)
-from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, drive, io_layout, missing_sources,
-                  replay, run_golden, run_pieces, stream_golden, write_golden)
+from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture, drive,
+                  io_layout, missing_sources, replay, run_golden, run_pieces, stream_golden,
+                  write_golden)
 
 __all__ = [
     "GoldenError", "GENERATOR", "GENERATOR_SPEC", "CAPTURE_MODES", "FORMAT", "FORMAT_VERSION",
@@ -59,5 +60,5 @@ __all__ = [
     "DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_RANGE", "IndexJudgement", "RowBounds", "RowScores",
     "judge_index_rows", "DiskError", "RunInterrupted", "CHECKPOINT_EVERY", "Checkpoint",
     "checkpoint_dir", "partial_path", "GeneratedWeights", "make_weight", "StoredWeights",
-    "run_pieces",
+    "run_pieces", "check_cluster_capture",
 ]

@@ -27,6 +27,7 @@ from .generator import GeneratedWeights, checked_profile, checked_seed, make_inp
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
            "drive_piece", "run_golden", "write_golden", "stream_golden", "io_layout",
+           "check_cluster_capture",
            "DEFAULT_CHUNK", "minimum_bytes", "replay", "StoredWeights"]
 
 
@@ -248,9 +249,8 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     workers, tile by tile; the file is the same.
     """
     path = os.fspath(path)
-    if cluster is not None and plan.capture != "io":
-        raise GoldenError("--workers/--scheduler: only a streamed run (--capture io) runs on a "
-                          "cluster")
+    if cluster is not None:
+        check_cluster_capture(plan.capture)
     if resume and plan.capture != "io":
         raise GoldenError("--resume: only a streamed run (--capture io) keeps a checkpoint to "
                           "resume from")
@@ -265,6 +265,13 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
         write_tensors_atomic(path, tensors, plan.metadata(), force)
     return {"path": os.path.abspath(path), "tensors": n,
             "bytes": os.path.getsize(path), "seconds": time.perf_counter() - t0}
+
+
+def check_cluster_capture(capture: str) -> None:
+    """A cluster runs streamed (``io``) goldens only: refuse any other before a cluster starts."""
+    if capture != "io":
+        raise GoldenError("--workers/--scheduler: only a streamed run (--capture io) runs on a "
+                          "cluster")
 
 
 def _topk_width(config: AttnConfig, j: int, prefill: int, start_pos: int, seqlen: int) -> int:
