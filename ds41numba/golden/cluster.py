@@ -316,7 +316,7 @@ class _Queries:
                 t0 = time.perf_counter()
                 rows = cache[:P // r]
                 fut = self.client.scatter(CacheRows(rows), broadcast=True, hash=False)
-                self.cache_rows[key] = (cache, fut)
+                self.cache_rows[key] = (cache, fut)   # the cache kept: its id stays its own
                 self.cluster.stats.broadcasts.append((i, 0, rows.nbytes,
                                                       time.perf_counter() - t0))
             out.append(self.cache_rows[key][1])
@@ -418,12 +418,12 @@ class _Queries:
         prefix = f"step0.layers.{i}."
         rows = np.asarray([p for p in self.plan.capture_rows if p < P], np.int32)
         r = c.ratio(i)
-        kv, index_k = self.seen[i]
+        kv, keys = self.reads(i)
         parts = {"sample.rows": rows}
-        if r and kv is not None:
+        if kv is not None:
             parts["sample.compress_kv"] = kv[:P // r]
-        if r and index_k is not None and c.is_index_source(i):
-            parts["sample.index_k"] = index_k.keys[:P // r]
+        if keys is not None:
+            parts["sample.index_k"] = keys[:P // r]
         for what, value in parts.items():
             name = prefix + what
             if name in out.entries and out.missing_rows(name):
