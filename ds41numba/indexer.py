@@ -10,8 +10,9 @@ best positions, chosen exactly as torch's CPU ``topk`` chooses them (ties includ
 The scores are computed a tile of queries at a time, so a prefill never holds a
 ``[seqlen, positions]`` tensor unless the caller asks to capture it. Their dot products are of
 fp4 values, exact in f32 whatever the summation order (unless a row's block scales lie ~2^10
-apart), so they run wherever they run fastest: on AVX512-BF16 against a packed copy of the keys
-(:class:`IndexKeyCache`), else through numpy's f32 BLAS; both give the same scores.
+apart), so they run wherever they run fastest: as integer dot products on AMX or AVX512-VNNI,
+or on AVX512-BF16, against a packed copy of the keys (:class:`IndexKeyCache`), else through
+numpy's f32 BLAS; all give the same scores.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 from numba.extending import overload
 
-from .numerics import (DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, bf16_dot_enabled,
-                       bf16_dot_tile, bf16_pairs, bf16_scalar, fp4_quant_e8m0_inplace, in_workers,
-                       int8_blocks_shape, int8_dot_enabled, int8_dot_exact, int8_dot_tile,
-                       int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
-                       pack_bf16_pairs, pack_int8_blocks, rms_norm, split_range, to_bf16_rne,
-                       worth_parallel)
+from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, amx_begin,
+                       amx_dot_tile, amx_enabled, amx_end, bf16_dot_enabled, bf16_dot_tile,
+                       bf16_pairs, bf16_scalar, foldable, folded_blocks_shape, folded_rows,
+                       fp4_quant_e8m0_inplace, in_workers, int8_blocks_shape, int8_dot_enabled,
+                       int8_dot_exact, int8_dot_tile, int8_rows, linear_bf16, merge_ranges,
+                       nan_max, output_buffer, pack_bf16_pairs, pack_folded_blocks,
+                       pack_int8_blocks, rms_norm, split_range, to_bf16_rne, worth_parallel)
 from .rope import apply_rotary
 from .topk import partial_sort_set_into, topk_set_into, torch_cpu_topk_rows
 
@@ -237,13 +239,48 @@ def _tile_scores(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarr
 
 def _key_block_dots(q, keys, b, first, rows, d):
     """``d[r] = 0 + q[r] . keys[b]`` for the query rows ``first .. rows`` (in steps of
-    DOT_ROWS) against key block ``b``, on the kernel the operands were packed for: ``q``, ``keys``
-    are ``(pairs,)``, ``(blocks,)`` for AVX512-BF16, ``(quads, corr, scales)``, ``(quads,
-    scales)`` for AVX512-VNNI. ``first`` is a multiple of DOT_ROWS."""
+    :func:`_row_step`) against key block ``b``, on the kernel the operands were packed for:
+    ``q``, ``keys`` are ``(pairs,)``, ``(blocks,)`` for AVX512-BF16; ``(quads, corr, scales)``,
+    ``(quads, scales)`` for AVX512-VNNI; ``(quads, scales)`` folded, twice, for AMX. ``first``
+    is a multiple of the row step."""
+
+
+def _row_step(q):
+    """Query rows one micro-kernel call of :func:`_key_block_dots` takes."""
+
+
+def _tile_state(q, begin):
+    """Load (``begin``) or release this thread's AMX tile state when ``q`` is AMX's operand."""
+
+
+@overload(_row_step)
+def _row_step_impl(q):
+    step = AMX_ROWS if len(q.types) == 2 else DOT_ROWS
+    return lambda q: step
+
+
+@overload(_tile_state)
+def _tile_state_impl(q, begin):
+    if len(q.types) != 2:
+        return lambda q, begin: None
+
+    def amx_state(q, begin):
+        if begin:
+            amx_begin()
+        else:
+            amx_end()
+    return amx_state
 
 
 @overload(_key_block_dots)
 def _key_block_dots_impl(q, keys, b, first, rows, d):
+    if len(q.types) == 2:
+        def amx_dots(q, keys, b, first, rows, d):
+            d[first:] = 0
+            for r in range(first, rows, AMX_ROWS):
+                amx_dot_tile(q[0][r:r + AMX_ROWS], q[1][r:r + AMX_ROWS], keys[0][b], keys[1][b],
+                             d[r:r + AMX_ROWS])
+        return amx_dots
     if len(q.types) == 1:
         def bf16_dots(q, keys, b, first, rows, d):
             d[first:] = 0
@@ -271,8 +308,10 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, out):
     on the thread count.
     """
     T, ih = w.shape
+    step = _row_step(q)
     for wk in prange(workers):
         d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
+        _tile_state(q, True)
         for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
             t0 = b * DOT_LANES
             s_lo = 0
@@ -280,14 +319,20 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, out):
                 s_lo += 1
             if s_lo == T:
                 continue
-            _key_block_dots(q, keys, b, s_lo * ih // DOT_ROWS * DOT_ROWS, T * ih, d)
+            _key_block_dots(q, keys, b, s_lo * ih // step * step, T * ih, d)
             _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
+        _tile_state(q, False)
+
+
+def _query_rows(T: int, ih: int) -> int:
+    """A tile's query heads, padded for every kernel's row step (DOT_ROWS divides AMX_ROWS)."""
+    return -(-T * ih // AMX_ROWS) * AMX_ROWS
 
 
 def _query_pairs_size(T: int, ih: int, idim: int) -> int:
-    """uint32 elements of a tile's query heads as bf16 pairs, rows padded to DOT_ROWS: also room
-    for their int8 layout (5/16 of a uint32 per value against 1/2)."""
-    return -(-T * ih // DOT_ROWS) * DOT_ROWS * (idim // 2)
+    """uint32 elements of a tile's query heads as bf16 pairs (padded rows): also room for their
+    int8 layouts (5/16 and 1/4 of a uint32 per value, against 1/2)."""
+    return _query_rows(T, ih) * (idim // 2)
 
 
 def _query_buffer(qbuf, T, ih, idim):
@@ -299,8 +344,7 @@ def _query_buffer(qbuf, T, ih, idim):
 def _query_pairs(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
     """A tile's query heads ``iq [T, ih, id]`` as the bf16 kernel's A operand, in ``qbuf``."""
     T, ih, idim = iq.shape
-    size = _query_pairs_size(T, ih, idim)
-    qp = qbuf[:size].reshape(-1, idim // 2)
+    qp = qbuf[:_query_pairs_size(T, ih, idim)].reshape(-1, idim // 2)
     bf16_pairs(iq.reshape(T * ih, idim), out=qp[:T * ih])
     qp[T * ih:] = 0
     return (qp,)
@@ -310,7 +354,7 @@ def _query_int8(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
     """A tile's query heads ``iq [T, ih, id]`` as the VNNI kernel's A operand, in ``qbuf``:
     ``((quads, corr, scales), range)``, the padding rows zeros of scale 1."""
     T, ih, idim = iq.shape
-    rows = -(-T * ih // DOT_ROWS) * DOT_ROWS
+    rows = _query_rows(T, ih)
     n_quads, n_groups = rows * idim // 4, rows * (idim // INT8_GROUP)
     quads = qbuf[:n_quads].reshape(rows, idim // 4)
     corr = qbuf[n_quads:n_quads + n_groups].view(np.int32).reshape(rows, -1)
@@ -320,6 +364,19 @@ def _query_int8(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
     corr[T * ih:] = 0
     scales[T * ih:] = 1
     return (quads, corr, scales), rng
+
+
+def _query_folded(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
+    """A tile's query heads ``iq [T, ih, id]`` as the AMX kernel's A operand, in ``qbuf``:
+    ``((quads, scales), range)``, the padding rows zeros of scale 1."""
+    T, ih, idim = iq.shape
+    rows = _query_rows(T, ih)
+    quads = qbuf[:rows * idim // 4].reshape(rows, idim // 4)
+    scales = qbuf[rows * idim // 4:rows * (idim // 4 + 1)].view(np.float32).reshape(rows, 1)
+    *_, rng = folded_rows(iq.reshape(T * ih, idim), out=(quads, scales))
+    quads[T * ih:] = 0
+    scales[T * ih:] = 1
+    return (quads, scales), rng
 
 
 def _tile_scores_packed(q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray, width: int,
@@ -369,10 +426,32 @@ def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.
     return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to)
 
 
+def _tile_scores_amx(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
+                     clen: np.ndarray, width: int, out: np.ndarray | None = None,
+                     qbuf: np.ndarray | None = None,
+                     dirty_to: int | None = None) -> np.ndarray | None:
+    """:func:`_tile_scores_int8` on AMX against keys packed by
+    :func:`~ds41numba.numerics.pack_folded_blocks`, or None when the queries or keys do not fold
+    (:func:`~ds41numba.numerics.foldable`) or their products are not exact: the caller then
+    runs the VNNI kernel (which any foldable rows also pass)."""
+    T, ih, idim = iq.shape
+    if keys[0].shape[1] != idim // 4:
+        raise ValueError(f"_tile_scores_amx: packed keys {keys[0].shape} are not of {idim} dims")
+    q, q_range = _query_folded(iq, _query_buffer(qbuf, T, ih, idim))
+    if not (foldable(q_range, key_range) and int8_dot_exact(q_range, key_range, idim)):
+        return None
+    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to)
+
+
 def _int8_scored(head_dim: int) -> bool:
     """Index scores of this head size run on AVX512-VNNI: the tier is on, and the heads split
     into the fp4 quantiser's blocks (which any quantised head does)."""
     return int8_dot_enabled() and head_dim % INT8_GROUP == 0
+
+
+def _amx_scored(head_dim: int) -> bool:
+    """... and first on AMX: that tier is on, and the heads split into its tile products."""
+    return amx_enabled() and head_dim % AMX_K == 0
 
 
 class IndexKeyCache:
@@ -382,26 +461,30 @@ class IndexKeyCache:
     the products run on a packed kernel (:func:`~ds41numba.numerics.backend`) the cache keeps
     the same rows a second time in the layout that kernel reads, written together with them: a
     decode step scores every key, and repacking them all each step would cost more than scoring
-    them (15 ms at 65,536 keys). On AVX512-VNNI that is ``int8`` (``(quads, scales)``, see
+    them (15 ms at 65,536 keys). On AMX that is ``folded`` (``(quads, scales)``, see
+    :func:`~ds41numba.numerics.pack_folded_blocks`, with ``folded_range``, what decides whether
+    they fold); on AVX512-VNNI ``int8`` (``(quads, scales)``, see
     :func:`~ds41numba.numerics.pack_int8_blocks`, with ``int8_range``, what decides whether their
     integer dot products are exact); on AVX512-BF16 ``blocks`` (see
-    :func:`~ds41numba.numerics.pack_bf16_pairs`), which the VNNI tier also packs, once, the
-    first time a tile's products are not exact as integers. :meth:`scores` picks the kernel;
-    every kernel gives the same scores.
+    :func:`~ds41numba.numerics.pack_bf16_pairs`). A tier also packs the next tier's layout,
+    once, the first time its own kernel cannot score the keys (rows that do not fold, products
+    not exact as integers). :meth:`scores` picks the kernel; every kernel gives the same scores.
     """
 
-    __slots__ = ("keys", "blocks", "int8", "int8_range")
+    __slots__ = ("keys", "blocks", "int8", "int8_range", "folded", "folded_range")
 
     def __init__(self, keys: np.ndarray, packed_rows: int | None = None):
         """Wrap ``keys`` (kept as given, not copied); its first ``packed_rows`` rows (all by
         default) hold keys already and are packed."""
         self.keys = keys
-        self.blocks = self.int8 = None
-        self.int8_range = EMPTY_RANGE
+        self.blocks = self.int8 = self.folded = None
+        self.int8_range = self.folded_range = EMPTY_RANGE
         rows = keys.shape[0] if packed_rows is None else packed_rows
-        if _int8_scored(keys.shape[1]):
+        if _amx_scored(keys.shape[1]):
+            self._pack_folded(rows)
+        if _int8_scored(keys.shape[1]) and not self._folds():
             self._pack_int8(rows)
-        if bf16_dot_enabled() and (self.int8 is None or self.int8_range[0]):
+        if bf16_dot_enabled() and not (self._folds() or (self.int8 is not None and not self.int8_range[0])):
             self._pack_all(rows)
 
     @classmethod
@@ -414,6 +497,17 @@ class IndexKeyCache:
         self.blocks = np.zeros((-(-n // DOT_LANES), d // 2, DOT_LANES), np.uint32)
         if rows:
             pack_bf16_pairs(self.keys[:rows], self.blocks, 0)
+
+    def _folds(self) -> bool:
+        """Whether the cache holds folded keys and they all fold."""
+        return self.folded is not None and foldable(self.folded_range, EMPTY_RANGE)
+
+    def _pack_folded(self, rows: int) -> None:
+        quads, scales = folded_blocks_shape(*self.keys.shape)
+        self.folded = (np.zeros(quads, np.uint32), np.ones(scales, np.float32))
+        self.folded_range = EMPTY_RANGE
+        if rows:
+            self.folded_range = pack_folded_blocks(self.keys[:rows], self.folded, 0)[2]
 
     def _pack_int8(self, rows: int) -> None:
         quads, scales = int8_blocks_shape(*self.keys.shape)
@@ -434,6 +528,11 @@ class IndexKeyCache:
         rows = self.keys[first_row:first_row + len(keys)]
         if self.blocks is not None:
             pack_bf16_pairs(rows, self.blocks, first_row)
+        if self.folded is not None:
+            self.folded_range = merge_ranges(self.folded_range,
+                                             pack_folded_blocks(rows, self.folded, first_row)[2])
+            if not self._folds() and self.int8 is None:        # keys the VNNI kernel will score
+                self._pack_int8(self.keys.shape[0])
         if self.int8 is not None:
             self.int8_range = merge_ranges(self.int8_range,
                                            pack_int8_blocks(rows, self.int8, first_row)[2])
@@ -447,6 +546,13 @@ class IndexKeyCache:
         ``dirty_to``: the columns of ``out`` from there on hold -inf already (:func:`_masked_buffer`)."""
         if not bf16_dot_enabled():
             return _tile_scores(iq, w, self.keys[:width], clen, width, out=out, dirty_to=dirty_to)
+        if _amx_scored(self.keys.shape[1]):
+            if self.folded is None:     # made while the products ran on another tier
+                self._pack_folded(self.keys.shape[0])
+            got = _tile_scores_amx(iq, w, self.folded, self.folded_range, clen, width, out=out,
+                                   qbuf=qbuf, dirty_to=dirty_to)
+            if got is not None:
+                return got
         if _int8_scored(self.keys.shape[1]):
             if self.int8 is None:       # made while the products ran on another tier
                 self._pack_int8(self.keys.shape[0])

@@ -18,8 +18,9 @@ from helpers import EPS, bf16, captured_steps, random_config, random_weights
 from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, linear_bf16,
                        select_candidate_blocks, to_bf16_rne)
 from ds41numba.attention import layer_rope_table
-from ds41numba.numerics import (BACKENDS, backend, bf16_dot_enabled, int8_dot_enabled,
-                                pack_bf16_pairs, pack_int8_blocks, use_backend, workers)
+from ds41numba.numerics import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot_enabled,
+                                pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, use_backend,
+                                workers)
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
 indexer_mod = importlib.import_module("ds41numba.indexer")
@@ -86,9 +87,11 @@ needs_bf16_dot = pytest.mark.skipif(not bf16_dot_enabled(), reason="the AVX512-B
                                     "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
 needs_int8_dot = pytest.mark.skipif(not int8_dot_enabled(), reason="the AVX512-VNNI kernel is off (no "
                                     "such CPU, or DS41NUMBA_INT8_DOT=0)")
-# The f32 BLAS path in both of its layouts, the AVX512-BF16 kernel and the AVX512-VNNI kernel.
+needs_amx = pytest.mark.skipif(not amx_enabled(), reason="the AMX kernel is off (no AMX-INT8, no "
+                               "tile state from Linux, or DS41NUMBA_AMX=0)")
+# The f32 BLAS path in both of its layouts, the AVX512-BF16, AVX512-VNNI and AMX kernels.
 SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot),
-               pytest.param("avx512-vnni", marks=needs_int8_dot)]
+               pytest.param("avx512-vnni", marks=needs_int8_dot), pytest.param("amx", marks=needs_amx)]
 # The tiers this CPU runs, from the highest down.
 TIERS = [b for b in BACKENDS if b == "blas" or BACKENDS.index(b) >= BACKENDS.index(backend())]
 
@@ -99,7 +102,22 @@ def int8_tile_scores(iq, w, keys, clen, n):
     return indexer_mod._tile_scores_int8(iq, w, (quads, scales), rng, clen, n)
 
 
+def amx_tile_scores(iq, w, keys, clen, n):
+    """The AMX kernel's scores, or None where it declines (rows that do not fold, products not
+    exact), and None for heads that do not split into its tile products."""
+    if keys.shape[1] % 64:
+        return None
+    quads, scales, rng = pack_folded_blocks(keys)
+    return indexer_mod._tile_scores_amx(iq, w, (quads, scales), rng, clen, n)
+
+
 def package_tile_scores(path, monkeypatch, iq, w, keys, clen, n):
+    if path == "amx":
+        got = amx_tile_scores(iq, w, keys, clen, n)
+        if got is None:     # the cache runs the next kernel down
+            with use_backend("amx"):
+                got = indexer_mod.IndexKeyCache(keys).scores(iq, w, clen, n)
+        return got
     if path == "avx512-bf16":
         return indexer_mod._tile_scores_bf16(iq, w, pack_bf16_pairs(keys), clen, n)
     if path == "avx512-vnni":
@@ -116,7 +134,8 @@ def package_tile_scores(path, monkeypatch, iq, w, keys, clen, n):
 def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
     rng = np.random.default_rng(11)
     # 3 heads: the bf16 kernel's rows of 4 cross query boundaries and end in a padding row.
-    for T, ih, idim, n in [(1, 1, 32, 5), (6, 3, 64, 40), (9, 4, 32, 70), (5, 32, 128, 100)]:
+    for T, ih, idim, n in [(1, 1, 32, 5), (6, 3, 64, 40), (9, 4, 32, 70), (5, 32, 128, 100),
+                           (3, 16, 128, 33), (2, 5, 192, 64)]:
         iq, w, keys = _index_inputs(rng, T, ih, idim, n)
         clen = rng.integers(0, n + 1, size=T)
         clen[0] = 0
@@ -125,6 +144,8 @@ def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
         want = naive.tile_scores(iq, w, keys, clen)
         if path == "avx512-vnni":
             assert int8_tile_scores(iq, w, keys, clen, n) is not None, "the VNNI kernel declined"
+        if path == "amx" and idim % 64 == 0:
+            assert amx_tile_scores(iq, w, keys, clen, n) is not None, "the AMX kernel declined"
         assert got.dtype == np.float32 and got.shape == (T, n)
         assert np.array_equal(got, want), f"{np.sum(got != want)} scores differ"
         assert np.all(got[np.arange(n)[None, :] >= clen[:, None]] == -np.inf)
@@ -169,7 +190,8 @@ def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
 
 
 @pytest.mark.parametrize("path", [pytest.param("avx512-bf16", marks=needs_bf16_dot),
-                                  pytest.param("avx512-vnni", marks=needs_int8_dot)])
+                                  pytest.param("avx512-vnni", marks=needs_int8_dot),
+                                  pytest.param("amx", marks=needs_amx)])
 def test_packed_tile_scores_do_not_depend_on_the_thread_count(path):
     rng = np.random.default_rng(13)
     T, ih, idim, n = 7, 8, 64, 1000
@@ -182,7 +204,8 @@ def test_packed_tile_scores_do_not_depend_on_the_thread_count(path):
         for threads in (1, before):
             numba.set_num_threads(threads)
             got.append(indexer_mod._tile_scores_bf16(iq, w, packed, clen, n) if path == "avx512-bf16"
-                       else int8_tile_scores(iq, w, keys, clen, n))
+                       else int8_tile_scores(iq, w, keys, clen, n) if path == "avx512-vnni"
+                       else amx_tile_scores(iq, w, keys, clen, n))
     finally:
         numba.set_num_threads(before)
     assert before > 1 and np.array_equal(got[0], got[1])
@@ -219,6 +242,33 @@ def test_int8_scores_fall_back_to_bf16_where_integer_products_are_not_exact():
     assert got is not None
     assert np.array_equal(got, indexer_mod._tile_scores_bf16(narrow, w, pack_bf16_pairs(keys), clen, n))
     assert np.array_equal(got, naive.tile_scores(narrow, w, keys, clen))
+
+
+@needs_amx
+def test_amx_scores_fall_back_to_vnni_where_rows_do_not_fold():
+    """Keys or a query head whose block exponents lie more than FOLD_SPREAD apart: the AMX
+    kernel declines, the cache packs the VNNI layout once and scores there, bit for bit the
+    naive scores; keys written later that do not fold do the same for a cache that folded."""
+    rng = np.random.default_rng(17)
+    T, ih, idim, n = 4, 16, 128, 90
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    clen = np.full(T, n)
+    with use_backend("amx"):
+        cache = indexer_mod.IndexKeyCache(keys)
+        assert cache.folded is not None and cache.int8 is None and cache.blocks is None
+        assert np.array_equal(cache.scores(iq, w, clen, n), naive.tile_scores(iq, w, keys, clen))
+        wide_q = _spread(iq, 3, [1], 2.0 ** 5)
+        assert amx_tile_scores(wide_q, w, keys, clen, n) is None
+        assert np.array_equal(cache.scores(wide_q, w, clen, n), naive.tile_scores(wide_q, w, keys, clen))
+        assert cache.int8 is not None                            # packed once, on demand
+        later = indexer_mod.IndexKeyCache.empty(n, idim)
+        later.write(0, keys[:50])
+        assert later.int8 is None
+        wide_k = _spread(keys[50:, None], 0, [2], 2.0 ** 5)[:, 0]
+        later.write(50, wide_k)
+        assert later.int8 is not None and not later._folds()
+        all_keys = np.concatenate([keys[:50], wide_k])
+        assert np.array_equal(later.scores(iq, w, clen, n), naive.tile_scores(iq, w, all_keys, clen))
 
 
 def test_a_tiles_scores_stay_within_budget_at_a_million_positions():
@@ -273,10 +323,11 @@ def _indexer_scoring_inputs(args):
 
 
 @pytest.mark.parametrize("tier", [pytest.param("avx512bf16", marks=needs_bf16_dot),
-                                  pytest.param("avx512vnni", marks=needs_int8_dot)])
+                                  pytest.param("avx512vnni", marks=needs_int8_dot),
+                                  pytest.param("amx", marks=needs_amx)])
 def test_index_key_cache_keeps_its_layout_as_keys_are_written(tier):
     rng = np.random.default_rng(15)
-    args = _indexer_case(rng)
+    args = _indexer_case(rng, idim=64 if tier == "amx" else 32)
     with use_backend(tier):
         cache = indexer_mod.IndexKeyCache.empty(*args["index_k"].shape)
         for lo, hi in [(0, 33), (33, 34), (34, 60)]:       # a prefill, then rows a step at a time
@@ -285,6 +336,11 @@ def test_index_key_cache_keeps_its_layout_as_keys_are_written(tier):
         if tier == "avx512bf16":
             assert np.array_equal(cache.blocks, pack_bf16_pairs(args["index_k"]))
             assert cache.int8 is None
+        elif tier == "amx":
+            quads, scales, key_range = pack_folded_blocks(args["index_k"])
+            assert np.array_equal(cache.folded[0], quads) and np.array_equal(cache.folded[1], scales)
+            assert np.array_equal(cache.folded_range, key_range)
+            assert cache.int8 is None and cache.blocks is None
         else:
             quads, scales, key_range = pack_int8_blocks(args["index_k"])
             assert np.array_equal(cache.int8[0], quads) and np.array_equal(cache.int8[1], scales)
@@ -299,6 +355,8 @@ def test_index_key_cache_keeps_its_layout_as_keys_are_written(tier):
         assert np.array_equal(indexer_mod.indexer(**dict(args, index_k=late))[0], want)
         if tier == "avx512bf16":
             assert np.array_equal(late.blocks, cache.blocks)
+        elif tier == "amx":
+            assert np.array_equal(late.folded[0], cache.folded[0]) and late.int8 is None
         else:
             assert np.array_equal(late.int8[0], cache.int8[0])
         args["index_k"] = args["index_k"] + np.float32(2.0 ** -12)

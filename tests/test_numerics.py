@@ -685,6 +685,101 @@ def test_int8_dot_exact_bound_is_needed():
     assert np.all(_dot(a, b) == F32(32 * 36 * 2.0 ** 14)) and np.all(exact.astype(F32) > F32(32 * 36 * 2.0 ** 14))
 
 
+# ------------------------------------------------------------------------------ AMX dot products
+
+needs_amx = pytest.mark.skipif(not nm.amx_enabled(), reason="the AMX kernel is off (no AMX-INT8, "
+                               "no tile state from Linux, or DS41NUMBA_AMX=0)")
+
+
+@numba.njit
+def _amx_dot_all(qa, sa, qb, sb, out):
+    """Each block of B against every row tile of A, through the tile micro-kernel."""
+    nm.amx_begin()
+    for k in range(qb.shape[0]):
+        for r in range(0, qa.shape[0], nm.AMX_ROWS):
+            nm.amx_dot_tile(qa[r:r + nm.AMX_ROWS], sa[r:r + nm.AMX_ROWS], qb[k], sb[k],
+                            out[k, r:r + nm.AMX_ROWS])
+    nm.amx_end()
+
+
+def _amx_dot(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0):
+    """:func:`_int8_dot` on the AMX kernel (rows of A a multiple of AMX_ROWS)."""
+    R, L = a_rows.shape[0], nm.DOT_LANES
+    qa, sa, ra = nm.folded_rows(a_rows)
+    qb, sb, rb = nm.pack_folded_blocks(b_rows)
+    out = np.full((qb.shape[0], R, L + out_stride), np.nan, F32)[:, :, :L]
+    out[:] = start
+    _amx_dot_all(_strided(qa, a_stride), _strided(sa, a_stride), qb, sb, out)
+    return out.transpose(1, 0, 2).reshape(R, -1)[:, :b_rows.shape[0]], ra, rb
+
+
+@needs_amx
+@pytest.mark.parametrize("d, a_stride, out_stride, spread", [(64, 0, 0, 0), (128, 3, 5, 2),
+                                                             (256, 0, 0, 1), (192, 8, 16, 2)])
+def test_amx_dot_exact_on_folded_fp4_values(d, a_stride, out_stride, spread):
+    """The AMX kernel's products of folded fp4 rows are the exact dot products, the VNNI
+    kernel's bit for bit, with each row's groups up to FOLD_SPREAD exponents apart."""
+    rng = np.random.default_rng(60 + d)
+    a, b = _fp4_rows(rng, 2 * nm.AMX_ROWS, d, spread), _fp4_rows(rng, 75, d, spread)
+    b[3] = 0.0                                     # a key of zeros
+    a[5, :32] = 0.0                                # a zero group: no exponent
+    got, ra, rb = _amx_dot(a, b, a_stride, out_stride)
+    assert nm.foldable(ra, rb) and nm.int8_dot_exact(ra, rb, d)
+    exact = a.astype(np.float64) @ b.T.astype(np.float64)
+    assert_same_bits(got, exact.astype(F32))
+    for r in range(0, a.shape[0], nm.DOT_ROWS):
+        assert_same_bits(got[r:r + nm.DOT_ROWS], _int8_dot(a[r:r + nm.DOT_ROWS], b)[0])
+    assert_same_bits(_amx_dot(a, b, start=0.75)[0], (exact + 0.75).astype(F32))
+
+
+@needs_amx
+def test_amx_dot_at_its_largest_bytes():
+    """Values +-6 s in one group and +-6 s/8 in the others (spread 3): folded bytes +-96 and
+    +-12, the largest tile sums, exact."""
+    d = 128
+    a = np.full((nm.AMX_ROWS, d), 6.0 / 8, F32)
+    a[:, :32] = 6.0
+    a[1] *= -1
+    b = np.full((40, d), -6.0 / 8, F32)
+    b[:, 96:] = -6.0
+    b[1::2] *= -1
+    got, ra, rb = _amx_dot(a, b)
+    assert nm.foldable(ra, rb) and ra[3] == rb[3] == 3
+    assert_same_bits(got, (a.astype(np.float64) @ b.T.astype(np.float64)).astype(F32))
+
+
+def test_folded_packing_holds_the_values_and_counts_what_does_not_fold():
+    """Folded rows give back every value (bytes times the row's scale); a row whose exponents
+    spread wider than FOLD_SPREAD, or a value that is not fp4, is counted, never packed as good;
+    rows go into the lanes pack_int8_blocks gives them."""
+    rng = np.random.default_rng(61)
+    x = _fp4_rows(rng, 70, 128, 2)
+    quads, scales, ra = nm.folded_rows(x)
+    ints = quads.view(np.int8).astype(np.int64)
+    assert np.array_equal((ints * scales).astype(F32), x) and scales.shape == (70, 1)
+    assert ra[0] == 0 and ra[3] <= nm.FOLD_SPREAD and nm.foldable(ra, ra)
+    kq, ks, rb = nm.pack_folded_blocks(x)
+    assert kq.shape == nm.pack_int8_blocks(x)[0].shape and ks.shape == (3, 1, nm.DOT_LANES)
+    keys = kq.transpose(0, 2, 1).reshape(-1, 32).view(np.int8).astype(np.int64) * ks.reshape(-1, 1)
+    assert np.array_equal(keys[:70].astype(F32), x) and np.all(keys[70:] == 0)
+    assert np.array_equal(ra, rb)
+    out = nm.pack_folded_blocks(np.zeros((96, 128), F32))[:2]
+    nm.pack_folded_blocks(x[:5], out, first=30)
+    assert np.array_equal(out[0][0, :, 30:], kq[0, :, :2]) and np.all(out[0][:, :, 35:] == 0)
+    with pytest.raises(ValueError, match="room"):
+        nm.pack_folded_blocks(x, out, first=30)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        nm.folded_rows(x[:, :96])
+    wide = x.copy()
+    wide[4, 64:96] *= F32(2.0 ** 6)                # one row spread 4 or more
+    for pack in (nm.folded_rows, nm.pack_folded_blocks):
+        r = pack(wide)[-1]
+        assert r[0] == 0 and r[3] > nm.FOLD_SPREAD and not nm.foldable(r, ra)
+    bad = x.copy()
+    bad[2, 7] = np.nan
+    assert nm.folded_rows(bad)[-1][0] == 1 and not nm.foldable(nm.folded_rows(bad)[-1], ra)
+
+
 def test_backend_tiers_nest():
     """Each tier runs what the one below runs plus one instruction set; use_backend switches
     every caller's answer and refuses a name it does not know."""
@@ -693,16 +788,19 @@ def test_backend_tiers_nest():
     for tier in runnable:
         with nm.use_backend(tier):
             assert nm.backend() == tier
-            assert nm.int8_dot_enabled() == (tier == "avx512vnni")
+            assert nm.amx_enabled() == (tier == "amx")
+            assert nm.int8_dot_enabled() == (tier in ("amx", "avx512vnni"))
             assert nm.bf16_dot_enabled() == (tier != "blas")
     with pytest.raises(ValueError, match="not one of"):
-        with nm.use_backend("amx"):
+        with nm.use_backend("avx2"):
             pass
 
 
-@pytest.mark.parametrize("env, highest", [("DS41NUMBA_INT8_DOT", "avx512bf16"), ("DS41NUMBA_BF16_DOT", "blas")])
+@pytest.mark.parametrize("env, highest", [("DS41NUMBA_AMX", "avx512vnni"), ("DS41NUMBA_INT8_DOT", "avx512bf16"),
+                                          ("DS41NUMBA_BF16_DOT", "blas")])
 def test_backend_environment_switches(env, highest):
-    """``DS41NUMBA_INT8_DOT=0`` stops below the VNNI tier, ``DS41NUMBA_BF16_DOT=0`` at BLAS."""
+    """``DS41NUMBA_AMX=0`` stops below the AMX tier, ``DS41NUMBA_INT8_DOT=0`` below the VNNI
+    tier, ``DS41NUMBA_BF16_DOT=0`` at BLAS."""
     import os
     import subprocess
     import sys

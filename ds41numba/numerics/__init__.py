@@ -3,11 +3,13 @@
 - ``formats``: rounding f32 onto bf16, e4m3, e2m1 and powers of two (scalar ``@njit`` helpers
   and array functions), and the array checks the numeric functions share;
 - ``quant``: the reference's fp8 / fp4 quantise-dequantise schemes;
-- ``backend``: the one choice of kernels (AVX512-VNNI, AVX512-BF16 or numpy's BLAS: ``backend``,
-  ``use_backend``);
+- ``backend``: the one choice of kernels (AMX, AVX512-VNNI, AVX512-BF16 or numpy's BLAS:
+  ``backend``, ``use_backend``);
 - ``bf16_dot``: the AVX512-BF16 micro-kernel, its many-row product and pair layouts;
 - ``int8_dot``: exact fp4 dot products as integer dot products on AVX512-VNNI, their packed
   layouts and the test of when they are exact;
+- ``amx_dot``: the same dot products on AMX's tile multiplier, each row's scales folded into
+  its bytes;
 - ``f32_products``: f32 products in the reference's MKL order;
 - ``linear``: the projections (``Bf16Matrix``, ``linear_bf16``, ``linear_f32``);
 - ``norm``: RMSNorm and torch's CPU sum order;
@@ -17,7 +19,10 @@
 Every public name is re-exported here, so ``from ds41numba.numerics import linear_bf16`` works.
 """
 
-from .backend import BACKENDS, backend, bf16_dot_enabled, int8_dot_enabled, use_backend
+from .amx_dot import (AMX_K, AMX_ROWS, FOLD_SPREAD, amx_begin, amx_dot_tile, amx_end, foldable,
+                      folded_blocks_shape, folded_rows, pack_folded_blocks)
+from .backend import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot_enabled,
+                      use_backend)
 from .bf16_dot import DOT_LANES, DOT_ROWS, GEMM_PAIRS, bf16_dot_tile, bf16_pairs, gemm_bf16, pack_bf16_pairs
 from .int8_dot import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_blocks_shape,
                        int8_dot_exact, int8_dot_tile, int8_rows, merge_ranges, pack_int8_blocks)
@@ -35,7 +40,9 @@ from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threa
                       split_range, worth_parallel)
 
 __all__ = [
-    "BACKENDS", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend",
+    "AMX_K", "AMX_ROWS", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "foldable",
+    "folded_blocks_shape", "folded_rows", "pack_folded_blocks",
+    "BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend",
     "DOT_LANES", "DOT_ROWS", "GEMM_PAIRS", "bf16_dot_tile", "bf16_pairs", "gemm_bf16", "pack_bf16_pairs",
     "EMPTY_RANGE", "INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "int8_blocks_shape", "int8_dot_exact",
     "int8_dot_tile", "int8_rows", "merge_ranges", "pack_int8_blocks",

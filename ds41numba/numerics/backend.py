@@ -4,6 +4,8 @@ one switch (:func:`use_backend`).
 The backends are nested tiers, each running everything the next one down runs plus one more
 instruction set, so a CPU is simply on the highest tier it supports:
 
+- ``"amx"``: ``"avx512vnni"`` and those integer dot products on AMX's tile multiplier
+  (:mod:`.amx_dot`) wherever each row's block scales fold into its bytes;
 - ``"avx512vnni"``: ``"avx512bf16"`` and the indexer's fp4 dot products as integer dot products
   on AVX512-VNNI (:mod:`.int8_dot`);
 - ``"avx512bf16"``: the bf16 products of many rows (linears, index scores) on AVX512-BF16
@@ -11,7 +13,8 @@ instruction set, so a CPU is simply on the highest tier it supports:
 - ``"blas"``: numpy's f32 BLAS for all of them.
 
 Every CPU with AVX512-BF16 so far (Cooper Lake, Sapphire Rapids, Zen 4) also has AVX512-VNNI, so
-nesting the tiers costs nothing there; a CPU with VNNI but no BF16 stays on ``"blas"``.
+nesting the tiers costs nothing there; a CPU with VNNI but no BF16 stays on ``"blas"``. Every
+CPU with AMX-INT8 (Sapphire Rapids on) has the other two.
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ import os
 import llvmlite.binding as llb
 import numba
 
-__all__ = ["BACKENDS", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend"]
+__all__ = ["BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled",
+           "use_backend"]
 
 #: From the highest tier down.
-BACKENDS = ("avx512vnni", "avx512bf16", "blas")
+BACKENDS = ("amx", "avx512vnni", "avx512bf16", "blas")
 # The LLVM CPU features each tier needs, and the environment variable that turns it off ("0").
-_NEEDS = {"avx512vnni": ("avx512bf16", "avx512vnni"), "avx512bf16": ("avx512bf16",), "blas": ()}
-_OFF_SWITCH = {"avx512vnni": "DS41NUMBA_INT8_DOT", "avx512bf16": "DS41NUMBA_BF16_DOT"}
+_NEEDS = {"amx": ("avx512bf16", "avx512vnni", "amx-tile", "amx-int8"),
+          "avx512vnni": ("avx512bf16", "avx512vnni"), "avx512bf16": ("avx512bf16",), "blas": ()}
+_OFF_SWITCH = {"amx": "DS41NUMBA_AMX", "avx512vnni": "DS41NUMBA_INT8_DOT",
+               "avx512bf16": "DS41NUMBA_BF16_DOT"}
 
 
 def _supported(name: str) -> bool:
@@ -42,8 +48,22 @@ def _supported(name: str) -> bool:
         return False
     overridden = numba.config.CPU_FEATURES
     host = llb.get_host_cpu_features()
-    return all((overridden is None or f"+{f}" in overridden.split(",")) and bool(host.get(f, False))
-               for f in needs)
+    if not all((overridden is None or f"+{f}" in overridden.split(",")) and bool(host.get(f, False))
+               for f in needs):
+        return False
+    # The tile registers are the process's only once Linux has granted them.
+    return name != "amx" or _tile_state_granted()
+
+
+def _tile_state_granted() -> bool:
+    if not _granted:
+        from .amx_dot import request_tile_state
+
+        _granted.append(request_tile_state())
+    return _granted[0]
+
+
+_granted: list[bool] = []
 
 
 def _allowed(name: str) -> bool:
@@ -52,25 +72,30 @@ def _allowed(name: str) -> bool:
     return all(os.environ.get(_OFF_SWITCH.get(t, ""), "1") != "0" for t in tiers if t in _OFF_SWITCH)
 
 
-_backend = [next(b for b in BACKENDS if _supported(b) and _allowed(b))]
+_backend = [next(b for b in BACKENDS if _allowed(b) and _supported(b))]
 
 
 def backend() -> str:
     """The tier the products run on (one of ``BACKENDS``): the highest this CPU supports, decided
-    at import (``DS41NUMBA_INT8_DOT=0`` stops below ``"avx512vnni"``, ``DS41NUMBA_BF16_DOT=0``
-    forces ``"blas"``). Every caller asks this function, so :func:`use_backend` switches them
+    at import (``DS41NUMBA_AMX=0`` stops below ``"amx"``, ``DS41NUMBA_INT8_DOT=0`` below
+    ``"avx512vnni"``, ``DS41NUMBA_BF16_DOT=0`` forces ``"blas"``). Every caller asks this function, so :func:`use_backend` switches them
     all."""
     return _backend[0]
 
 
 def bf16_dot_enabled() -> bool:
     """The bf16 products run on AVX512-BF16 (tier ``"avx512bf16"`` or above)."""
-    return _backend[0] in ("avx512vnni", "avx512bf16")
+    return _backend[0] in ("amx", "avx512vnni", "avx512bf16")
 
 
 def int8_dot_enabled() -> bool:
-    """The indexer's fp4 dot products run as integer dot products on AVX512-VNNI."""
-    return _backend[0] == "avx512vnni"
+    """The indexer's fp4 dot products run as integer dot products (AVX512-VNNI, or AMX)."""
+    return _backend[0] in ("amx", "avx512vnni")
+
+
+def amx_enabled() -> bool:
+    """Those integer dot products run on AMX's tile multiplier where the rows fold."""
+    return _backend[0] == "amx"
 
 
 @contextlib.contextmanager
