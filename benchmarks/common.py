@@ -447,32 +447,43 @@ def _indexer_case():
 
 
 def _index_scores_case(path: str):
-    """Scoring one tile: ``path`` "default" is what the indexer runs on this machine (AVX512-VNNI
-    or AVX512-BF16 where the CPU has them), "f32" numpy's f32 BLAS (the fallback)."""
+    """Scoring one tile: ``path`` "default" is what the indexer runs on this machine (AMX,
+    AVX512-VNNI or AVX512-BF16 where the CPU has them), "vnni" the AVX512-VNNI kernel (where
+    AMX is the default, the kernel it replaced), "f32" numpy's f32 BLAS (the fallback)."""
     cfg = layer_config(_CTX)
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
+    tier = {"f32": "blas", "vnni": "avx512vnni"}.get(path)
 
     def build():
         from ds41numba.indexer import IndexKeyCache
-        from ds41numba.numerics import fp4_quant_e8m0_inplace
+        from ds41numba.numerics import fp4_quant_e8m0_inplace, use_backend
 
         iq = fp4_quant_e8m0_inplace(normal_bf16((_TILE, ih, idim), 17))
         w = normal_bf16((_TILE, ih), 18) * np.float32(0.01)
-        keys = IndexKeyCache(index_keys(_CTX, idim, 16))
+        with use_backend(tier or backend_name()):
+            keys = IndexKeyCache(index_keys(_CTX, idim, 16))
         return {"iq": iq, "w": _bf16(w), "keys": keys, "clen": np.full(_TILE, _CTX, np.int64)}
 
     def run(st):
-        from ds41numba.numerics import backend, use_backend
+        from ds41numba.numerics import use_backend
 
-        with use_backend(backend() if path == "default" else "blas"):
+        with use_backend(tier or backend_name()):
             st["keys"].scores(st["iq"], st["w"], st["clen"], _CTX)
 
-    name, what = (("indexer_scores_tile", "indexer scoring only") if path == "default" else
-                  ("indexer_scores_tile_f32", "indexer scoring on f32 BLAS"))
+    name, what = {"default": ("indexer_scores_tile", "indexer scoring only"),
+                  "vnni": ("indexer_scores_tile_vnni", "indexer scoring on AVX512-VNNI"),
+                  "f32": ("indexer_scores_tile_f32", "indexer scoring on f32 BLAS")}[path]
     return KernelCase(name, f"{what} (64 queries x 4096 positions)",
                       f"iq {_TILE}x{ih}x{idim}, keys {_CTX}x{idim}", build, run,
                       flops=2 * ih * idim * _TILE * _CTX, elements=_TILE * _CTX,
                       private="ds41numba.indexer._tile_scores")
+
+
+def backend_name() -> str:
+    """The tier the products run on in this process (:func:`ds41numba.numerics.backend`)."""
+    from ds41numba.numerics import backend
+
+    return backend()
 
 
 def _projection_case(tokens=1024):
@@ -576,6 +587,7 @@ def kernel_cases() -> dict[str, KernelCase]:
         _sparse_attn_case(),
         _indexer_case(),
         _index_scores_case("default"),
+        *([_index_scores_case("vnni")] if backend_name() == "amx" else []),
         _index_scores_case("f32"),
         _compressor_case(),
         _pool_case(),

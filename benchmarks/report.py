@@ -366,7 +366,7 @@ def print_text(s: dict, meta: dict):
     w = print
     w(f"ds41numba benchmark report  ({meta['when']}, {meta['cpus']} CPUs, numba threads "
       f"{meta['numba_threads']}, BLAS {meta['blas']}, AVX512-BF16 products {meta['bf16_dot']}, "
-      f"AVX512-VNNI index scores {meta.get('int8_dot', 'off')}, "
+      f"index scores on {meta.get('index_scores', 'AVX512-VNNI' if meta.get('int8_dot') == 'on' else '-')}, "
       f"load average {meta['load_before']} -> "
       f"{meta['load_after']})")
     for when, m in zip(("before", "after"), s["matmul_parent"]):
@@ -470,12 +470,14 @@ def _meta() -> dict:
                          if i.get("user_api") == "blas") or "?"
     except ImportError:
         blas = "?"
-    from ds41numba.numerics import bf16_dot_enabled, int8_dot_enabled
+    from ds41numba.numerics import amx_enabled, bf16_dot_enabled, int8_dot_enabled
 
     return {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "numba_threads": numba.get_num_threads(), "blas": blas,
             "bf16_dot": "on" if bf16_dot_enabled() else "off",
             "int8_dot": "on" if int8_dot_enabled() else "off",
+            "index_scores": ("AMX" if amx_enabled() else "AVX512-VNNI" if int8_dot_enabled()
+                             else "AVX512-BF16" if bf16_dot_enabled() else "BLAS"),
             "python": platform.python_version(),
             "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg())}
 

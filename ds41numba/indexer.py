@@ -25,8 +25,9 @@ from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 from numba.extending import overload
 
-from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, amx_begin,
-                       amx_dot_tile, amx_enabled, amx_end, bf16_dot_enabled, bf16_dot_tile,
+from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, aligned_empty,
+                       amx_begin,
+                       amx_dot_tile, amx_enabled, amx_end, amx_mix_tile, bf16_dot_enabled, bf16_dot_tile,
                        bf16_pairs, bf16_scalar, foldable, folded_blocks_shape, folded_rows,
                        fp4_quant_e8m0_inplace, in_workers, int8_blocks_shape, int8_dot_enabled,
                        int8_dot_exact, int8_dot_tile, int8_rows, linear_bf16, merge_ranges,
@@ -272,6 +273,41 @@ def _tile_state_impl(q, begin):
     return amx_state
 
 
+def _mixed_on_tiles(q, ih):
+    """Whether a block's scores come mixed out of the tile kernel (:func:`_mixed_block`): AMX's
+    operands, and each query's heads a whole number of its row tiles."""
+
+
+def _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out):
+    """The scores of key block ``b`` for the queries ``s_lo ..`` (see :func:`_tile_scores`) from
+    :func:`~ds41numba.numerics.amx_mix_tile`, into ``out`` where visible; ``w_rows`` the head
+    weights one a row (``[T * ih, 1]``), ``mixed`` room for ``[T, DOT_LANES]``."""
+
+
+@overload(_mixed_on_tiles)
+def _mixed_on_tiles_impl(q, ih):
+    if len(q.types) != 2:
+        return lambda q, ih: False
+    return lambda q, ih: ih % AMX_ROWS == 0
+
+
+@overload(_mixed_block)
+def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out):
+    if len(q.types) != 2:
+        return lambda q, keys, w_rows, clen, b, s_lo, mixed, out: None
+
+    def amx_mixed(q, keys, w_rows, clen, b, s_lo, mixed, out):
+        T = out.shape[0]
+        ih = w_rows.shape[0] // T
+        rows = slice(s_lo * ih, T * ih)
+        amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b], mixed[:T - s_lo])
+        t0 = b * DOT_LANES
+        for s in range(s_lo, T):
+            for j in range(min(DOT_LANES, clen[s] - t0)):
+                out[s, t0 + j] = mixed[s - s_lo, j]
+    return amx_mixed
+
+
 @overload(_key_block_dots)
 def _key_block_dots_impl(q, keys, b, first, rows, d):
     if len(q.types) == 2:
@@ -309,8 +345,11 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, out):
     """
     T, ih = w.shape
     step = _row_step(q)
+    mixed_on_tiles = _mixed_on_tiles(q, ih)
+    w_rows = w.reshape((T * ih, 1))
     for wk in prange(workers):
         d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
+        mixed = np.empty((T, DOT_LANES), np.float32)
         _tile_state(q, True)
         for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
             t0 = b * DOT_LANES
@@ -318,6 +357,9 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, out):
             while s_lo < T and clen[s_lo] <= t0:
                 s_lo += 1
             if s_lo == T:
+                continue
+            if mixed_on_tiles:
+                _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out)
                 continue
             _key_block_dots(q, keys, b, s_lo * ih // step * step, T * ih, d)
             _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
@@ -338,7 +380,7 @@ def _query_pairs_size(T: int, ih: int, idim: int) -> int:
 def _query_buffer(qbuf, T, ih, idim):
     """``qbuf`` if it holds a tile's query heads, else a fresh buffer that does."""
     size = _query_pairs_size(T, ih, idim)
-    return qbuf if qbuf is not None and qbuf.size >= size else np.empty(size, np.uint32)
+    return qbuf if qbuf is not None and qbuf.size >= size else aligned_empty(size, np.uint32)
 
 
 def _query_pairs(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
@@ -504,7 +546,8 @@ class IndexKeyCache:
 
     def _pack_folded(self, rows: int) -> None:
         quads, scales = folded_blocks_shape(*self.keys.shape)
-        self.folded = (np.zeros(quads, np.uint32), np.ones(scales, np.float32))
+        self.folded = (aligned_empty(quads, np.uint32), np.ones(scales, np.float32))
+        self.folded[0][:] = 0
         self.folded_range = EMPTY_RANGE
         if rows:
             self.folded_range = pack_folded_blocks(self.keys[:rows], self.folded, 0)[2]

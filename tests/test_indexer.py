@@ -245,6 +245,33 @@ def test_int8_scores_fall_back_to_bf16_where_integer_products_are_not_exact():
 
 
 @needs_amx
+@pytest.mark.parametrize("T, ih", [(1, 16), (7, 16), (3, 32), (2, 48)])
+def test_amx_mixed_scores_with_every_kind_of_head_weight(T, ih):
+    """The scores mixed as they leave the tile multiplier (heads a multiple of its 16 rows, one
+    or several row tiles a query, odd and even numbers of row tiles): bit for bit the naive
+    scores, with head weights of zero, -0, inf, -inf and NaN (relu(0) * inf is NaN, as torch's),
+    whatever the thread count and the visible lengths."""
+    rng = np.random.default_rng(18)
+    idim, n = 128, 200
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    w[0, :4] = [0.0, -0.0, np.inf, -np.inf]
+    if T > 1:
+        w[1, 5] = np.nan
+    iq[0, 2] = 0.0                                          # a zero head: scores 0, relu 0
+    clen = np.sort(rng.integers(1, n + 1, size=T))
+    want = naive.tile_scores(iq, w, keys, clen)
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, before):
+            numba.set_num_threads(threads)
+            got = amx_tile_scores(iq, w, keys, clen, n)
+            assert got is not None
+            assert np.array_equal(got, want, equal_nan=True), f"{np.sum(got != want)} scores differ"
+    finally:
+        numba.set_num_threads(before)
+
+
+@needs_amx
 def test_amx_scores_fall_back_to_vnni_where_rows_do_not_fold():
     """Keys or a query head whose block exponents lie more than FOLD_SPREAD apart: the AMX
     kernel declines, the cache packs the VNNI layout once and scores there, bit for bit the

@@ -7,9 +7,8 @@
   ``backend``, ``use_backend``);
 - ``bf16_dot``: the AVX512-BF16 micro-kernel, its many-row product and pair layouts;
 - ``int8_dot``: exact fp4 dot products as integer dot products on AVX512-VNNI, their packed
-  layouts and the test of when they are exact;
-- ``amx_dot``: the same dot products on AMX's tile multiplier, each row's scales folded into
-  its bytes;
+  layouts (and the folded ones AMX reads) and the tests of when they are exact;
+- ``amx_dot``: the same dot products on AMX's tile multiplier, from the folded layouts;
 - ``f32_products``: f32 products in the reference's MKL order;
 - ``linear``: the projections (``Bf16Matrix``, ``linear_bf16``, ``linear_f32``);
 - ``norm``: RMSNorm and torch's CPU sum order;
@@ -19,16 +18,16 @@
 Every public name is re-exported here, so ``from ds41numba.numerics import linear_bf16`` works.
 """
 
-from .amx_dot import (AMX_K, AMX_ROWS, FOLD_SPREAD, amx_begin, amx_dot_tile, amx_end, foldable,
-                      folded_blocks_shape, folded_rows, pack_folded_blocks)
+from .amx_dot import AMX_ROWS, amx_begin, amx_dot_tile, amx_end, amx_mix_tile
 from .backend import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot_enabled,
                       use_backend)
 from .bf16_dot import DOT_LANES, DOT_ROWS, GEMM_PAIRS, bf16_dot_tile, bf16_pairs, gemm_bf16, pack_bf16_pairs
-from .int8_dot import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_blocks_shape,
-                       int8_dot_exact, int8_dot_tile, int8_rows, merge_ranges, pack_int8_blocks)
+from .int8_dot import (AMX_K, EMPTY_RANGE, FOLD_SPREAD, INT8_GROUP, INT8_MAX, KEY_OFFSET, foldable,
+                       folded_blocks_shape, folded_rows, int8_blocks_shape, int8_dot_exact,
+                       int8_dot_tile, int8_rows, merge_ranges, pack_folded_blocks, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
-                      as_f32_array, bf16_scalar, check_inplace, e2m1_scalar, e4m3_scalar,
+                      aligned_empty, as_f32_array, bf16_scalar, check_inplace, e2m1_scalar, e4m3_scalar,
                       is_bf16_valued, nan_max, output_buffer, pow2ceil, pow2ceil_scalar,
                       round_bf16_inplace, to_bf16_rne, to_e2m1_rne, to_e4m3_rne)
 from .linear import (MATVEC_MAX_ROWS, TINY_BF16_LINEAR, Bf16Matrix, bf16_k_block, linear_bf16,
@@ -40,7 +39,7 @@ from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threa
                       split_range, worth_parallel)
 
 __all__ = [
-    "AMX_K", "AMX_ROWS", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "foldable",
+    "AMX_K", "AMX_ROWS", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "amx_mix_tile", "foldable",
     "folded_blocks_shape", "folded_rows", "pack_folded_blocks",
     "BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend",
     "DOT_LANES", "DOT_ROWS", "GEMM_PAIRS", "bf16_dot_tile", "bf16_pairs", "gemm_bf16", "pack_bf16_pairs",
@@ -48,7 +47,7 @@ __all__ = [
     "int8_dot_tile", "int8_rows", "merge_ranges", "pack_int8_blocks",
     "F32Matrix", "linear_f32_ordered", "matmul_nn_f32_ordered",
     "E2M1_MAX", "E4M3_MAX", "ELEMENT_COST", "FP4_BLOCK", "FP8_BLOCK", "LATENT_BLOCK",
-    "as_f32_array", "bf16_scalar", "check_inplace", "e2m1_scalar", "e4m3_scalar",
+    "aligned_empty", "as_f32_array", "bf16_scalar", "check_inplace", "e2m1_scalar", "e4m3_scalar",
     "is_bf16_valued", "nan_max", "output_buffer", "pow2ceil", "pow2ceil_scalar",
     "round_bf16_inplace", "to_bf16_rne", "to_e2m1_rne", "to_e4m3_rne",
     "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR", "Bf16Matrix", "bf16_k_block", "linear_bf16", "linear_f32",

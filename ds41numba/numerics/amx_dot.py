@@ -27,36 +27,28 @@ import ctypes
 import ctypes.util
 
 import llvmlite.ir as ir
-import numpy as np
-from numba import njit, prange, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .bf16_dot import DOT_LANES
-from .int8_dot import (INT8_GROUP, _check_out, _decompose_row, _int8_input, _quad, _range_of,
-                       int8_blocks_shape)
+from .int8_dot import AMX_K
 from .vector_ir import F32, I32, I64, V16F, V16I, row_operands, row_pointer, splat
 
-__all__ = ["AMX_ROWS", "AMX_K", "FOLD_SPREAD", "amx_begin", "amx_end", "amx_dot_tile",
-           "folded_rows", "pack_folded_blocks", "folded_blocks_shape", "foldable",
-           "request_tile_state"]
+__all__ = ["AMX_ROWS", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile", "request_tile_state"]
 
 #: Rows of A one tile product multiplies (a tile register's rows); A is padded to a multiple.
 AMX_ROWS = 16
-#: Bytes of the inner dimension one tile product takes: the rows' length must be a multiple.
-AMX_K = 64
-#: The widest spread of one row's block exponents whose folded integers stay signed bytes
-#: (``12 * 2^3 = 96 <= 127``).
-FOLD_SPREAD = 3
 
 _I8 = ir.IntType(8)
 _P8 = _I8.as_pointer()
 # Key lanes of one B tile: 16 int32 columns; a block of DOT_LANES keys is two.
 _HALVES = DOT_LANES // 16
 # Tile registers: one accumulator per half of the key block, the queries, the two key halves.
+# (amx_mix_tile uses a second pair of accumulators, 5 and 6.)
 _C, _A, _B = (0, 1), 2, (3, 4)
 _ROWS_BYTES = {_C[0]: (AMX_ROWS, 64), _C[1]: (AMX_ROWS, 64), _A: (AMX_ROWS, AMX_K),
-               _B[0]: (AMX_K // 4, 64), _B[1]: (AMX_K // 4, 64)}
+               _B[0]: (AMX_K // 4, 64), _B[1]: (AMX_K // 4, 64), 5: (AMX_ROWS, 64), 6: (AMX_ROWS, 64)}
 
 
 def _tile_config() -> bytearray:
@@ -87,114 +79,6 @@ def request_tile_state() -> bool:
         return bool(granted.value >> _XFEATURE_XTILEDATA & 1)
     except (OSError, AttributeError, TypeError):
         return False
-
-
-# ------------------------------------------------------------------------------ folded layouts
-
-
-@njit(cache=True)
-def _fold_row(row, ints, scales):
-    """``row`` as folded integers in ``ints`` (``n_g * 2^(e_g - e_min)``, clipped to a byte when
-    the row cannot be folded) and returns ``(bad, emin, emax, scale)``, ``scale = 2^e_min`` (1 for
-    a row of zeros). Exponents as :func:`.int8_dot._decompose_row` finds them."""
-    bad, emin, emax = _decompose_row(row, ints, scales)
-    if emin > emax:
-        return bad, emin, emax, np.float32(1.0)
-    for g in range(scales.shape[0]):
-        e = (np.float32(scales[g]).view(np.int32) >> 23) - 127
-        shift = min(max(e - emin, 0), FOLD_SPREAD + 1)
-        for j in range(g * INT8_GROUP, (g + 1) * INT8_GROUP):
-            ints[j] = min(max(ints[j] << shift, -127), 127)
-    return bad, emin, emax, np.uint32((emin + 127) << 23).view(np.float32)
-
-
-@njit(parallel=True, cache=True)
-def _fold_rows_kernel(x, quads, scales):
-    n, d = x.shape
-    bad = np.zeros(n, np.int64)
-    emin = np.empty(n, np.int64)
-    emax = np.empty(n, np.int64)
-    for i in prange(n):
-        ints = np.empty(d, np.int32)
-        s = np.empty(d // INT8_GROUP, np.float32)
-        bad[i], emin[i], emax[i], scales[i, 0] = _fold_row(x[i], ints, s)
-        for p in range(d // 4):
-            quads[i, p] = _quad(ints, p, 0)
-    return _range_of(bad, emin, emax)
-
-
-@njit(parallel=True, cache=True)
-def _fold_blocks_kernel(x, quads, scales, first):
-    n, d = x.shape
-    bad = np.zeros(n, np.int64)
-    emin = np.empty(n, np.int64)
-    emax = np.empty(n, np.int64)
-    for i in prange(n):
-        r = first + i
-        blk, lane = r // DOT_LANES, r % DOT_LANES
-        ints = np.empty(d, np.int32)
-        s = np.empty(d // INT8_GROUP, np.float32)
-        bad[i], emin[i], emax[i], scales[blk, 0, lane] = _fold_row(x[i], ints, s)
-        for p in range(d // 4):
-            quads[blk, p, lane] = _quad(ints, p, 0)
-    return _range_of(bad, emin, emax)
-
-
-def _folded_input(x, name):
-    x = _int8_input(x, name)
-    if x.shape[1] % AMX_K:
-        raise ValueError(f"{name}: rows must be a multiple of {AMX_K} values long, got {x.shape[1]}")
-    return x
-
-
-def folded_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
-    """fp4-valued rows ``x [n, d]`` (``d`` a multiple of ``AMX_K``) as the A operand of
-    :func:`amx_dot_tile`: ``(quads uint32 [n, d / 4] of signed bytes, scales float32 [n, 1],
-    range)``, into the first n rows of ``out = (quads, scales)`` when given. Rows that are not
-    fp4 values count as bad in the range, rows whose exponents spread wider than FOLD_SPREAD in
-    its spread: :func:`foldable` says whether the products are exact."""
-    x = _folded_input(x, "folded_rows")
-    n, d = x.shape
-    shapes = ((n, d // 4), (n, 1))
-    if out is None:
-        out = (np.empty(shapes[0], np.uint32), np.empty(shapes[1], np.float32))
-    for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
-        _check_out(a, s, t, "folded_rows", what)
-    quads, scales = out[0][:n], out[1][:n]
-    return quads, scales, _fold_rows_kernel(x, quads, scales)
-
-
-def folded_blocks_shape(n: int, d: int) -> tuple:
-    """Shapes of the B operand of ``n`` rows of ``d`` values: ``(quads, scales)``."""
-    quads = int8_blocks_shape(n, d)[0]
-    return quads, (quads[0], 1, DOT_LANES)
-
-
-def pack_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) -> tuple:
-    """fp4-valued rows ``x [n, d]`` as the B operand of :func:`amx_dot_tile`: ``(quads uint32
-    [blocks, d / 4, DOT_LANES] of signed bytes, scales float32 [blocks, 1, DOT_LANES], range)``,
-    row ``first + i`` in lane ``(first + i) % DOT_LANES`` of block ``(first + i) // DOT_LANES``;
-    into ``out`` when given (its other rows untouched), else fresh arrays (padding lanes zero,
-    scale 1) with ``first = 0``. The range as in :func:`folded_rows`."""
-    x = _folded_input(x, "pack_folded_blocks")
-    n, d = x.shape
-    shapes = folded_blocks_shape(n, d)
-    if out is None:
-        if first:
-            raise ValueError("pack_folded_blocks: first needs an out array")
-        out = (np.zeros(shapes[0], np.uint32), np.ones(shapes[1], np.float32))
-    for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
-        _check_out(a, (1,) + s[1:], t, "pack_folded_blocks", what)
-    if out[0].shape[0] != out[1].shape[0] or not 0 <= first <= out[0].shape[0] * DOT_LANES - n:
-        raise ValueError(f"pack_folded_blocks: out has no room for rows {first}..{first + n}")
-    return out[0], out[1], _fold_blocks_kernel(x, out[0], out[1], first)
-
-
-def foldable(a_range: np.ndarray, b_range: np.ndarray) -> bool:
-    """Whether rows of these two ranges were folded whole (no bad rows, every row's exponents
-    within FOLD_SPREAD). With :func:`.int8_dot.int8_dot_exact` true as well, :func:`amx_dot_tile`
-    gives the exact dot products."""
-    return bool(not (a_range[0] or b_range[0]) and max(a_range[3], b_range[3]) <= FOLD_SPREAD)
 
 
 # ------------------------------------------------------------------------------ the tile kernel
@@ -244,7 +128,7 @@ def amx_dot_tile(typingctx, a, a_scale, b, b_scale, out):
     ``[AMX_ROWS, DOT_LANES]``. Each row contiguous, rows may lie apart; ``d`` a multiple of
     ``AMX_K``. The caller checks the shapes and has run :func:`amx_begin` in this thread.
     The integer sum is exact (at most ``d * 96^2`` in magnitude), and so is the rest when
-    :func:`foldable` and :func:`.int8_dot.int8_dot_exact` say so.
+    :func:`.int8_dot.foldable` and :func:`.int8_dot.int8_dot_exact` say so.
     """
     sig = types.void(a, a_scale, b, b_scale, out)
 
@@ -253,6 +137,7 @@ def amx_dot_tile(typingctx, a, a_scale, b, b_scale, out):
         n_quads = cgutils.unpack_tuple(builder, arrays[2].shape, 2)[0]
         # The two accumulator tiles are stored here side by side: [AMX_ROWS, DOT_LANES] int32.
         sums = cgutils.alloca_once(builder, ir.ArrayType(I32, AMX_ROWS * DOT_LANES))
+        sums.align = 64
         sums_op = (builder.ptrtoint(sums, I64), ir.Constant(I64, 4 * DOT_LANES))
         for h in range(_HALVES):
             _call(builder, "llvm.x86.tilezero", [_tile(_C[h])], [_I8])
@@ -284,3 +169,141 @@ def amx_dot_tile(typingctx, a, a_scale, b, b_scale, out):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _bf16_round(builder, v, may_be_nan):
+    """``v`` (16 f32 lanes) rounded to bf16 as :func:`.formats.bf16_scalar` rounds: RNE on the
+    bits, a NaN made quiet with its sign."""
+    c = lambda x: ir.Constant(V16I, [x] * 16)      # noqa: E731
+    bits = builder.bitcast(v, V16I)
+    lsb = builder.and_(builder.lshr(bits, c(16)), c(1))
+    rounded = builder.and_(builder.add(builder.add(bits, c(0x7FFF)), lsb), c(0xFFFF0000 - (1 << 32)))
+    if may_be_nan:
+        nan = builder.icmp_unsigned(">", builder.and_(bits, c(0x7FFFFFFF)), c(0x7F800000))
+        quiet = builder.or_(builder.and_(bits, c(-(1 << 31))), c(0x7FC00000))
+        rounded = builder.select(nan, quiet, rounded)
+    return builder.bitcast(rounded, V16F)
+
+
+# Row tiles one step of amx_mix_tile forms and mixes: two, on two accumulator sets, so the two
+# chains of tile products overlap (the second set's registers: see _ROWS_BYTES).
+_PAIR = 2
+_C2 = (5, 6)
+
+
+def _issue_pair(builder, a_op, b_op, n_quads, rt, has_second, dst):
+    """The tile products of row tiles ``rt`` and ``rt + 1`` (when ``has_second``, an i1) of A
+    against the key block, stored at ``dst`` (``[2 * AMX_ROWS, DOT_LANES]`` int32)."""
+    k = lambda x: ir.Constant(I64, x)       # noqa: E731
+    sets = (_C, _C2)
+    for c in sets:
+        for h in range(_HALVES):
+            _call(builder, "llvm.x86.tilezero", [_tile(c[h])], [_I8])
+    with cgutils.for_range_slice(builder, k(0), n_quads, k(AMX_K // 4)) as (p, _):
+        for h in range(_HALVES):
+            b_at = row_pointer(builder, b_op, p, k(64 * h), _I8)
+            _call(builder, "llvm.x86.tileloadd64", [_tile(_B[h]), b_at, b_op[1]], [_I8, _P8, I64])
+        for i, c in enumerate(sets):
+            def products():
+                row = builder.add(rt, k(i)) if i else rt
+                a_at = row_pointer(builder, a_op, builder.mul(row, k(AMX_ROWS)),
+                                   builder.mul(p, k(4)), _I8)
+                _call(builder, "llvm.x86.tileloadd64", [_tile(_A), a_at, a_op[1]], [_I8, _P8, I64])
+                for h in range(_HALVES):
+                    _call(builder, "llvm.x86.tdpbssd", [_tile(c[h]), _tile(_A), _tile(_B[h])], [_I8] * 3)
+            if i:
+                with builder.if_then(has_second):
+                    products()
+            else:
+                products()
+    for i, c in enumerate(sets):
+        for h in range(_HALVES):
+            at = builder.inttoptr(builder.add(dst, k(4 * AMX_ROWS * DOT_LANES * i + 64 * h)), _P8)
+            _call(builder, "llvm.x86.tilestored64", [_tile(c[h]), at, k(4 * DOT_LANES)], [_I8, _P8, I64])
+
+
+@intrinsic
+def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out):
+    """The index scores of a key block for several queries, their heads' dot products on the
+    tile multiplier and mixed as they come out of it:
+
+    ``out[q, j] = bf16(sum_h bf16(relu(bf16(s[q * H + h, j])) * w[q * H + h, 0]))``, the heads h
+    in order, f32 sums from zero, ``s`` the scores of :func:`amx_dot_tile` (row ``r`` of ``a``
+    against lane ``j`` of ``b``), ``H = rows(a) / rows(out)`` heads a query, a multiple of
+    ``AMX_ROWS``. That is :func:`ds41numba.indexer._mix_heads_by_head` on those scores, for
+    every lane (the caller keeps the visible ones).
+
+    ``a``, ``a_scale`` as for :func:`amx_dot_tile` (any multiple of ``AMX_ROWS`` rows), ``w``
+    float32 ``[rows(a), 1]`` (bf16 values), ``b``, ``b_scale`` one block, ``out`` float32
+    ``[queries, DOT_LANES]``. The thread has run :func:`amx_begin`. Two row tiles' products
+    are formed while the two before them are mixed (software pipelining: the tile multiplier
+    and the vector units work side by side). Exact where :func:`amx_dot_tile` is.
+    """
+    sig = types.void(a, a_scale, w, b, b_scale, out)
+
+    def codegen(context, builder, signature, args):
+        (a_op, s_op, w_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args)
+        k = lambda x: ir.Constant(I64, x)       # noqa: E731
+        n_rows = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[0]
+        n_quads = cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0]
+        n_queries = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[0]
+        n_tiles = builder.udiv(n_rows, k(AMX_ROWS))
+        tiles_per_query = builder.udiv(n_tiles, n_queries)
+        n_steps = builder.udiv(builder.add(n_tiles, k(_PAIR - 1)), k(_PAIR))
+        # Two stores of a step's products: one being mixed while the next is formed.
+        step_bytes = k(4 * _PAIR * AMX_ROWS * DOT_LANES)
+        sums = cgutils.alloca_once(builder, ir.ArrayType(I32, 2 * _PAIR * AMX_ROWS * DOT_LANES))
+        sums.align = 64         # whole cache lines for the tile stores and the loads after them
+        sums_at = builder.ptrtoint(sums, I64)
+        zero = ir.Constant(V16F, [0.0] * 16)
+        acc = [cgutils.alloca_once_value(builder, zero) for _ in range(_HALVES)]
+        sk = [builder.load(row_pointer(builder, t_op, k(0), k(64 * h), V16F), align=4)
+              for h in range(_HALVES)]
+
+        def issue(step, dst):
+            rt = builder.mul(step, k(_PAIR))
+            has_second = builder.icmp_unsigned("<", builder.add(rt, k(1)), n_tiles)
+            _issue_pair(builder, a_op, b_op, n_quads, rt, has_second, dst)
+
+        issue(k(0), sums_at)
+        with cgutils.for_range(builder, n_steps) as loop:
+            step = loop.index
+            parity = builder.and_(step, k(1))
+            nxt = builder.add(step, k(1))
+            with builder.if_then(builder.icmp_unsigned("<", nxt, n_steps)):
+                issue(nxt, builder.add(sums_at, builder.mul(builder.sub(k(1), parity), step_bytes)))
+            src_at = builder.add(sums_at, builder.mul(parity, step_bytes))
+            for i in range(_PAIR):
+                rt = builder.add(builder.mul(step, k(_PAIR)), k(i))
+                with builder.if_then(builder.icmp_unsigned("<", rt, n_tiles)):
+                    src = (builder.add(src_at, k(4 * AMX_ROWS * DOT_LANES * i)), k(4 * DOT_LANES))
+                    _mix_rows(builder, src, s_op, w_op, sk, acc, rt)
+                    done = builder.add(rt, k(1))
+                    with builder.if_then(builder.icmp_unsigned("==", builder.urem(done, tiles_per_query), k(0))):
+                        q = builder.sub(builder.udiv(done, tiles_per_query), k(1))
+                        for h in range(_HALVES):
+                            ptr = row_pointer(builder, o_op, q, k(64 * h), V16F)
+                            builder.store(_bf16_round(builder, builder.load(acc[h]), True), ptr, align=4)
+                            builder.store(zero, acc[h])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _mix_rows(builder, src, s_op, w_op, sk, acc, rt):
+    """Row tile ``rt``'s products (int32 at ``src``) scaled, rounded, ReLU'd, weighted and added
+    into the query's head sums ``acc``, its rows (heads) in order."""
+    k = lambda x: ir.Constant(I64, x)       # noqa: E731
+    zero = ir.Constant(V16F, [0.0] * 16)
+    for m in range(AMX_ROWS):
+        row = builder.add(builder.mul(rt, k(AMX_ROWS)), k(m))
+        sq = splat(builder, builder.load(row_pointer(builder, s_op, row, k(0), F32)), V16F)
+        wr = splat(builder, builder.load(row_pointer(builder, w_op, row, k(0), F32)), V16F)
+        for h in range(_HALVES):
+            total = builder.load(row_pointer(builder, src, k(m), k(64 * h), V16I), align=4)
+            # The score is exact and finite (see amx_dot_tile): no NaN to keep. It is never -0
+            # either (an integer zero times a scale).
+            v = _bf16_round(builder, builder.fmul(builder.sitofp(total, V16F), builder.fmul(sq, sk[h])), False)
+            v = builder.select(builder.fcmp_ordered("<", v, zero), zero, v)
+            term = _bf16_round(builder, builder.fmul(v, wr), True)
+            builder.store(builder.fadd(builder.load(acc[h]), term), acc[h])

@@ -37,6 +37,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .formats import aligned_empty
 from .workers import worth_parallel
 
 __all__ = [
@@ -484,19 +485,10 @@ def _pack_serial(w, out, transposed):
         _pack_item(w, out, transposed, j)
 
 
-def _aligned_empty(shape):
-    """A float32 array whose data starts on a 64-byte boundary (the micro-kernel's loads of a
-    panel row then never cross a cache line)."""
-    n = int(np.prod(shape))
-    raw = np.empty(n + 16, np.float32)
-    start = (-(raw.ctypes.data // 4)) % 16
-    return raw[start:start + n].reshape(shape)
-
-
 def _pack(w, transposed):
     n = w.shape[1] if transposed else w.shape[0]
     k = w.shape[0] if transposed else w.shape[1]
-    out = _aligned_empty((-(-n // TILE_LANES), k, TILE_LANES))
+    out = aligned_empty((-(-n // TILE_LANES), k, TILE_LANES))
     (_pack_parallel if worth_parallel(out.size) else _pack_serial)(w, out, transposed)
     return out
 

@@ -20,7 +20,7 @@ from .workers import worth_parallel
 __all__ = ["FP4_BLOCK", "LATENT_BLOCK", "FP8_BLOCK", "E4M3_MAX", "E2M1_MAX", "bf16_scalar",
            "e4m3_scalar", "e2m1_scalar", "pow2ceil_scalar", "nan_max", "to_bf16_rne", "to_e4m3_rne",
            "to_e2m1_rne", "pow2ceil", "round_bf16_inplace", "is_bf16_valued", "as_f32_array",
-           "check_inplace", "output_buffer", "ELEMENT_COST"]
+           "check_inplace", "output_buffer", "aligned_empty", "ELEMENT_COST"]
 
 FP4_BLOCK = 32
 LATENT_BLOCK = 16
@@ -296,3 +296,14 @@ def output_buffer(out, shape, name, dtype=np.float32):
         raise ValueError(f"{name}: out of shape {list(out.shape)} cannot be viewed as "
                          f"{list(shape)} without a copy: pass a C-contiguous buffer") from None
     return view
+
+
+def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary (numpy's may start on 16):
+    a kernel's 64-byte row loads then never cross a cache line."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    per_line = 64 // dtype.itemsize
+    raw = np.empty(n + per_line, dtype)
+    start = (-(raw.ctypes.data // dtype.itemsize)) % per_line
+    return raw[start:start + n].reshape(shape)

@@ -14,12 +14,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .bf16_dot import DOT_LANES, DOT_ROWS
-from .formats import FP4_BLOCK, as_f32_array
+from .formats import FP4_BLOCK, aligned_empty, as_f32_array
 from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, row_operands,
                         row_pointer, splat)
 
 __all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_dot_tile", "int8_rows",
-           "pack_int8_blocks", "int8_blocks_shape", "merge_ranges", "int8_dot_exact"]
+           "pack_int8_blocks", "int8_blocks_shape", "merge_ranges", "int8_dot_exact",
+           "AMX_K", "FOLD_SPREAD", "folded_rows", "pack_folded_blocks", "folded_blocks_shape",
+           "foldable"]
 
 
 # An fp4 (e8m0) quantised block is ``e2m1 * s`` with ``s`` a power of two, and twice an e2m1
@@ -312,3 +314,114 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# ------------------------------------------------------------------------------ folded layouts
+# For AMX's tile products (:mod:`.amx_dot`), which sum 64 values at a time across two blocks:
+# each row's block scales folded into its bytes, one power of two left a row.
+
+#: The widest spread of one row's block exponents whose folded integers stay signed bytes
+#: (``12 * 2^3 = 96 <= 127``).
+FOLD_SPREAD = 3
+#: Values one AMX tile product takes (64 bytes): a folded row's length is a multiple of it.
+AMX_K = 64
+
+
+
+@njit(cache=True)
+def _fold_row(row, ints, scales):
+    """``row`` as folded integers in ``ints`` (``n_g * 2^(e_g - e_min)``, clipped to a byte when
+    the row cannot be folded) and returns ``(bad, emin, emax, scale)``, ``scale = 2^e_min`` (1 for
+    a row of zeros). Exponents as :func:`_decompose_row` finds them."""
+    bad, emin, emax = _decompose_row(row, ints, scales)
+    if emin > emax:
+        return bad, emin, emax, np.float32(1.0)
+    for g in range(scales.shape[0]):
+        e = (np.float32(scales[g]).view(np.int32) >> 23) - 127
+        shift = min(max(e - emin, 0), FOLD_SPREAD + 1)
+        for j in range(g * INT8_GROUP, (g + 1) * INT8_GROUP):
+            ints[j] = min(max(ints[j] << shift, -127), 127)
+    return bad, emin, emax, np.uint32((emin + 127) << 23).view(np.float32)
+
+
+# Rows one worker folds with one scratch buffer (a buffer a row cost as much as the row).
+_FOLD_CHUNK = 64
+
+
+@njit(parallel=True, cache=True)
+def _fold_kernel(x, quads, scales, first):
+    """Row i of ``x`` folded into lane ``(first + i) % L`` of block ``(first + i) // L`` of
+    ``quads [blocks, d / 4, L]`` and ``scales [blocks, 1, L]`` (the A operand is blocks of one
+    lane); returns the rows' range."""
+    n, d = x.shape
+    lanes = quads.shape[2]
+    bad = np.zeros(n, np.int64)
+    emin = np.empty(n, np.int64)
+    emax = np.empty(n, np.int64)
+    for c in prange(-(-n // _FOLD_CHUNK)):
+        ints = np.empty(d, np.int32)
+        s = np.empty(d // INT8_GROUP, np.float32)
+        for i in range(c * _FOLD_CHUNK, min(n, (c + 1) * _FOLD_CHUNK)):
+            blk, lane = (first + i) // lanes, (first + i) % lanes
+            bad[i], emin[i], emax[i], scales[blk, 0, lane] = _fold_row(x[i], ints, s)
+            for p in range(d // 4):
+                quads[blk, p, lane] = _quad(ints, p, 0)
+    return _range_of(bad, emin, emax)
+
+
+def _folded_input(x, name):
+    x = _int8_input(x, name)
+    if x.shape[1] % AMX_K:
+        raise ValueError(f"{name}: rows must be a multiple of {AMX_K} values long, got {x.shape[1]}")
+    return x
+
+
+def folded_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
+    """fp4-valued rows ``x [n, d]`` (``d`` a multiple of ``AMX_K``) as the A operand of
+    :func:`.amx_dot.amx_dot_tile`: ``(quads uint32 [n, d / 4] of signed bytes, scales float32 [n, 1],
+    range)``, into the first n rows of ``out = (quads, scales)`` when given. Rows that are not
+    fp4 values count as bad in the range, rows whose exponents spread wider than FOLD_SPREAD in
+    its spread: :func:`foldable` says whether the products are exact."""
+    x = _folded_input(x, "folded_rows")
+    n, d = x.shape
+    shapes = ((n, d // 4), (n, 1))
+    if out is None:
+        out = (np.empty(shapes[0], np.uint32), np.empty(shapes[1], np.float32))
+    for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
+        _check_out(a, s, t, "folded_rows", what)
+    quads, scales = out[0][:n], out[1][:n]
+    return quads, scales, _fold_kernel(x, quads.reshape(n, d // 4, 1), scales.reshape(n, 1, 1), 0)
+
+
+def folded_blocks_shape(n: int, d: int) -> tuple:
+    """Shapes of the B operand of ``n`` rows of ``d`` values: ``(quads, scales)``."""
+    quads = int8_blocks_shape(n, d)[0]
+    return quads, (quads[0], 1, DOT_LANES)
+
+
+def pack_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) -> tuple:
+    """fp4-valued rows ``x [n, d]`` as the B operand of :func:`.amx_dot.amx_dot_tile`: ``(quads uint32
+    [blocks, d / 4, DOT_LANES] of signed bytes, scales float32 [blocks, 1, DOT_LANES], range)``,
+    row ``first + i`` in lane ``(first + i) % DOT_LANES`` of block ``(first + i) // DOT_LANES``;
+    into ``out`` when given (its other rows untouched), else fresh arrays (padding lanes zero,
+    scale 1) with ``first = 0``. The range as in :func:`folded_rows`."""
+    x = _folded_input(x, "pack_folded_blocks")
+    n, d = x.shape
+    shapes = folded_blocks_shape(n, d)
+    if out is None:
+        if first:
+            raise ValueError("pack_folded_blocks: first needs an out array")
+        out = (aligned_empty(shapes[0], np.uint32), np.ones(shapes[1], np.float32))
+        out[0][:] = 0
+    for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
+        _check_out(a, (1,) + s[1:], t, "pack_folded_blocks", what)
+    if out[0].shape[0] != out[1].shape[0] or not 0 <= first <= out[0].shape[0] * DOT_LANES - n:
+        raise ValueError(f"pack_folded_blocks: out has no room for rows {first}..{first + n}")
+    return out[0], out[1], _fold_kernel(x, out[0], out[1], first)
+
+
+def foldable(a_range: np.ndarray, b_range: np.ndarray) -> bool:
+    """Whether rows of these two ranges were folded whole (no bad rows, every row's exponents
+    within FOLD_SPREAD). With :func:`int8_dot_exact` true as well, :func:`.amx_dot.amx_dot_tile`
+    gives the exact dot products."""
+    return bool(not (a_range[0] or b_range[0]) and max(a_range[3], b_range[3]) <= FOLD_SPREAD)
