@@ -871,7 +871,15 @@ def test_bf16_k_block_is_the_measured_rule():
         assert nm.bf16_k_block(m, k) == naive.bf16_k_block(m, k)
 
 
-def test_every_bf16_linear_case_of_the_reference_is_bit_exact(linear_cases):
+@pytest.fixture(params=["vdpbf16ps", "fma"])
+def bf16_kernel(request, monkeypatch):
+    """Many-row bf16 products on either micro-kernel, whichever this CPU prefers."""
+    from ds41numba.numerics import bf16_dot
+    monkeypatch.setattr(bf16_dot, "_fma_choice", [request.param == "fma"])
+    return request.param
+
+
+def test_every_bf16_linear_case_of_the_reference_is_bit_exact(linear_cases, bf16_kernel):
     """Every ``y.*`` case of the reference's bf16 F.linear at production inner dimensions (K up to
     8192, with 513): bit for bit. Rows up to MATVEC_MAX_ROWS take the bf16-bits kernel on every
     CPU; more rows need the AVX512-BF16 kernel (on BLAS they are approximate, README)."""
@@ -886,10 +894,61 @@ def test_every_bf16_linear_case_of_the_reference_is_bit_exact(linear_cases):
     assert checked == (100 if nm.bf16_dot_enabled() else 60)
 
 
+@needs_bf16_dot
+def test_bf16_fma_tile_is_vdpbf16ps_where_fma_safe_says_so():
+    """The FMA micro-kernel against vdpbf16ps's, bit for bit, on values of every exponent
+    fma_safe admits (down to a smallest-product exponent sum of 142, up to the overflow bound);
+    inputs it refuses (a denormal, which vdpbf16ps reads as zero; inf; NaN; not bf16; sums that
+    could turn denormal or overflow) go to the vdpbf16ps kernel, so the product is the same."""
+    rng = np.random.default_rng(70)
+    d = 512
+    x = naive.to_bf16_rne(rng.standard_normal((nm.DOT_ROWS, d)).astype(F32)
+                          * np.exp2(rng.integers(-65, 15, (nm.DOT_ROWS, d))).astype(F32))
+    w = naive.to_bf16_rne(rng.standard_normal((64, d)).astype(F32)
+                          * np.exp2(rng.integers(-20, 20, (64, d))).astype(F32))
+    rx, rw = nm.values_range(x), nm.values_range(nm.pack_bf16_pairs(w))
+    assert rx[0] and rw[0] and nm.fma_safe(rx, rw, d) and 142 <= rx[1] + rw[1] < 150
+    b = nm.pack_bf16_pairs(w)
+    out_dot = np.full((b.shape[0], nm.DOT_ROWS, nm.DOT_LANES), 0.25, F32)
+    out_fma = out_dot.copy()
+    _dot_all(nm.bf16_pairs(x), b, out_dot)
+    _fma_all(x, b, out_fma)
+    assert_same_bits(out_fma, out_dot)
+    assert nm.fma_safe((True, 71, 127), (True, 71, 127), d)
+    assert not nm.fma_safe((True, 70, 127), (True, 71, 127), d)
+    assert not nm.fma_safe((True, 127, 190), (True, 127, 180), 512)
+    assert nm.fma_safe((True, 127, 190), (True, 127, 179), 512)
+    assert nm.fma_safe((True, 255, 0), (True, 1, 254), d)          # a side of zeros
+    for bad in (2.0 ** -130, np.inf, np.nan, 1.0 + 2.0 ** -10):
+        y = x.copy()
+        y[3, 7] = F32(bad)
+        assert not nm.values_range(y)[0]
+
+
+@numba.njit
+def _fma_all(a, b, out):
+    for k in range(b.shape[0]):
+        nm.bf16_fma_tile(a, b[k], out[k])
+
+
+@needs_bf16_dot
+def test_linear_bf16_on_inputs_the_fma_kernel_refuses(bf16_kernel):
+    """A denormal input (vdpbf16ps reads it as zero) and tiny values whose products' sums could
+    be denormal: with the FMA kernel preferred these run on vdpbf16ps, as the literal order."""
+    rng = np.random.default_rng(71)
+    x = naive.to_bf16_rne(rng.standard_normal((40, 256)).astype(F32))
+    w = naive.to_bf16_rne(rng.standard_normal((64, 256)).astype(F32) / 16)
+    x[5, 9] = F32(2.0 ** -130)                                   # a denormal
+    tiny = x * F32(2.0 ** -60)
+    for a in (x, tiny):
+        got = nm.linear_bf16(a, nm.Bf16Matrix(w))
+        assert_same_bits(got, naive.linear_bf16_ordered(np.where(np.abs(a) < 2.0 ** -126, 0, a), w))
+
+
 @pytest.mark.parametrize("m, k, n, groups, ref_rows", [
     (1, 1280, 70, 1, None), (3, 1025, 64, 1, None), (1, 2048, 64, 2, None), (5, 3000, 40, 1, 2048),
     (20, 1536, 64, 1, None), (20, 2050, 96, 2, None), (9, 1100, 64, 1, 1), (40, 777, 64, 1, None)])
-def test_linear_bf16_follows_the_reference_order(m, k, n, groups, ref_rows):
+def test_linear_bf16_follows_the_reference_order(m, k, n, groups, ref_rows, bf16_kernel):
     """Against the literal emulation, for both kernels (few rows / many rows), grouped, odd K, and
     a tile of rows summed in the order of a call of ``ref_rows`` rows (a tiled prefill)."""
     rng = np.random.default_rng(m * k + n)

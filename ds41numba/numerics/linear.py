@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit, prange
 
 from .backend import bf16_dot_enabled
-from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_pairs, gemm_bf16
+from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_pairs, fma_faster, fma_safe, gemm_bf16, values_range
 from .f32_products import F32Matrix, linear_f32_ordered
 from .formats import as_f32_array, bf16_scalar, is_bf16_valued, output_buffer, round_bf16_inplace
 from .workers import worth_parallel
@@ -332,7 +332,7 @@ class Bf16Matrix:
     (:meth:`to_f32`).
     """
 
-    __slots__ = ("shape", "groups", "_pairs")
+    __slots__ = ("shape", "groups", "_pairs", "_range")
 
     def __init__(self, w, groups: int = 1):
         w = np.asarray(w)
@@ -347,6 +347,8 @@ class Bf16Matrix:
         self.shape = tuple(int(s) for s in w.shape)
         self.groups = int(groups)
         self._pairs = self._packed(w)
+        # The weight's exponents, for whether the FMA kernel may run (bf16_dot.fma_safe).
+        self._range = values_range(self._pairs)
 
     def _packed(self, w):
         """``w`` in the pairs layout, group by group, ``_PACK_ROWS`` rows at a time."""
@@ -396,7 +398,9 @@ class Bf16Matrix:
         """``out = x @ w.T`` in f32 (not rounded) on AVX512-BF16, for rows ``x [m, in_features]``
         of bf16 values (float32 or ``ml_dtypes.bfloat16``): the products are exact and each output
         sums them in the reference's order for a call of ``ref_rows`` rows (default ``m``; see
-        :func:`bf16_k_block`), at nearly twice the f32 rate. Returns False where it cannot run
+        :func:`bf16_k_block`), with ``vdpbf16ps`` or, where FMAs are faster on this CPU
+        (:func:`~.bf16_dot.fma_faster`) and give the same sums (:func:`~.bf16_dot.fma_safe`),
+        with two FMAs a pair in its order. Returns False where it cannot run
         (no AVX512-BF16, x not bf16-valued; ``out`` may then be partly
         written): use BLAS instead.
 
@@ -410,20 +414,16 @@ class Bf16Matrix:
         rank = n_out // self.groups
         b = self._pairs
         block_pairs = bf16_k_block(m if ref_rows is None else ref_rows, k_in) // 2
+        fma = fma_faster() and self._range[0]
         for r0 in range(0, m, _WIDEN_ROWS):
             chunk = _even_width(x[r0:r0 + _WIDEN_ROWS])
             n = chunk.shape[0]
             rows = -(-n // DOT_ROWS) * DOT_ROWS
-            if x.dtype.name == "bfloat16":          # already pairs of bf16, in memory order
-                a = chunk.view(np.uint32)
-                if rows != n:
-                    a = np.concatenate([a, np.zeros((rows - n, a.shape[1]), np.uint32)])
-            else:
-                a = (np.zeros if rows != n else np.empty)((rows, chunk.shape[1] // 2), np.uint32)
-                try:
-                    bf16_pairs(np.ascontiguousarray(chunk, np.float32), out=a[:n])
-                except ValueError:      # not bf16 values: the caller's BLAS path runs
-                    return False
+            a = self._fma_operand(chunk, rows) if fma else None
+            if a is None:
+                a = _pairs_operand(chunk, rows)
+            if a is None:       # not bf16 values: the caller's BLAS path runs
+                return False
             y = out[r0:r0 + n]
             if rows == n and rank % DOT_LANES == 0 and y.flags.c_contiguous:
                 gemm_bf16(a, b, y, self.groups, block_pairs)
@@ -432,6 +432,16 @@ class Bf16Matrix:
                 gemm_bf16(a, b, padded, self.groups, block_pairs)
                 y[...] = padded[:n].reshape(n, self.groups, -1)[:, :, :rank].reshape(n, n_out)
         return True
+
+    def _fma_operand(self, chunk, rows):
+        """The FMA kernel's A operand for ``chunk`` (its values, padded to ``rows`` rows), or
+        None where the FMA kernel's sums could differ from ``vdpbf16ps``'s (:func:`fma_safe`)."""
+        values = np.ascontiguousarray(chunk, np.float32)
+        if not fma_safe(values_range(values), self._range, self.shape[1]):
+            return None
+        if rows == values.shape[0]:
+            return values
+        return np.concatenate([values, np.zeros((rows - values.shape[0], values.shape[1]), np.float32)])
 
     def matvec(self, x, ref_rows: int | None = None):
         """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the held pairs, summed
@@ -444,6 +454,21 @@ class Bf16Matrix:
             else _matvec_bf16_serial
         kernel(x2, self._pairs, out, self.groups, k_in, block + block % 2)
         return out.reshape(x.shape[:-1] + (n_out,))
+
+
+def _pairs_operand(chunk, rows):
+    """``vdpbf16ps``'s A operand for ``chunk`` (bf16 values as pairs, padded to ``rows`` rows), or
+    None when the chunk does not hold bf16 values."""
+    n = chunk.shape[0]
+    if chunk.dtype.name == "bfloat16":          # already pairs of bf16, in memory order
+        a = np.ascontiguousarray(chunk).view(np.uint32)
+        return a if rows == n else np.concatenate([a, np.zeros((rows - n, a.shape[1]), np.uint32)])
+    a = (np.zeros if rows != n else np.empty)((rows, chunk.shape[1] // 2), np.uint32)
+    try:
+        bf16_pairs(np.ascontiguousarray(chunk, np.float32), out=a[:n])
+    except ValueError:
+        return None
+    return a
 
 
 def _bf16_bits(rows):
