@@ -165,22 +165,45 @@ def _range_update(bits16, ok, lo, hi):
 
 
 @njit(cache=True)
-def _values_range(bits):
-    """The range of f32 values (their bits, any shape) that should hold bf16 values."""
-    ok, lo, hi = _NO_VALUES
-    for v in bits.ravel():
-        ok &= (v & np.uint32(0xFFFF)) == 0
-        ok, lo, hi = _range_update(v >> np.uint32(16), ok, lo, hi)
-    return ok, lo, hi
+def _f32_row_range(row):
+    """:func:`_range_update` over a row of f32 bits, as float minima and maxima (which
+    vectorise): the smallest non-zero and the largest magnitude, and the low halves or-ed."""
+    low_bits = np.uint32(0)
+    for v in row:
+        low_bits |= v & np.uint32(0xFFFF)
+    smallest, largest, nan = np.float32(np.inf), np.float32(0.0), False
+    for v in row.view(np.float32):
+        a = abs(v)
+        nan |= a != a
+        largest = max(largest, a)
+        smallest = min(smallest, a if a != 0 else np.float32(np.inf))
+    if largest == 0:
+        return low_bits == 0, np.int64(255), np.int64(0)
+    e_lo = np.int64((np.float32(smallest).view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF))
+    e_hi = np.int64((np.float32(largest).view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF))
+    return low_bits == 0 and not nan and e_lo != 0 and e_hi != 255, e_lo, e_hi
 
 
-@njit(cache=True)
-def _pairs_range(pairs):
-    """The range of the bf16 values held as pairs (any shape)."""
+@njit(parallel=True, cache=True)
+def _bits_range(bits, pairs):
+    """The range of ``bits [n, m]``: f32 values that should hold bf16 values, or (``pairs``)
+    pairs of bf16 values. Rows in parallel, then their ranges together."""
+    n = bits.shape[0]
+    oks = np.empty(n, np.bool_)
+    los = np.empty(n, np.int64)
+    his = np.empty(n, np.int64)
+    for i in prange(n):
+        if pairs:
+            ok, lo, hi = _NO_VALUES
+            for v in bits[i]:
+                ok, lo, hi = _range_update(v & np.uint32(0xFFFF), ok, lo, hi)
+                ok, lo, hi = _range_update(v >> np.uint32(16), ok, lo, hi)
+            oks[i], los[i], his[i] = ok, lo, hi
+        else:
+            oks[i], los[i], his[i] = _f32_row_range(bits[i])
     ok, lo, hi = _NO_VALUES
-    for v in pairs.ravel():
-        ok, lo, hi = _range_update(v & np.uint32(0xFFFF), ok, lo, hi)
-        ok, lo, hi = _range_update(v >> np.uint32(16), ok, lo, hi)
+    for i in range(n):
+        ok, lo, hi = ok and oks[i], min(lo, los[i]), max(hi, his[i])
     return ok, lo, hi
 
 
@@ -188,9 +211,9 @@ def values_range(x: np.ndarray) -> tuple:
     """``(ok, lowest, highest)`` biased exponent of the non-zero values of f32 ``x`` (or of the
     pairs ``x`` holds, when uint32); ok False when one is denormal, inf, NaN or not bf16."""
     x = np.ascontiguousarray(x)
-    if x.dtype == np.uint32:
-        return _pairs_range(x)
-    return _values_range(np.ascontiguousarray(x, np.float32).view(np.uint32))
+    pairs = x.dtype == np.uint32
+    bits = x if pairs else np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return _bits_range(bits.reshape(-1, bits.shape[-1] if bits.ndim else 1), pairs)
 
 
 def fma_safe(a_range: tuple, b_range: tuple, k: int) -> bool:
