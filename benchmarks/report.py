@@ -181,6 +181,10 @@ def run_kernels(quick: bool) -> list[dict]:
         if case.prepare:
             case.prepare(st)
         case.run(st)                       # warm
+        # OpenBLAS's idle threads spin for ~0.1-0.2 s after a BLAS call (numpy's in a case's
+        # set-up, or the previous case's) and take the core from numba's threads meanwhile:
+        # measured here, the AMX index scores ran 2x slower right after numpy's matmul.
+        time.sleep(SETTLE_SECONDS)
         times = []
         start = time.perf_counter()
         peak = None
