@@ -1,7 +1,8 @@
 """asv benchmarks of the kernels at production shapes (see ``common.kernel_cases``).
 
 One parametrised class: ``Kernels.time_kernel('<name>')`` and ``Kernels.peakmem_kernel('<name>')``.
-A case whose private function has gone (the package's internals move) is skipped.
+A case that cannot run here (its private function has gone as the package's internals move, or
+its backend tier is missing on this CPU or in an older commit) is skipped.
 """
 
 from . import common
@@ -19,8 +20,9 @@ class Kernels:
 
     def setup(self, name):
         case = common.kernel_cases()[name]
-        if not common.private_available(case):
-            raise NotImplementedError(f"{case.private} no longer exists")
+        why = common.unavailable(case)
+        if why:
+            raise NotImplementedError(why)
         if name not in _STATES:
             _STATES[name] = st = case.build()
             if case.prepare:

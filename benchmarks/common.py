@@ -334,6 +334,7 @@ class KernelCase:
     flops: int | None = None
     elements: int = 0
     private: str = ""   # the private function it needs, "" when the API is public
+    tier: str = ""      # the backend tier it runs on, "" for the default
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -449,7 +450,8 @@ def _indexer_case():
 def _index_scores_case(path: str):
     """Scoring one tile: ``path`` "default" is what the indexer runs on this machine (AMX,
     AVX512-VNNI or AVX512-BF16 where the CPU has them), "vnni" the AVX512-VNNI kernel (where
-    AMX is the default, the kernel it replaced), "f32" numpy's f32 BLAS (the fallback)."""
+    AMX is the default, the kernel it replaced; skipped on CPUs without it), "f32" numpy's f32
+    BLAS (the fallback)."""
     cfg = layer_config(_CTX)
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
     tier = {"f32": "blas", "vnni": "avx512vnni"}.get(path)
@@ -476,7 +478,7 @@ def _index_scores_case(path: str):
     return KernelCase(name, f"{what} (64 queries x 4096 positions)",
                       f"iq {_TILE}x{ih}x{idim}, keys {_CTX}x{idim}", build, run,
                       flops=2 * ih * idim * _TILE * _CTX, elements=_TILE * _CTX,
-                      private="ds41numba.indexer._tile_scores")
+                      private="ds41numba.indexer._tile_scores", tier=tier or "")
 
 
 def backend_name() -> str:
@@ -587,7 +589,7 @@ def kernel_cases() -> dict[str, KernelCase]:
         _sparse_attn_case(),
         _indexer_case(),
         _index_scores_case("default"),
-        *([_index_scores_case("vnni")] if backend_name() == "amx" else []),
+        _index_scores_case("vnni"),
         _index_scores_case("f32"),
         _compressor_case(),
         _pool_case(),
@@ -598,12 +600,21 @@ def kernel_cases() -> dict[str, KernelCase]:
     return {c.name: c for c in cases}
 
 
-def private_available(case: KernelCase) -> bool:
-    """Whether a case's private function still exists (the package's internals move)."""
-    if not case.private:
-        return True
-    mod, _, attr = case.private.rpartition(".")
-    try:
-        return hasattr(importlib.import_module(mod), attr)
-    except ImportError:
-        return False
+def unavailable(case: KernelCase) -> str:
+    """Why a case cannot run here ("" when it can): its private function has gone (the
+    package's internals move), or its backend tier is not one this CPU (or this version of the
+    package) runs."""
+    if case.private:
+        mod, _, attr = case.private.rpartition(".")
+        try:
+            if not hasattr(importlib.import_module(mod), attr):
+                return f"{case.private} no longer exists"
+        except ImportError:
+            return f"{mod} no longer exists"
+    if case.tier:
+        from ds41numba import numerics
+
+        tiers = getattr(numerics, "BACKENDS", ())
+        if case.tier not in tiers or tiers.index(case.tier) < tiers.index(numerics.backend()):
+            return f"the {case.tier} tier does not run here"
+    return ""

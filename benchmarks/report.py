@@ -173,9 +173,9 @@ def run_kernels(quick: bool) -> list[dict]:
     results = []
     reps, budget = (5, 3.0) if quick else (15, 8.0)
     for name, case in common.kernel_cases().items():
-        if not common.private_available(case):
-            results.append({"name": name, "label": case.label, "shape": case.shape,
-                            "skipped": f"{case.private} no longer exists"})
+        why = common.unavailable(case)
+        if why:
+            results.append({"name": name, "label": case.label, "shape": case.shape, "skipped": why})
             continue
         st = case.build()
         if case.prepare:

@@ -38,6 +38,36 @@ DOT_ROWS = 8
 DOT_LANES = 32
 
 
+def _b_rows(builder, b_op, p):
+    """Row ``p`` of a B block: its DOT_LANES pairs as 16-lane vectors."""
+    return [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4)
+            for v in range(DOT_LANES // 16)]
+
+
+def _pairs_loop(builder, o_op, n_pairs, name, step):
+    """The frame both bf16 micro-kernels share: the ``[DOT_ROWS, DOT_LANES]`` output tile's sums
+    loaded into registers, a loop over the pairs p whose ``step(p, acc)`` returns the new sums,
+    and the sums stored back."""
+    nvec = DOT_LANES // 16
+    out_ptrs = [[row_pointer(builder, o_op, i64(m), i64(64 * v), V16F) for v in range(nvec)]
+                for m in range(DOT_ROWS)]
+    start = [[builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
+    p, entry = open_loop(builder, name)
+    acc = [[builder.phi(V16F) for _ in range(nvec)] for _ in range(DOT_ROWS)]
+    for m in range(DOT_ROWS):
+        for v in range(nvec):
+            acc[m][v].add_incoming(start[m][v], entry)
+    new = step(p, acc)
+    loop = builder.basic_block
+    for m in range(DOT_ROWS):
+        for v in range(nvec):
+            acc[m][v].add_incoming(new[m][v], loop)
+    close_loop(builder, p, n_pairs, name)
+    for m in range(DOT_ROWS):
+        for v in range(nvec):
+            builder.store(new[m][v], out_ptrs[m][v], align=4)
+
+
 @intrinsic
 def bf16_dot_tile(typingctx, a, b, out):
     """``out[m, j] += sum_p a[m, p] . b[p, j]`` for ``m < DOT_ROWS``, ``j < DOT_LANES``.
@@ -56,32 +86,17 @@ def bf16_dot_tile(typingctx, a, b, out):
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I, V16I]),
                                              "llvm.x86.avx512bf16.dpbf16ps.512")
         (a_op, b_op, o_op), arrays = row_operands(context, builder, signature, args)
-        n_pairs = cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0]
-        nvec = DOT_LANES // 16
 
-        out_ptrs = [[row_pointer(builder, o_op, i64(m), i64(64 * v), V16F) for v in range(nvec)]
-                    for m in range(DOT_ROWS)]
-        start = [[builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
-        p, entry = open_loop(builder, "bf16dot")
-        acc = [[builder.phi(V16F) for _ in range(nvec)] for _ in range(DOT_ROWS)]
-        for m in range(DOT_ROWS):
-            for v in range(nvec):
-                acc[m][v].add_incoming(start[m][v], entry)
-        bv = [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4)
-              for v in range(nvec)]
-        new = []
-        for m in range(DOT_ROWS):
-            pair = builder.load(row_pointer(builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4)
-            pairs = splat(builder, pair, V16I)
-            new.append([builder.call(dot, [acc[m][v], bv[v], pairs]) for v in range(nvec)])
-        loop = builder.basic_block
-        for m in range(DOT_ROWS):
-            for v in range(nvec):
-                acc[m][v].add_incoming(new[m][v], loop)
-        close_loop(builder, p, n_pairs, "bf16dot")
-        for m in range(DOT_ROWS):
-            for v in range(nvec):
-                builder.store(new[m][v], out_ptrs[m][v], align=4)
+        def step(p, acc):
+            bv = _b_rows(builder, b_op, p)
+            new = []
+            for m in range(DOT_ROWS):
+                pair = builder.load(row_pointer(builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4)
+                pairs = splat(builder, pair, V16I)
+                new.append([builder.call(dot, [acc[m][v], bv[v], pairs]) for v in range(len(bv))])
+            return new
+
+        _pairs_loop(builder, o_op, cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0], "bf16dot", step)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -106,42 +121,23 @@ def bf16_fma_tile(typingctx, a, b, out):
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16F, V16F]),
                                              "llvm.fma.v16f32")
         (a_op, b_op, o_op), arrays = row_operands(context, builder, signature, args)
-        n_pairs = cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0]
-        nvec = DOT_LANES // 16
         high = ir.Constant(V16I, [0xFFFF0000 - (1 << 32)] * 16)
         sixteen = ir.Constant(V16I, [16] * 16)
 
-        out_ptrs = [[row_pointer(builder, o_op, i64(m), i64(64 * v), V16F) for v in range(nvec)]
-                    for m in range(DOT_ROWS)]
-        start = [[builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
-        p, entry = open_loop(builder, "bf16fma")
-        acc = [[builder.phi(V16F) for _ in range(nvec)] for _ in range(DOT_ROWS)]
-        for m in range(DOT_ROWS):
-            for v in range(nvec):
-                acc[m][v].add_incoming(start[m][v], entry)
-        bv = [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4)
-              for v in range(nvec)]
-        b_even = [builder.bitcast(builder.shl(x, sixteen), V16F) for x in bv]
-        b_odd = [builder.bitcast(builder.and_(x, high), V16F) for x in bv]
-        p8 = builder.mul(p, i64(8))
-        new = []
-        for m in range(DOT_ROWS):
-            a_even = splat(builder, builder.load(row_pointer(builder, a_op, i64(m), p8, F32), align=4), V16F)
-            a_odd = splat(builder, builder.load(row_pointer(builder, a_op, i64(m), builder.add(p8, i64(4)), F32),
-                                                align=4), V16F)
-            row = []
-            for v in range(nvec):
-                t = builder.call(fma, [a_odd, b_odd[v], acc[m][v]])
-                row.append(builder.call(fma, [a_even, b_even[v], t]))
-            new.append(row)
-        loop = builder.basic_block
-        for m in range(DOT_ROWS):
-            for v in range(nvec):
-                acc[m][v].add_incoming(new[m][v], loop)
-        close_loop(builder, p, n_pairs, "bf16fma")
-        for m in range(DOT_ROWS):
-            for v in range(nvec):
-                builder.store(new[m][v], out_ptrs[m][v], align=4)
+        def step(p, acc):
+            bv = _b_rows(builder, b_op, p)
+            b_even = [builder.bitcast(builder.shl(x, sixteen), V16F) for x in bv]
+            b_odd = [builder.bitcast(builder.and_(x, high), V16F) for x in bv]
+            p8 = builder.mul(p, i64(8))
+            new = []
+            for m in range(DOT_ROWS):
+                a_even, a_odd = (splat(builder, builder.load(row_pointer(builder, a_op, i64(m), at, F32), align=4), V16F)
+                                 for at in (p8, builder.add(p8, i64(4))))
+                new.append([builder.call(fma, [a_even, b_even[v], builder.call(fma, [a_odd, b_odd[v], acc[m][v]])])
+                            for v in range(len(bv))])
+            return new
+
+        _pairs_loop(builder, o_op, cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0], "bf16fma", step)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -329,19 +329,45 @@ AMX_K = 64
 
 
 @njit(cache=True)
-def _fold_row(row, ints, scales):
-    """``row`` as folded integers in ``ints`` (``n_g * 2^(e_g - e_min)``, clipped to a byte when
-    the row cannot be folded) and returns ``(bad, emin, emax, scale)``, ``scale = 2^e_min`` (1 for
-    a row of zeros). Exponents as :func:`_decompose_row` finds them."""
-    bad, emin, emax = _decompose_row(row, ints, scales)
+def _pow2(e):
+    """``2^e`` as an f32, for ``-126 <= e <= 127``."""
+    return np.uint32((e + 127) << 23).view(np.float32)
+
+
+@njit(cache=True)
+def _fold_row(row, ints, exps):
+    """``row`` as folded integers in ``ints`` (``n_g * 2^(e_g - e_min)``; those past a byte, in a
+    row that cannot be folded, as 0); returns ``(bad, emin, emax, scale)``, ``scale = 2^e_min`` (1 for a
+    row of zeros), the group exponents and the test of every value as
+    :func:`_decompose_row`'s. Branch-free over the values, so the loops vectorise: the folded
+    integer is the value times ``2^-e_min``, an exact scaling."""
+    bad = False
+    emin, emax = _NO_EXP, -_NO_EXP
+    for g in range(exps.shape[0]):
+        e = _group_exponent(row[g * INT8_GROUP:(g + 1) * INT8_GROUP])
+        if e != _NO_EXP:
+            if e < _MIN_EXP or e > _MAX_EXP:
+                bad = True
+                e = 0
+            emin, emax = min(emin, e), max(emax, e)
+        exps[g] = e
     if emin > emax:
+        ints[:] = 0
         return bad, emin, emax, np.float32(1.0)
-    for g in range(scales.shape[0]):
-        e = (np.float32(scales[g]).view(np.int32) >> 23) - 127
-        shift = min(max(e - emin, 0), FOLD_SPREAD + 1)
+    to_folded = _pow2(-emin)
+    miss = 0
+    for g in range(exps.shape[0]):
+        # a group of zeros: any scale reads its values as zeros
+        to_ints = _pow2(-exps[g]) if exps[g] != _NO_EXP else np.float32(1.0)
         for j in range(g * INT8_GROUP, (g + 1) * INT8_GROUP):
-            ints[j] = min(max(ints[j] << shift, -127), 127)
-    return bad, emin, emax, np.uint32((emin + 127) << 23).view(np.float32)
+            v = row[j]
+            n = v * to_ints
+            # Out of int32's range (or NaN) a conversion is undefined: convert 0 instead.
+            whole = np.float32(np.int32(n if abs(n) <= INT8_MAX else np.float32(0.0)))
+            miss += whole != n
+            t = v * to_folded
+            ints[j] = np.int32(t if abs(t) <= 127 else np.float32(0.0))
+    return bad or miss > 0, emin, emax, _pow2(emin)
 
 
 # Rows one worker folds with one scratch buffer (a buffer a row cost as much as the row).
@@ -349,21 +375,38 @@ _FOLD_CHUNK = 64
 
 
 @njit(parallel=True, cache=True)
-def _fold_kernel(x, quads, scales, first):
-    """Row i of ``x`` folded into lane ``(first + i) % L`` of block ``(first + i) // L`` of
-    ``quads [blocks, d / 4, L]`` and ``scales [blocks, 1, L]`` (the A operand is blocks of one
-    lane); returns the rows' range."""
+def _fold_rows_kernel(x, out, scales):
+    """A operand: row i of ``x`` folded into the bytes ``out[i]`` (``[n, d]`` int8, the quads'
+    bytes in memory order) and ``scales[i, 0]``; returns the rows' range."""
     n, d = x.shape
-    lanes = quads.shape[2]
     bad = np.zeros(n, np.int64)
     emin = np.empty(n, np.int64)
     emax = np.empty(n, np.int64)
     for c in prange(-(-n // _FOLD_CHUNK)):
         ints = np.empty(d, np.int32)
-        s = np.empty(d // INT8_GROUP, np.float32)
+        exps = np.empty(d // INT8_GROUP, np.int64)
         for i in range(c * _FOLD_CHUNK, min(n, (c + 1) * _FOLD_CHUNK)):
-            blk, lane = (first + i) // lanes, (first + i) % lanes
-            bad[i], emin[i], emax[i], scales[blk, 0, lane] = _fold_row(x[i], ints, s)
+            bad[i], emin[i], emax[i], scales[i, 0] = _fold_row(x[i], ints, exps)
+            row = out[i]
+            for j in range(d):
+                row[j] = np.int8(ints[j])
+    return _range_of(bad, emin, emax)
+
+
+@njit(parallel=True, cache=True)
+def _fold_blocks_kernel(x, quads, scales, first):
+    """B operand: row i of ``x`` folded into lane ``(first + i) % DOT_LANES`` of block
+    ``(first + i) // DOT_LANES`` of ``quads`` and ``scales``; returns the rows' range."""
+    n, d = x.shape
+    bad = np.zeros(n, np.int64)
+    emin = np.empty(n, np.int64)
+    emax = np.empty(n, np.int64)
+    for c in prange(-(-n // _FOLD_CHUNK)):
+        ints = np.empty(d, np.int32)
+        exps = np.empty(d // INT8_GROUP, np.int64)
+        for i in range(c * _FOLD_CHUNK, min(n, (c + 1) * _FOLD_CHUNK)):
+            blk, lane = (first + i) // DOT_LANES, (first + i) % DOT_LANES
+            bad[i], emin[i], emax[i], scales[blk, 0, lane] = _fold_row(x[i], ints, exps)
             for p in range(d // 4):
                 quads[blk, p, lane] = _quad(ints, p, 0)
     return _range_of(bad, emin, emax)
@@ -390,7 +433,7 @@ def folded_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
     for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
         _check_out(a, s, t, "folded_rows", what)
     quads, scales = out[0][:n], out[1][:n]
-    return quads, scales, _fold_kernel(x, quads.reshape(n, d // 4, 1), scales.reshape(n, 1, 1), 0)
+    return quads, scales, _fold_rows_kernel(x, quads.view(np.int8), scales)
 
 
 def folded_blocks_shape(n: int, d: int) -> tuple:
@@ -417,7 +460,7 @@ def pack_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) 
         _check_out(a, (1,) + s[1:], t, "pack_folded_blocks", what)
     if out[0].shape[0] != out[1].shape[0] or not 0 <= first <= out[0].shape[0] * DOT_LANES - n:
         raise ValueError(f"pack_folded_blocks: out has no room for rows {first}..{first + n}")
-    return out[0], out[1], _fold_kernel(x, out[0], out[1], first)
+    return out[0], out[1], _fold_blocks_kernel(x, out[0], out[1], first)
 
 
 def foldable(a_range: np.ndarray, b_range: np.ndarray) -> bool:
