@@ -25,14 +25,14 @@ from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 from numba.extending import overload
 
-from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, aligned_empty,
-                       amx_begin,
-                       amx_dot_tile, amx_enabled, amx_end, amx_mix_tile, bf16_dot_enabled, bf16_dot_tile,
-                       bf16_pairs, bf16_scalar, foldable, folded_blocks_shape, folded_rows,
-                       fp4_quant_e8m0_inplace, in_workers, int8_blocks_shape, int8_dot_enabled,
-                       int8_dot_exact, int8_dot_tile, int8_rows, linear_bf16, merge_ranges,
-                       nan_max, output_buffer, pack_bf16_pairs, pack_folded_blocks,
-                       pack_int8_blocks, rms_norm, split_range, to_bf16_rne, worth_parallel)
+from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP,
+                       aligned_empty, amx_begin, amx_dot_tile, amx_enabled, amx_end, amx_mix_tile,
+                       bf16_dot_enabled, bf16_dot_tile, bf16_pairs, bf16_scalar, foldable,
+                       folded_blocks_shape, folded_rows, fp4_quant_e8m0_inplace, in_workers,
+                       int8_blocks_shape, int8_dot_enabled, int8_dot_exact, int8_dot_tile,
+                       int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
+                       pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
+                       split_range, to_bf16_rne, worth_parallel)
 from .rope import apply_rotary
 from .topk import partial_sort_set_into, topk_set_into, torch_cpu_topk_rows
 
@@ -242,8 +242,9 @@ def _key_block_dots(q, keys, b, first, rows, d):
     """``d[r] = 0 + q[r] . keys[b]`` for the query rows ``first .. rows`` (in steps of
     :func:`_row_step`) against key block ``b``, on the kernel the operands were packed for:
     ``q``, ``keys`` are ``(pairs,)``, ``(blocks,)`` for AVX512-BF16; ``(quads, corr, scales)``,
-    ``(quads, scales)`` for AVX512-VNNI; ``(quads, scales)`` folded, twice, for AMX. ``first``
-    is a multiple of the row step."""
+    ``(quads, scales)`` for AVX512-VNNI; ``(quads, scales)`` and ``(quads, scales)``, both
+    folded (:func:`~ds41numba.numerics.folded_rows`), for AMX. ``first`` is a multiple of the
+    row step."""
 
 
 def _row_step(q):
