@@ -623,12 +623,15 @@ def _block_scores(scores, clen, block, masked):
     nb = (width + block - 1) // block
     out = np.full((rows, nb), -np.inf, np.float32)
     for s in prange(rows):
-        for t in range(min(width, max(clen[s], 0)) if masked else width):
-            v = scores[s, t]
-            b = t // block
-            out[s, b] = nan_max(out[s, b], v)
+        n = min(width, max(clen[s], 0)) if masked else width
+        row, o = scores[s], out[s]
+        for b in range((n + block - 1) // block):
+            best = np.float32(-np.inf)
+            for t in range(b * block, min(n, (b + 1) * block)):
+                best = nan_max(best, row[t])
+            o[b] = best
         if clen[s] > 0:
-            out[s, (clen[s] - 1) // block] = np.inf
+            o[(clen[s] - 1) // block] = np.inf
     return out
 
 
