@@ -44,11 +44,11 @@ _I8 = ir.IntType(8)
 _P8 = _I8.as_pointer()
 # Key lanes of one B tile: 16 int32 columns; a block of DOT_LANES keys is two.
 _HALVES = DOT_LANES // 16
-# Tile registers: one accumulator per half of the key block, the queries, the two key halves.
-# (amx_mix_tile uses a second pair of accumulators, 5 and 6.)
-_C, _A, _B = (0, 1), 2, (3, 4)
-_ROWS_BYTES = {_C[0]: (AMX_ROWS, 64), _C[1]: (AMX_ROWS, 64), _A: (AMX_ROWS, AMX_K),
-               _B[0]: (AMX_K // 4, 64), _B[1]: (AMX_K // 4, 64), 5: (AMX_ROWS, 64), 6: (AMX_ROWS, 64)}
+# Tile registers: one accumulator per half of the key block, the queries, the two key halves;
+# amx_mix_tile forms two row tiles a step, the second into the accumulators _C2.
+_C, _A, _B, _C2 = (0, 1), 2, (3, 4), (5, 6)
+_ROWS_BYTES = {**{c: (AMX_ROWS, 64) for c in _C + _C2}, _A: (AMX_ROWS, AMX_K),
+               **{b: (AMX_K // 4, 64) for b in _B}}
 
 
 def _tile_config() -> bytearray:
@@ -186,9 +186,8 @@ def _bf16_round(builder, v, may_be_nan):
 
 
 # Row tiles one step of amx_mix_tile forms and mixes: two, on two accumulator sets, so the two
-# chains of tile products overlap (the second set's registers: see _ROWS_BYTES).
+# chains of tile products overlap.
 _PAIR = 2
-_C2 = (5, 6)
 
 
 def _issue_pair(builder, a_op, b_op, n_quads, rt, has_second, dst):
