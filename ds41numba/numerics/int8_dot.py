@@ -375,10 +375,12 @@ _FOLD_CHUNK = 64
 
 
 @njit(parallel=True, cache=True)
-def _fold_rows_kernel(x, out, scales):
-    """A operand: row i of ``x`` folded into the bytes ``out[i]`` (``[n, d]`` int8, the quads'
-    bytes in memory order) and ``scales[i, 0]``; returns the rows' range."""
+def _fold_kernel(x, out, scales, first):
+    """Row i of ``x`` folded into lane ``L = (first + i) % lanes`` of block ``(first + i) //
+    lanes``: its bytes ``out[block, p, 4L .. 4L + 3]`` (``out`` the quads' bytes, ``[blocks, d / 4,
+    4 * lanes]`` int8) and ``scales[block, 0, L]``. The A operand is blocks of one lane."""
     n, d = x.shape
+    lanes = scales.shape[2]
     bad = np.zeros(n, np.int64)
     emin = np.empty(n, np.int64)
     emax = np.empty(n, np.int64)
@@ -386,29 +388,11 @@ def _fold_rows_kernel(x, out, scales):
         ints = np.empty(d, np.int32)
         exps = np.empty(d // INT8_GROUP, np.int64)
         for i in range(c * _FOLD_CHUNK, min(n, (c + 1) * _FOLD_CHUNK)):
-            bad[i], emin[i], emax[i], scales[i, 0] = _fold_row(x[i], ints, exps)
-            row = out[i]
-            for j in range(d):
-                row[j] = np.int8(ints[j])
-    return _range_of(bad, emin, emax)
-
-
-@njit(parallel=True, cache=True)
-def _fold_blocks_kernel(x, quads, scales, first):
-    """B operand: row i of ``x`` folded into lane ``(first + i) % DOT_LANES`` of block
-    ``(first + i) // DOT_LANES`` of ``quads`` and ``scales``; returns the rows' range."""
-    n, d = x.shape
-    bad = np.zeros(n, np.int64)
-    emin = np.empty(n, np.int64)
-    emax = np.empty(n, np.int64)
-    for c in prange(-(-n // _FOLD_CHUNK)):
-        ints = np.empty(d, np.int32)
-        exps = np.empty(d // INT8_GROUP, np.int64)
-        for i in range(c * _FOLD_CHUNK, min(n, (c + 1) * _FOLD_CHUNK)):
-            blk, lane = (first + i) // DOT_LANES, (first + i) % DOT_LANES
+            blk, lane = (first + i) // lanes, (first + i) % lanes
             bad[i], emin[i], emax[i], scales[blk, 0, lane] = _fold_row(x[i], ints, exps)
             for p in range(d // 4):
-                quads[blk, p, lane] = _quad(ints, p, 0)
+                for k in range(4):
+                    out[blk, p, 4 * lane + k] = np.int8(ints[4 * p + k])
     return _range_of(bad, emin, emax)
 
 
@@ -433,7 +417,8 @@ def folded_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
     for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
         _check_out(a, s, t, "folded_rows", what)
     quads, scales = out[0][:n], out[1][:n]
-    return quads, scales, _fold_rows_kernel(x, quads.view(np.int8), scales)
+    return quads, scales, _fold_kernel(x, quads.view(np.int8).reshape(n, d // 4, 4),
+                                       scales.reshape(n, 1, 1), 0)
 
 
 def folded_blocks_shape(n: int, d: int) -> tuple:
@@ -460,7 +445,7 @@ def pack_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) 
         _check_out(a, (1,) + s[1:], t, "pack_folded_blocks", what)
     if out[0].shape[0] != out[1].shape[0] or not 0 <= first <= out[0].shape[0] * DOT_LANES - n:
         raise ValueError(f"pack_folded_blocks: out has no room for rows {first}..{first + n}")
-    return out[0], out[1], _fold_blocks_kernel(x, out[0], out[1], first)
+    return out[0], out[1], _fold_kernel(x, out[0].view(np.int8), out[1], first)
 
 
 def foldable(a_range: np.ndarray, b_range: np.ndarray) -> bool:
