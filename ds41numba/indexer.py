@@ -34,7 +34,7 @@ from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_G
                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
                        split_range, to_bf16_rne, worth_parallel)
 from .rope import apply_rotary
-from .topk import partial_sort_set_into, topk_set_into, torch_cpu_topk_rows
+from .topk import partial_sort_set_into, topk_set_into
 
 __all__ = ["IndexerWeights", "IndexerCfg", "IndexKeyCache", "indexer", "index_keys",
            "select_candidate_blocks", "candidate_mask", "visible_lengths"]
@@ -639,11 +639,16 @@ def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int
                           block: int, masked: bool = False) -> np.ndarray:
     """Per row, which blocks are candidates: ``[rows, n_blocks]`` bool (``masked``: the scores
     past ``clen`` are -inf, see :func:`_block_scores`)."""
-    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen.astype(np.int64), block,
-                       masked)
+    clen = clen.astype(np.int64)
+    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen, block, masked)
     rows, nb = bs.shape
     k = min(topk_blocks, nb)
-    picked = torch_cpu_topk_rows(bs, k)
+    picked = np.empty((rows, k), np.int64)
+    # The blocks a row sees; past them (masked) every block is -inf: _select_rows scans only
+    # these where torch's branch is the heap's, which -inf never enters, and -inf picks are
+    # dropped below anyway. Unmasked rows are scanned whole.
+    seen = (clen + block - 1) // block if masked else np.full(rows, nb, np.int64)
+    _select_rows(bs, seen, k, picked)
     mask = np.zeros((rows, nb), dtype=bool)
     if k:
         r = np.repeat(np.arange(rows), k)
