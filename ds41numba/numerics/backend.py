@@ -78,8 +78,8 @@ _backend = [next(b for b in BACKENDS if _allowed(b) and _supported(b))]
 def backend() -> str:
     """The tier the products run on (one of ``BACKENDS``): the highest this CPU supports, decided
     at import (``DS41NUMBA_AMX=0`` stops below ``"amx"``, ``DS41NUMBA_INT8_DOT=0`` below
-    ``"avx512vnni"``, ``DS41NUMBA_BF16_DOT=0`` forces ``"blas"``). Every caller asks this function, so :func:`use_backend` switches them
-    all."""
+    ``"avx512vnni"``, ``DS41NUMBA_BF16_DOT=0`` forces ``"blas"``). Every caller asks this
+    function, so :func:`use_backend` switches them all."""
     return _backend[0]
 
 
