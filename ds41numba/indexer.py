@@ -644,11 +644,11 @@ def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int
     rows, nb = bs.shape
     k = min(topk_blocks, nb)
     picked = np.empty((rows, k), np.int64)
-    # The blocks a row sees; past them (masked) every block is -inf: _select_rows scans only
+    # The blocks a row sees; past them (masked) every block is -inf: _top_k_sets scans only
     # these where torch's branch is the heap's, which -inf never enters, and -inf picks are
     # dropped below anyway. Unmasked rows are scanned whole.
     seen = (clen + block - 1) // block if masked else np.full(rows, nb, np.int64)
-    _select_rows(bs, seen, k, picked)
+    _top_k_sets(bs, seen, k, picked)
     mask = np.zeros((rows, nb), dtype=bool)
     if k:
         r = np.repeat(np.arange(rows), k)
@@ -658,8 +658,15 @@ def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int
     return mask
 
 
-@njit(parallel=True, cache=True)
 def _select_rows(scores, clen, k, out):
+    """The index selection: each row's top-k set (:func:`_top_k_sets`). A name of its own, apart
+    from the candidate blocks' top-k, which uses the same rule: a kernel with its own tie order
+    replaces this one (tests/test_golden.py does) and must leave the candidates as they are."""
+    _top_k_sets(scores, clen, k, out)
+
+
+@njit(parallel=True, cache=True)
+def _top_k_sets(scores, clen, k, out):
     """Each row's top-k set (torch's CPU tie order) into ``out [rows, k]``, ascending.
 
     In the ``partial_sort`` branch (``k * 64 <= width``, every long row) the scan stops at the
