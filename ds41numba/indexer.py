@@ -27,10 +27,10 @@ from numba.extending import overload
 
 from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP,
                        aligned_empty, amx_begin, amx_dot_tile, amx_enabled, amx_end, amx_mix_tile,
-                       bf16_dot_enabled, bf16_dot_tile, bf16_pairs, bf16_scalar, foldable,
-                       folded_blocks_shape, folded_rows, fp4_quant_e8m0_inplace, in_workers,
-                       int8_blocks_shape, int8_dot_enabled, int8_dot_exact, int8_dot_tile,
-                       int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
+                       bf16_dot_enabled, bf16_dot_tile, bf16_pairs, bf16_scalar,
+                       empty_folded_blocks, foldable, folded_rows, fp4_quant_e8m0_inplace,
+                       in_workers, int8_blocks_shape, int8_dot_enabled, int8_dot_exact,
+                       int8_dot_tile, int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
                        split_range, to_bf16_rne, worth_parallel)
 from .rope import apply_rotary
@@ -546,9 +546,7 @@ class IndexKeyCache:
         return self.folded is not None and foldable(self.folded_range, EMPTY_RANGE)
 
     def _pack_folded(self, rows: int) -> None:
-        quads, scales = folded_blocks_shape(*self.keys.shape)
-        self.folded = (aligned_empty(quads, np.uint32), np.ones(scales, np.float32))
-        self.folded[0][:] = 0
+        self.folded = empty_folded_blocks(*self.keys.shape)
         self.folded_range = EMPTY_RANGE
         if rows:
             self.folded_range = pack_folded_blocks(self.keys[:rows], self.folded, 0)[2]

@@ -23,9 +23,10 @@ from .backend import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot
                       use_backend)
 from .bf16_dot import (DOT_LANES, DOT_ROWS, GEMM_PAIRS, bf16_dot_tile, bf16_fma_tile, bf16_pairs,
                        fma_faster, fma_safe, gemm_bf16, pack_bf16_pairs, values_range)
-from .int8_dot import (AMX_K, EMPTY_RANGE, FOLD_SPREAD, INT8_GROUP, INT8_MAX, KEY_OFFSET, foldable,
-                       folded_blocks_shape, folded_rows, int8_blocks_shape, int8_dot_exact,
-                       int8_dot_tile, int8_rows, merge_ranges, pack_folded_blocks, pack_int8_blocks)
+from .int8_dot import (AMX_K, EMPTY_RANGE, FOLD_SPREAD, INT8_GROUP, INT8_MAX, KEY_OFFSET,
+                       empty_folded_blocks, foldable, folded_blocks_shape, folded_rows,
+                       int8_blocks_shape, int8_dot_exact, int8_dot_tile, int8_rows, merge_ranges,
+                       pack_folded_blocks, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
                       aligned_empty, as_f32_array, bf16_scalar, check_inplace, e2m1_scalar, e4m3_scalar,
@@ -40,8 +41,8 @@ from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threa
                       split_range, worth_parallel)
 
 __all__ = [
-    "AMX_K", "AMX_ROWS", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "amx_mix_tile", "foldable",
-    "folded_blocks_shape", "folded_rows", "pack_folded_blocks",
+    "AMX_K", "AMX_ROWS", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "amx_mix_tile",
+    "empty_folded_blocks", "foldable", "folded_blocks_shape", "folded_rows", "pack_folded_blocks",
     "BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend",
     "DOT_LANES", "DOT_ROWS", "GEMM_PAIRS", "bf16_dot_tile", "bf16_fma_tile", "bf16_pairs", "fma_faster",
     "fma_safe", "gemm_bf16", "pack_bf16_pairs", "values_range",

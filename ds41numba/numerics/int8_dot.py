@@ -21,7 +21,7 @@ from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, row_op
 __all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_dot_tile", "int8_rows",
            "pack_int8_blocks", "int8_blocks_shape", "merge_ranges", "int8_dot_exact",
            "AMX_K", "FOLD_SPREAD", "folded_rows", "pack_folded_blocks", "folded_blocks_shape",
-           "foldable"]
+           "empty_folded_blocks", "foldable"]
 
 
 # An fp4 (e8m0) quantised block is ``e2m1 * s`` with ``s`` a power of two, and twice an e2m1
@@ -215,15 +215,23 @@ def pack_int8_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) ->
     x = _int8_input(x, "pack_int8_blocks")
     n, d = x.shape
     shapes = int8_blocks_shape(n, d)
+    out = _blocks_out(out, shapes, n, first, "pack_int8_blocks",
+                      lambda: (np.full(shapes[0], np.uint32(0x0C0C0C0C)), np.ones(shapes[1], np.float32)))
+    return out[0], out[1], _blocks_kernel(x, out[0], out[1], first)
+
+
+def _blocks_out(out, shapes, n, first, name, fresh):
+    """``out = (quads, scales)`` checked for rows ``first .. first + n`` of a B operand of
+    ``shapes``, or ``fresh()`` (then ``first`` must be 0)."""
     if out is None:
         if first:
-            raise ValueError("pack_int8_blocks: first needs an out array")
-        out = (np.full(shapes[0], np.uint32(0x0C0C0C0C)), np.ones(shapes[1], np.float32))
+            raise ValueError(f"{name}: first needs an out array")
+        out = fresh()
     for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
-        _check_out(a, (1,) + s[1:], t, "pack_int8_blocks", what)
+        _check_out(a, (1,) + s[1:], t, name, what)
     if out[0].shape[0] != out[1].shape[0] or not 0 <= first <= out[0].shape[0] * DOT_LANES - n:
-        raise ValueError(f"pack_int8_blocks: out has no room for rows {first}..{first + n}")
-    return out[0], out[1], _blocks_kernel(x, out[0], out[1], first)
+        raise ValueError(f"{name}: out has no room for rows {first}..{first + n}")
+    return out
 
 
 def merge_ranges(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -436,16 +444,17 @@ def pack_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) 
     x = _folded_input(x, "pack_folded_blocks")
     n, d = x.shape
     shapes = folded_blocks_shape(n, d)
-    if out is None:
-        if first:
-            raise ValueError("pack_folded_blocks: first needs an out array")
-        out = (aligned_empty(shapes[0], np.uint32), np.ones(shapes[1], np.float32))
-        out[0][:] = 0
-    for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
-        _check_out(a, (1,) + s[1:], t, "pack_folded_blocks", what)
-    if out[0].shape[0] != out[1].shape[0] or not 0 <= first <= out[0].shape[0] * DOT_LANES - n:
-        raise ValueError(f"pack_folded_blocks: out has no room for rows {first}..{first + n}")
+    out = _blocks_out(out, shapes, n, first, "pack_folded_blocks", lambda: empty_folded_blocks(n, d))
     return out[0], out[1], _fold_kernel(x, out[0].view(np.int8), out[1], first)
+
+
+def empty_folded_blocks(n: int, d: int) -> tuple:
+    """A folded B operand of ``n`` rows of ``d`` values, none packed: ``(quads, scales)``, quads
+    of zeros (64-byte aligned: whole cache lines for the tile loads), scales of 1."""
+    shapes = folded_blocks_shape(n, d)
+    quads = aligned_empty(shapes[0], np.uint32)
+    quads[:] = 0
+    return quads, np.ones(shapes[1], np.float32)
 
 
 def foldable(a_range: np.ndarray, b_range: np.ndarray) -> bool:
