@@ -458,18 +458,18 @@ def _index_scores_case(path: str):
 
     def build():
         from ds41numba.indexer import IndexKeyCache
-        from ds41numba.numerics import fp4_quant_e8m0_inplace, use_backend
+        from ds41numba.numerics import backend, fp4_quant_e8m0_inplace, use_backend
 
         iq = fp4_quant_e8m0_inplace(normal_bf16((_TILE, ih, idim), 17))
         w = normal_bf16((_TILE, ih), 18) * np.float32(0.01)
-        with use_backend(tier or backend_name()):
+        with use_backend(tier or backend()):
             keys = IndexKeyCache(index_keys(_CTX, idim, 16))
         return {"iq": iq, "w": _bf16(w), "keys": keys, "clen": np.full(_TILE, _CTX, np.int64)}
 
     def run(st):
-        from ds41numba.numerics import use_backend
+        from ds41numba.numerics import backend, use_backend
 
-        with use_backend(tier or backend_name()):
+        with use_backend(tier or backend()):
             st["keys"].scores(st["iq"], st["w"], st["clen"], _CTX)
 
     name, what = {"default": ("indexer_scores_tile", "indexer scoring only"),
@@ -479,13 +479,6 @@ def _index_scores_case(path: str):
                       f"iq {_TILE}x{ih}x{idim}, keys {_CTX}x{idim}", build, run,
                       flops=2 * ih * idim * _TILE * _CTX, elements=_TILE * _CTX,
                       private="ds41numba.indexer._tile_scores", tier=tier or "")
-
-
-def backend_name() -> str:
-    """The tier the products run on in this process (:func:`ds41numba.numerics.backend`)."""
-    from ds41numba.numerics import backend
-
-    return backend()
 
 
 def _projection_case(tokens=1024):
