@@ -27,7 +27,7 @@ from numba.extending import overload
 
 from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP,
                        aligned_empty, amx_begin, amx_dot_tile, amx_enabled, amx_end, amx_mix_tile,
-                       bf16_dot_enabled, bf16_dot_tile, bf16_pairs, bf16_scalar,
+                       bf16_dot_enabled, bf16_dot_tile, bf16_pairs, bf16_scalar, converted_mix_exact,
                        empty_folded_blocks, foldable, folded_rows, fp4_quant_e8m0_inplace,
                        in_workers, int8_blocks_shape, int8_dot_enabled, int8_dot_exact,
                        int8_dot_tile, int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
@@ -279,10 +279,11 @@ def _mixed_on_tiles(q, ih):
     operands, and each query's heads a whole number of its row tiles."""
 
 
-def _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out):
+def _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out, converts):
     """The scores of key block ``b`` for the queries ``s_lo ..`` (see :func:`_tile_scores`) from
     :func:`~ds41numba.numerics.amx_mix_tile`, into ``out`` where visible; ``w_rows`` the head
-    weights one a row (``[T * ih, 1]``), ``mixed`` room for ``[T, DOT_LANES]``."""
+    weights one a row (``[T * ih, 1]``), ``mixed`` room for ``[T, DOT_LANES]``, ``converts``
+    as for that kernel."""
 
 
 @overload(_mixed_on_tiles)
@@ -293,15 +294,16 @@ def _mixed_on_tiles_impl(q, ih):
 
 
 @overload(_mixed_block)
-def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out):
+def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out, converts):
     if len(q.types) != 2:
-        return lambda q, keys, w_rows, clen, b, s_lo, mixed, out: None
+        return lambda q, keys, w_rows, clen, b, s_lo, mixed, out, converts: None
 
-    def amx_mixed(q, keys, w_rows, clen, b, s_lo, mixed, out):
+    def amx_mixed(q, keys, w_rows, clen, b, s_lo, mixed, out, converts):
         T = out.shape[0]
         ih = w_rows.shape[0] // T
         rows = slice(s_lo * ih, T * ih)
-        amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b], mixed[:T - s_lo])
+        amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b], mixed[:T - s_lo],
+                     converts)
         t0 = b * DOT_LANES
         for s in range(s_lo, T):
             for j in range(min(DOT_LANES, clen[s] - t0)):
@@ -334,7 +336,7 @@ def _key_block_dots_impl(q, keys, b, first, rows, d):
 
 
 @njit(parallel=True, cache=True)
-def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, out):
+def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, converts, out):
     """:func:`_tile_scores` with the dot products on a packed kernel (:func:`_key_block_dots`).
 
     ``q`` holds the tile's query heads (query-major, zero rows padding to a multiple of
@@ -342,7 +344,8 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, out):
     for each block it forms the dot products of the queries that see any of it (a suffix of the
     tile when ``clen`` grows with the query, as it does) and mixes them while they are in cache.
     Every score is formed whole by one worker, in a fixed order, so the result does not depend
-    on the thread count.
+    on the thread count. ``converts``: the AMX kernel's mixing may round on the CPU's conversion
+    (:func:`~ds41numba.numerics.converted_mix_exact`).
     """
     T, ih = w.shape
     step = _row_step(q)
@@ -360,7 +363,7 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, out):
             if s_lo == T:
                 continue
             if mixed_on_tiles:
-                _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out)
+                _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out, converts)
                 continue
             _key_block_dots(q, keys, b, s_lo * ih // step * step, T * ih, d)
             _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
@@ -423,9 +426,10 @@ def _query_folded(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
 
 
 def _tile_scores_packed(q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray, width: int,
-                        out: np.ndarray | None = None, dirty_to: int | None = None) -> np.ndarray:
+                        out: np.ndarray | None = None, dirty_to: int | None = None,
+                        converts: bool = False) -> np.ndarray:
     """:func:`_tile_scores` from packed queries and keys (either kernel's, see
-    :func:`_key_block_dots`)."""
+    :func:`_key_block_dots`; ``converts`` for AMX's, see :func:`_scores_packed_kernel`)."""
     T = w.shape[0]
     out = _masked_buffer(out, (T, width), clen, dirty_to, "_tile_scores_packed")
     n_vis = int(clen.max(initial=0))
@@ -435,7 +439,7 @@ def _tile_scores_packed(q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray, 
     if n_vis:
         n_blocks = -(-n_vis // DOT_LANES)
         _scores_packed_kernel(q, keys, np.ascontiguousarray(w, np.float32), clen, n_blocks,
-                              min(numba.get_num_threads(), n_blocks), out)
+                              min(numba.get_num_threads(), n_blocks), converts, out)
     return out
 
 
@@ -483,7 +487,8 @@ def _tile_scores_amx(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.n
     q, q_range = _query_folded(iq, _query_buffer(qbuf, T, ih, idim))
     if not (foldable(q_range, key_range) and int8_dot_exact(q_range, key_range, idim)):
         return None
-    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to)
+    converts = converted_mix_exact(q[1], key_range, w)
+    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, converts=converts)
 
 
 def _int8_scored(head_dim: int) -> bool:

@@ -272,6 +272,24 @@ def test_amx_mixed_scores_with_every_kind_of_head_weight(T, ih):
 
 
 @needs_amx
+def test_amx_scores_round_on_the_conversion_where_the_guard_allows(monkeypatch):
+    """Queries and weights of ordinary size take the kernel's converted rounding (the guard
+    says yes); the scores are the naive ones, and the same with the guard made to say no."""
+    rng = np.random.default_rng(19)
+    T, ih, idim, n = 5, 32, 128, 300
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    clen = np.sort(rng.integers(1, n + 1, size=T))
+    want = naive.tile_scores(iq, w, keys, clen)
+    asked = []
+    guard = indexer_mod.converted_mix_exact
+    monkeypatch.setattr(indexer_mod, "converted_mix_exact", lambda *a: asked.append(guard(*a)) or asked[-1])
+    assert np.array_equal(amx_tile_scores(iq, w, keys, clen, n), want)
+    assert asked == [True]
+    monkeypatch.setattr(indexer_mod, "converted_mix_exact", lambda *a: False)
+    assert np.array_equal(amx_tile_scores(iq, w, keys, clen, n), want)
+
+
+@needs_amx
 def test_amx_scores_fall_back_to_vnni_where_rows_do_not_fold():
     """Keys or a query head whose block exponents lie more than FOLD_SPREAD apart: the AMX
     kernel declines, the cache packs the VNNI layout once and scores there, bit for bit the

@@ -748,6 +748,94 @@ def test_amx_dot_at_its_largest_bytes():
     assert_same_bits(got, (a.astype(np.float64) @ b.T.astype(np.float64)).astype(F32))
 
 
+@numba.njit
+def _amx_mix_all(qa, sa, w, qb, sb, out, converts):
+    """Every block of B mixed against all of A's rows, through the mixing tile kernel."""
+    nm.amx_begin()
+    for k in range(qb.shape[0]):
+        nm.amx_mix_tile(qa, sa, w, qb[k], sb[k], out[k], converts)
+    nm.amx_end()
+
+
+def _amx_mix(a_rows, w, b_rows, converts):
+    """amx_mix_tile's scores ``[T, n]`` of queries ``a_rows [T * H, d]`` (head weights ``w [T * H]``)
+    against keys ``b_rows [n, d]``, and whether converted_mix_exact allows ``converts``."""
+    T = a_rows.shape[0] // nm.AMX_ROWS // 2
+    qa, sa, ra = nm.folded_rows(a_rows)
+    qb, sb, rb = nm.pack_folded_blocks(b_rows)
+    assert nm.foldable(ra, rb) and nm.int8_dot_exact(ra, rb, a_rows.shape[1])
+    out = np.full((qb.shape[0], T, nm.DOT_LANES), np.nan, F32)
+    _amx_mix_all(qa, sa, np.ascontiguousarray(w, F32).reshape(-1, 1), qb, sb, out, converts)
+    got = out.transpose(1, 0, 2).reshape(T, -1)[:, :b_rows.shape[0]]
+    return got, nm.converted_mix_exact(sa, rb, w)
+
+
+def _mixed_reference(a_rows, w, b_rows, heads):
+    """The head mix in numpy: ``bf16(sum_h bf16(relu(bf16(q_h . k)) * w_h))``, f32 sums in head
+    order, the dot products exact (float64, then f32: they are, see int8_dot_exact)."""
+    s = nm.to_bf16_rne((a_rows.astype(np.float64) @ b_rows.T.astype(np.float64)).astype(F32))
+    r = np.where((s > 0) | np.isnan(s), s, F32(0.0))
+    terms = nm.to_bf16_rne(r * np.asarray(w, F32)[:, None])
+    acc = np.zeros((a_rows.shape[0] // heads, b_rows.shape[0]), F32)
+    for h in range(heads):
+        acc += terms[h::heads]
+    return nm.to_bf16_rne(acc), s
+
+
+@needs_amx
+def test_amx_mix_rounds_on_the_conversion_as_on_the_bits():
+    """The mixing kernel's two roundings on vcvtne2ps2bf16 (``converts``) and on the bits give the
+    numpy mix bit for bit, ties to even included: 8 queries of 32 heads, 2,048 keys, groups up to
+    2^1 apart, where thousands of scores and weighted terms fall exactly halfway."""
+    rng = np.random.default_rng(62)
+    heads, n = 2 * nm.AMX_ROWS, 2048
+    a, b = _fp4_rows(rng, 8 * heads, 128, 1), _fp4_rows(rng, n, 128, 1)
+    b[7] = 0.0                                         # a key of zeros: its scale is 1
+    w = nm.to_bf16_rne(rng.standard_normal(8 * heads).astype(F32) * F32(0.05))
+    w[[3, 40]] = [0.0, -0.0]
+    want, s = _mixed_reference(a, w, b, heads)
+    dots = (a.astype(np.float64) @ b.T.astype(np.float64)).astype(F32)
+    products = np.where(s > 0, s, F32(0.0)) * w[:, None]
+    for halfway in (dots, products):                # ties of the first and second rounding
+        assert np.sum(halfway.view(np.uint32) & 0xFFFF == 0x8000) > 1000
+    for converts in (True, False):
+        got, allowed = _amx_mix(a, w, b, converts)
+        assert allowed
+        assert_same_bits(got, want)
+
+
+@needs_amx
+def test_converted_mix_exact_guards_what_the_conversion_flushes():
+    """Where a weighted term would be denormal the conversion flushes it to zero: the guard says
+    no, and the kernel forced to convert anyway gives other scores (the bits' rounding keeps
+    them). Weights of inf or NaN, or scale products past f32's range, are refused too."""
+    rng = np.random.default_rng(63)
+    heads, n = 2 * nm.AMX_ROWS, 64
+    a, b = _fp4_rows(rng, heads, 128), _fp4_rows(rng, n, 128)
+    w = nm.to_bf16_rne(rng.standard_normal(heads).astype(F32) * F32(0.05))
+    tiny = w.copy()
+    tiny[:] = F32(2.0 ** -133)                    # a bf16 denormal: every term denormal
+    want, _ = _mixed_reference(a, tiny, b, heads)
+    assert np.any(want != 0)
+    got, allowed = _amx_mix(a, tiny, b, False)
+    assert not allowed
+    assert_same_bits(got, want)
+    forced, _ = _amx_mix(a, tiny, b, True)
+    assert np.all(forced == 0)
+    qa, sa, _ = nm.folded_rows(a)
+    rb = nm.pack_folded_blocks(b)[2]
+    assert nm.converted_mix_exact(sa, rb, w)
+    for bad in (np.inf, -np.inf, np.nan):
+        w2 = w.copy()
+        w2[5] = bad
+        assert not nm.converted_mix_exact(sa, rb, w2), bad
+    w2[5] = 2.0 ** 127                            # finite, but w * sq * sk may reach 2^129
+    assert nm.converted_mix_exact(sa, rb, w2) == (2.0 ** 127 * sa.max() * 2.0 ** max(rb[2], 0) < 2.0 ** 128)
+    assert not nm.converted_mix_exact(sa * F32(8.0), rb, w2)
+    assert not nm.converted_mix_exact(sa * F32(2.0 ** -120), rb, w)
+    assert nm.converted_mix_exact(sa, rb, np.zeros_like(w))
+
+
 def test_folded_packing_holds_the_values_and_counts_what_does_not_fold():
     """Folded rows give back every value (bytes times the row's scale); a row whose exponents
     spread wider than FOLD_SPREAD, or a value that is not fp4, is counted, never packed as good;

@@ -27,15 +27,17 @@ import ctypes
 import ctypes.util
 
 import llvmlite.ir as ir
+import numpy as np
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .bf16_dot import DOT_LANES
 from .int8_dot import AMX_K
-from .vector_ir import F32, I32, I64, V16F, V16I, row_operands, row_pointer, splat
+from .vector_ir import F32, I32, I64, V16F, V16I, i64, row_operands, row_pointer, splat
 
-__all__ = ["AMX_ROWS", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile", "request_tile_state"]
+__all__ = ["AMX_ROWS", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile", "converted_mix_exact",
+           "request_tile_state"]
 
 #: Rows of A one tile product multiplies (a tile register's rows); A is padded to a multiple.
 AMX_ROWS = 16
@@ -222,7 +224,7 @@ def _issue_pair(builder, a_op, b_op, n_quads, rt, has_second, dst):
 
 
 @intrinsic
-def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out):
+def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, converts):
     """The index scores of a key block for several queries, their heads' dot products on the
     tile multiplier and mixed as they come out of it:
 
@@ -237,72 +239,214 @@ def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out):
     ``[queries, DOT_LANES]``. The thread has run :func:`amx_begin`. Two row tiles' products
     are formed while the two before them are mixed (software pipelining: the tile multiplier
     and the vector units work side by side). Exact where :func:`amx_dot_tile` is.
+
+    ``converts`` (a bool) rounds to bf16 with the CPU's conversion instruction
+    (``vcvtne2ps2bf16``, 32 values in two micro-ops) instead of integer arithmetic on the bits
+    (five a vector, more with NaNs): a third of the vector work. Only where
+    :func:`converted_mix_exact` says so: the instruction flushes denormals.
     """
-    sig = types.void(a, a_scale, w, b, b_scale, out)
+    sig = types.void(a, a_scale, w, b, b_scale, out, converts)
 
     def codegen(context, builder, signature, args):
-        (a_op, s_op, w_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args)
-        k = lambda x: ir.Constant(I64, x)       # noqa: E731
+        (a_op, s_op, w_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args[:6])
         n_rows = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[0]
         n_quads = cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0]
         n_queries = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[0]
-        n_tiles = builder.udiv(n_rows, k(AMX_ROWS))
-        tiles_per_query = builder.udiv(n_tiles, n_queries)
-        n_steps = builder.udiv(builder.add(n_tiles, k(_PAIR - 1)), k(_PAIR))
-        # Two stores of a step's products: one being mixed while the next is formed.
-        step_bytes = k(4 * _PAIR * AMX_ROWS * DOT_LANES)
-        sums = cgutils.alloca_once(builder, ir.ArrayType(I32, 2 * _PAIR * AMX_ROWS * DOT_LANES))
-        sums.align = 64         # whole cache lines for the tile stores and the loads after them
-        sums_at = builder.ptrtoint(sums, I64)
-        zero = ir.Constant(V16F, [0.0] * 16)
-        acc = [cgutils.alloca_once_value(builder, zero) for _ in range(_HALVES)]
-        sk = [builder.load(row_pointer(builder, t_op, k(0), k(64 * h), V16F), align=4)
-              for h in range(_HALVES)]
-
-        def issue(step, dst):
-            rt = builder.mul(step, k(_PAIR))
-            has_second = builder.icmp_unsigned("<", builder.add(rt, k(1)), n_tiles)
-            _issue_pair(builder, a_op, b_op, n_quads, rt, has_second, dst)
-
-        issue(k(0), sums_at)
-        with cgutils.for_range(builder, n_steps) as loop:
-            step = loop.index
-            parity = builder.and_(step, k(1))
-            nxt = builder.add(step, k(1))
-            with builder.if_then(builder.icmp_unsigned("<", nxt, n_steps)):
-                issue(nxt, builder.add(sums_at, builder.mul(builder.sub(k(1), parity), step_bytes)))
-            src_at = builder.add(sums_at, builder.mul(parity, step_bytes))
-            for i in range(_PAIR):
-                rt = builder.add(builder.mul(step, k(_PAIR)), k(i))
-                with builder.if_then(builder.icmp_unsigned("<", rt, n_tiles)):
-                    src = (builder.add(src_at, k(4 * AMX_ROWS * DOT_LANES * i)), k(4 * DOT_LANES))
-                    _mix_rows(builder, src, s_op, w_op, sk, acc, rt)
-                    done = builder.add(rt, k(1))
-                    with builder.if_then(builder.icmp_unsigned("==", builder.urem(done, tiles_per_query), k(0))):
-                        q = builder.sub(builder.udiv(done, tiles_per_query), k(1))
-                        for h in range(_HALVES):
-                            ptr = row_pointer(builder, o_op, q, k(64 * h), V16F)
-                            builder.store(_bf16_round(builder, builder.load(acc[h]), True), ptr, align=4)
-                            builder.store(zero, acc[h])
+        shape = (n_rows, n_quads, n_queries)
+        with builder.if_else(context.cast(builder, args[6], signature.args[6], types.boolean)) \
+                as (converted, exact_bits):
+            with converted:
+                _mix_pipeline(builder, (a_op, s_op, w_op, b_op, t_op, o_op), shape, _ConvertedMix)
+            with exact_bits:
+                _mix_pipeline(builder, (a_op, s_op, w_op, b_op, t_op, o_op), shape, _BitsMix)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-def _mix_rows(builder, src, s_op, w_op, sk, acc, rt):
-    """Row tile ``rt``'s products (int32 at ``src``) scaled, rounded, ReLU'd, weighted and added
-    into the query's head sums ``acc``, its rows (heads) in order."""
+def _mix_pipeline(builder, operands, shape, mixer):
+    """:func:`amx_mix_tile`'s loop: the tile products of a step's two row tiles stored, the two
+    before them mixed (``mixer``'s rounding) and each query's sums written out when its last
+    row tile is in."""
+    a_op, s_op, w_op, b_op, t_op, o_op = operands
+    n_rows, n_quads, n_queries = shape
     k = lambda x: ir.Constant(I64, x)       # noqa: E731
-    zero = ir.Constant(V16F, [0.0] * 16)
-    for m in range(AMX_ROWS):
-        row = builder.add(builder.mul(rt, k(AMX_ROWS)), k(m))
-        sq = splat(builder, builder.load(row_pointer(builder, s_op, row, k(0), F32)), V16F)
-        wr = splat(builder, builder.load(row_pointer(builder, w_op, row, k(0), F32)), V16F)
+    n_tiles = builder.udiv(n_rows, k(AMX_ROWS))
+    tiles_per_query = builder.udiv(n_tiles, n_queries)
+    n_steps = builder.udiv(builder.add(n_tiles, k(_PAIR - 1)), k(_PAIR))
+    # Two stores of a step's products: one being mixed while the next is formed.
+    step_bytes = k(4 * _PAIR * AMX_ROWS * DOT_LANES)
+    sums = cgutils.alloca_once(builder, ir.ArrayType(I32, 2 * _PAIR * AMX_ROWS * DOT_LANES))
+    sums.align = 64         # whole cache lines for the tile stores and the loads after them
+    sums_at = builder.ptrtoint(sums, I64)
+    mix = mixer(builder, s_op, w_op, t_op)
+
+    def issue(step, dst):
+        rt = builder.mul(step, k(_PAIR))
+        has_second = builder.icmp_unsigned("<", builder.add(rt, k(1)), n_tiles)
+        _issue_pair(builder, a_op, b_op, n_quads, rt, has_second, dst)
+
+    issue(k(0), sums_at)
+    with cgutils.for_range(builder, n_steps) as loop:
+        step = loop.index
+        parity = builder.and_(step, k(1))
+        nxt = builder.add(step, k(1))
+        with builder.if_then(builder.icmp_unsigned("<", nxt, n_steps)):
+            issue(nxt, builder.add(sums_at, builder.mul(builder.sub(k(1), parity), step_bytes)))
+        src_at = builder.add(sums_at, builder.mul(parity, step_bytes))
+        for i in range(_PAIR):
+            rt = builder.add(builder.mul(step, k(_PAIR)), k(i))
+            with builder.if_then(builder.icmp_unsigned("<", rt, n_tiles)):
+                mix.rows(builder.add(src_at, k(4 * AMX_ROWS * DOT_LANES * i)), rt)
+                done = builder.add(rt, k(1))
+                with builder.if_then(builder.icmp_unsigned("==", builder.urem(done, tiles_per_query), k(0))):
+                    mix.finish(o_op, builder.sub(builder.udiv(done, tiles_per_query), k(1)))
+
+
+def _lanes(v):
+    return ir.Constant(V16I, [v] * 16)
+
+
+class _BitsMix:
+    """Each row tile's products scaled, rounded to bf16 on the bits (RNE), ReLU'd, weighted,
+    rounded again and added into the query's head sums, rows (heads) in order; lane j of the
+    sums is key j."""
+
+    def __init__(self, builder, s_op, w_op, t_op):
+        self.b, self.s_op, self.w_op = builder, s_op, w_op
+        zero = ir.Constant(V16F, [0.0] * 16)
+        self.acc = [cgutils.alloca_once_value(builder, zero) for _ in range(_HALVES)]
+        self.sk = [builder.load(row_pointer(builder, t_op, i64(0), i64(64 * h), V16F), align=4)
+                   for h in range(_HALVES)]
+
+    def rows(self, src_at, rt):
+        """Row tile ``rt``'s products (int32 ``[AMX_ROWS, DOT_LANES]`` at ``src_at``)."""
+        builder = self.b
+        src = (src_at, i64(4 * DOT_LANES))
+        zero = ir.Constant(V16F, [0.0] * 16)
+        for m in range(AMX_ROWS):
+            row = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(m))
+            sq = splat(builder, builder.load(row_pointer(builder, self.s_op, row, i64(0), F32)), V16F)
+            wr = splat(builder, builder.load(row_pointer(builder, self.w_op, row, i64(0), F32)), V16F)
+            for h in range(_HALVES):
+                total = builder.load(row_pointer(builder, src, i64(m), i64(64 * h), V16I), align=4)
+                # The score is exact and finite (see amx_dot_tile): no NaN to keep. It is never
+                # -0 either (an integer zero times a scale).
+                v = _bf16_round(builder, builder.fmul(builder.sitofp(total, V16F),
+                                                      builder.fmul(sq, self.sk[h])), False)
+                v = builder.select(builder.fcmp_ordered("<", v, zero), zero, v)
+                term = _bf16_round(builder, builder.fmul(v, wr), True)
+                builder.store(builder.fadd(builder.load(self.acc[h]), term), self.acc[h])
+
+    def finish(self, o_op, q):
+        """Query ``q``'s sums rounded into its row of ``out``, and the sums zeroed."""
+        builder = self.b
         for h in range(_HALVES):
-            total = builder.load(row_pointer(builder, src, k(m), k(64 * h), V16I), align=4)
-            # The score is exact and finite (see amx_dot_tile): no NaN to keep. It is never -0
-            # either (an integer zero times a scale).
-            v = _bf16_round(builder, builder.fmul(builder.sitofp(total, V16F), builder.fmul(sq, sk[h])), False)
-            v = builder.select(builder.fcmp_ordered("<", v, zero), zero, v)
-            term = _bf16_round(builder, builder.fmul(v, wr), True)
-            builder.store(builder.fadd(builder.load(acc[h]), term), acc[h])
+            ptr = row_pointer(builder, o_op, q, i64(64 * h), V16F)
+            builder.store(_bf16_round(builder, builder.load(self.acc[h]), True), ptr, align=4)
+            builder.store(ir.Constant(V16F, [0.0] * 16), self.acc[h])
+
+
+class _BFloat(ir.Type):
+    """LLVM's ``bfloat`` (llvmlite has no such type), to declare the conversion's result."""
+
+    def _to_string(self):
+        return "bfloat"
+
+
+def _round_pair(builder, lo, hi):
+    """Two vectors of 16 f32 rounded to bf16 by ``vcvtne2ps2bf16`` (RNE; denormal inputs and
+    results flushed to zero), back as f32 and split by parity: of the 32 values ``[lo, hi]``,
+    the even ones (value ``2d`` in lane d) and the odd ones. No shuffle: each result pair is
+    one 32-bit lane of the instruction's output."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VectorType(_BFloat(), 32), [V16F, V16F]),
+        "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
+    pairs = builder.bitcast(builder.call(fn, [hi, lo]), V16I)     # the low half from its 2nd operand
+    even = builder.bitcast(builder.shl(pairs, _lanes(16)), V16F)
+    odd = builder.bitcast(builder.and_(pairs, _lanes(0xFFFF0000 - (1 << 32))), V16F)
+    return even, odd
+
+
+def _split(order):
+    """The lanes' keys after :func:`_round_pair` of two vectors holding keys ``order``."""
+    return order[0::2], order[1::2]
+
+
+# Which key each lane holds: after the first rounding (even / odd keys), and after the second,
+# which rounds the products in that order and so interleaves once more.
+_FIRST = _split(list(range(DOT_LANES)))
+_SECOND = _split(_FIRST[0] + _FIRST[1])
+# Lane j of out from the second rounding's two vectors, as one shuffle's indices.
+_UNSHUFFLE = [(_SECOND[0] + _SECOND[1]).index(j) for j in range(DOT_LANES)]
+
+
+class _ConvertedMix(_BitsMix):
+    """:class:`_BitsMix` with both roundings on ``vcvtne2ps2bf16``: the ReLU on the integers
+    (``max(s, 0)``), ``bf16(relu(bf16(s * sq * sk)) * w) = bf16(bf16(relu(s)) * (w * sq * sk))``
+    (scaling by powers of two commutes with rounding while every value stays normal), so a
+    product needs one scale vector per row. The sums' lanes hold the keys in the order the
+    conversions leave them (``_SECOND``), put back in order when written out."""
+
+    def __init__(self, builder, s_op, w_op, t_op):
+        super().__init__(builder, s_op, w_op, t_op)
+        sk = self.sk
+        self.sk = [builder.shuffle_vector(sk[0], sk[1], ir.Constant(V16I, keys)) for keys in _FIRST]
+
+    def rows(self, src_at, rt):
+        builder = self.b
+        src = (src_at, i64(4 * DOT_LANES))
+        zero = _lanes(0)
+        for m in range(AMX_ROWS):
+            row = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(m))
+            sq = builder.load(row_pointer(builder, self.s_op, row, i64(0), F32))
+            wq = splat(builder, builder.fmul(builder.load(row_pointer(builder, self.w_op, row, i64(0), F32)),
+                                             sq), V16F)
+            f = []
+            for h in range(_HALVES):
+                total = builder.load(row_pointer(builder, src, i64(m), i64(64 * h), V16I), align=4)
+                relu = builder.select(builder.icmp_signed(">", total, zero), total, zero)
+                f.append(builder.sitofp(relu, V16F))
+            rounded = _round_pair(builder, *f)
+            products = [builder.fmul(rounded[i], builder.fmul(wq, self.sk[i])) for i in range(2)]
+            for acc, term in zip(self.acc, _round_pair(builder, *products)):
+                builder.store(builder.fadd(builder.load(acc), term), acc)
+
+    def finish(self, o_op, q):
+        builder = self.b
+        sums = [_bf16_round(builder, builder.load(acc), True) for acc in self.acc]
+        for h in range(_HALVES):
+            lanes = ir.Constant(V16I, _UNSHUFFLE[16 * h:16 * (h + 1)])
+            ptr = row_pointer(builder, o_op, q, i64(64 * h), V16F)
+            builder.store(builder.shuffle_vector(sums[0], sums[1], lanes), ptr, align=4)
+        for acc in self.acc:
+            builder.store(ir.Constant(V16F, [0.0] * 16), acc)
+
+
+# Exponents of the normal f32 numbers.
+_NORMAL = (-126, 127)
+
+
+def converted_mix_exact(a_scale: np.ndarray, b_range: np.ndarray, w: np.ndarray) -> bool:
+    """Whether :func:`amx_mix_tile` may round on ``vcvtne2ps2bf16`` (``converts``) for queries of
+    these scales (``a_scale``, :func:`.int8_dot.folded_rows`'), keys of this range
+    (:func:`.int8_dot.pack_folded_blocks`', every block of them) and head weights ``w``.
+
+    Both roundings then see only zeros, normal numbers and infinities, where the instruction's
+    RNE is the bits' (it flushes denormals): every weight is finite, and every scale product
+    ``sq * sk``, ``w * sq`` and ``w * sq * sk`` (w not zero) is a normal number (a score is an
+    integer, at least 1 when not zero, times them). A key row of zeros has scale 1, and 1 is
+    therefore in the keys' range.
+    """
+    w = np.abs(np.asarray(w, np.float64))
+    if not np.isfinite(w).all() or a_scale.size == 0:
+        return False
+    e_k = (min(int(b_range[1]), 0), max(int(b_range[2]), 0))
+    sq = np.asarray(a_scale, np.float64)
+    lo, hi = float(sq.min()), float(sq.max())
+    bounds = [(lo * 2.0 ** e_k[0], hi * 2.0 ** e_k[1])]
+    nonzero = w[w > 0]
+    if nonzero.size:
+        wl, wh = float(nonzero.min()), float(nonzero.max())
+        bounds += [(wl * lo, wh * hi), (wl * lo * 2.0 ** e_k[0], wh * hi * 2.0 ** e_k[1])]
+    return all(2.0 ** _NORMAL[0] <= a and b < 2.0 ** (_NORMAL[1] + 1) for a, b in bounds)
