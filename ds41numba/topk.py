@@ -36,7 +36,8 @@ __all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partia
 @njit(cache=True)
 def _before(a, b):
     """torch's ``largest=True`` comparator: NaN first, then larger values; never looks at the index."""
-    return (a != a and b == b) or a > b
+    # & and | rather than `and` / `or`: no branches, so the heap's walk compiles to selects.
+    return ((a != a) & (b == b)) | (a > b)
 
 
 # --------------------------------------------------------------------------- heap (libstdc++ shape)
@@ -54,9 +55,8 @@ def _adjust_heap(hv, hi, first, hole, length, val, vidx):
     while child < (length - 1) // 2:
         child = 2 * (child + 1)
         # The right child moves up unless it comes `before` the left one (the heap's top is the
-        # pair LAST in `before` order).
-        if _before(hv[first + child], hv[first + child - 1]):
-            child -= 1
+        # pair LAST in `before` order); a subtraction, not a branch the data would mispredict.
+        child -= np.int64(_before(hv[first + child], hv[first + child - 1]))
         hv[first + hole] = hv[first + child]
         hi[first + hole] = hi[first + child]
         hole = child
@@ -117,14 +117,37 @@ def _heap_select_row(row, k, hv, hi):
         hi[j] = j
     _make_heap(hv, hi, 0, k)
     top = hv[0]
-    top_is_nan = top != top
-    for i in range(k, n):
-        x = row[i]
-        # Inlined `before(x, top)`; a NaN top is never displaced.
-        if x > top or (x != x and not top_is_nan):
-            _adjust_heap(hv, hi, 0, 0, k, x, i)
-            top = hv[0]
-            top_is_nan = top != top
+    i = k
+    while i < n:
+        if top != top:
+            return          # a NaN top is never displaced
+        # The top only rises: a run of values none of which passes it now never will, and one
+        # vector pass over the run says so (most of a long row).
+        if i + _SCAN_RUN <= n and not _passes_any(row, i, top):
+            i += _SCAN_RUN
+            continue
+        for j in range(i, min(n, i + _SCAN_RUN)):
+            x = row[j]
+            # Inlined `before(x, top)`.
+            if x > top or (x != x and top == top):
+                _adjust_heap(hv, hi, 0, 0, k, x, j)
+                top = hv[0]
+        i += _SCAN_RUN
+
+
+# Values of a row one test of _passes_any covers.
+_SCAN_RUN = 32
+
+
+@njit(cache=True)
+def _passes_any(row, i, top):
+    """Whether any of ``row[i : i + _SCAN_RUN]`` comes before ``top`` (larger, or a NaN): no
+    early exit, so the loop vectorises."""
+    hit = 0
+    for j in range(i, i + _SCAN_RUN):
+        x = row[j]
+        hit |= (x > top) | (x != x)
+    return hit != 0
 
 
 # --------------------------------------------------------------------------- introselect
