@@ -783,13 +783,15 @@ def _mixed_reference(a_rows, w, b_rows, heads):
 
 
 @needs_amx
-def test_amx_mix_rounds_on_the_conversion_as_on_the_bits():
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_amx_mix_rounds_on_the_conversion_as_on_the_bits(d):
     """The mixing kernel's two roundings on vcvtne2ps2bf16 (``converts``) and on the bits give the
     numpy mix bit for bit, ties to even included: 8 queries of 32 heads, 2,048 keys, groups up to
-    2^1 apart, where thousands of scores and weighted terms fall exactly halfway."""
+    2^1 apart, where thousands of scores and weighted terms fall exactly halfway; rows of 128
+    values (the key block held in tile registers) and of 64 and 256 (reloaded each step)."""
     rng = np.random.default_rng(62)
     heads, n = 2 * nm.AMX_ROWS, 2048
-    a, b = _fp4_rows(rng, 8 * heads, 128, 1), _fp4_rows(rng, n, 128, 1)
+    a, b = _fp4_rows(rng, 8 * heads, d, 1), _fp4_rows(rng, n, d, 1)
     b[7] = 0.0                                         # a key of zeros: its scale is 1
     w = nm.to_bf16_rne(rng.standard_normal(8 * heads).astype(F32) * F32(0.05))
     w[[3, 40]] = [0.0, -0.0]

@@ -49,7 +49,10 @@ _HALVES = DOT_LANES // 16
 # Tile registers: one accumulator per half of the key block, the queries, the two key halves;
 # amx_mix_tile forms two row tiles a step, the second into the accumulators _C2.
 _C, _A, _B, _C2 = (0, 1), 2, (3, 4), (5, 6)
-_ROWS_BYTES = {**{c: (AMX_ROWS, 64) for c in _C + _C2}, _A: (AMX_ROWS, AMX_K),
+# For 128-value rows the key block's four B tiles stay loaded for the whole call: the queries'
+# two K halves then take tiles 2 and 7, the products tiles 0 and 1 (_mix_resident).
+_A2, _B2 = 7, (5, 6)
+_ROWS_BYTES = {**{c: (AMX_ROWS, 64) for c in _C + _C2}, _A: (AMX_ROWS, AMX_K), _A2: (AMX_ROWS, AMX_K),
                **{b: (AMX_K // 4, 64) for b in _B}}
 
 
@@ -236,9 +239,11 @@ def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, converts):
 
     ``a``, ``a_scale`` as for :func:`amx_dot_tile` (any multiple of ``AMX_ROWS`` rows), ``w``
     float32 ``[rows(a), 1]`` (bf16 values), ``b``, ``b_scale`` one block, ``out`` float32
-    ``[queries, DOT_LANES]``. The thread has run :func:`amx_begin`. Two row tiles' products
-    are formed while the two before them are mixed (software pipelining: the tile multiplier
-    and the vector units work side by side). Exact where :func:`amx_dot_tile` is.
+    ``[queries, DOT_LANES]``. The thread has run :func:`amx_begin`. A step's row tiles are
+    formed while the step before is mixed (software pipelining: the tile multiplier and the
+    vector units work side by side): for 128-value rows one row tile a step against the key
+    block held in tile registers, else two a step with the block's tiles loaded again for each.
+    Exact where :func:`amx_dot_tile` is.
 
     ``converts`` (a bool) rounds to bf16 with the CPU's conversion instruction
     (``vcvtne2ps2bf16``, 32 values in two micro-ops) instead of integer arithmetic on the bits
@@ -253,20 +258,84 @@ def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, converts):
         n_quads = cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0]
         n_queries = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[0]
         shape = (n_rows, n_quads, n_queries)
-        with builder.if_else(context.cast(builder, args[6], signature.args[6], types.boolean)) \
-                as (converted, exact_bits):
-            with converted:
-                _mix_pipeline(builder, (a_op, s_op, w_op, b_op, t_op, o_op), shape, _ConvertedMix)
-            with exact_bits:
-                _mix_pipeline(builder, (a_op, s_op, w_op, b_op, t_op, o_op), shape, _BitsMix)
+        ops = (a_op, s_op, w_op, b_op, t_op, o_op)
+        # 128-value rows (the index heads): the key block stays in four tile registers.
+        resident = builder.icmp_unsigned("==", n_quads, ir.Constant(I64, 2 * AMX_K // 4))
+        with builder.if_else(resident) as (held, streamed):
+            with held:
+                _both_mixes(context, builder, signature, args, ops, shape, _mix_resident)
+            with streamed:
+                _both_mixes(context, builder, signature, args, ops, shape, _mix_pipeline)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
+def _issue_resident(builder, a_op, rt, dst):
+    """Row tile ``rt``'s products against the loaded key block (:func:`_load_resident`), stored
+    at ``dst`` (``[AMX_ROWS, DOT_LANES]`` int32)."""
+    k = lambda x: ir.Constant(I64, x)       # noqa: E731
+    for h in range(_HALVES):
+        _call(builder, "llvm.x86.tilezero", [_tile(_C[h])], [_I8])
+    for step, (a, bs) in enumerate(((_A, _B), (_A2, _B2))):
+        a_at = row_pointer(builder, a_op, builder.mul(rt, k(AMX_ROWS)), k(step * AMX_K), _I8)
+        _call(builder, "llvm.x86.tileloadd64", [_tile(a), a_at, a_op[1]], [_I8, _P8, I64])
+        for h in range(_HALVES):
+            _call(builder, "llvm.x86.tdpbssd", [_tile(_C[h]), _tile(a), _tile(bs[h])], [_I8] * 3)
+    for h in range(_HALVES):
+        at = builder.inttoptr(builder.add(dst, k(64 * h)), _P8)
+        _call(builder, "llvm.x86.tilestored64", [_tile(_C[h]), at, k(4 * DOT_LANES)], [_I8, _P8, I64])
+
+
+def _load_resident(builder, b_op):
+    """The key block's four B tiles (two K halves of 64 bytes, two halves of its keys)."""
+    k = lambda x: ir.Constant(I64, x)       # noqa: E731
+    for step, bs in enumerate((_B, _B2)):
+        for h in range(_HALVES):
+            b_at = row_pointer(builder, b_op, k(step * AMX_K // 4), k(64 * h), _I8)
+            _call(builder, "llvm.x86.tileloadd64", [_tile(bs[h]), b_at, b_op[1]], [_I8, _P8, I64])
+
+
+def _both_mixes(context, builder, signature, args, ops, shape, pipeline):
+    """``pipeline`` with the converted rounding where the call's ``converts`` says so, else the
+    bits' rounding."""
+    with builder.if_else(context.cast(builder, args[6], signature.args[6], types.boolean)) \
+            as (converted, exact_bits):
+        with converted:
+            pipeline(builder, ops, shape, _ConvertedMix)
+        with exact_bits:
+            pipeline(builder, ops, shape, _BitsMix)
+
+
+def _mix_resident(builder, operands, shape, mixer):
+    """:func:`_mix_pipeline` for 128-value rows with the key block held in tile registers: a
+    step is one row tile, its products formed while the one before it is mixed."""
+    a_op, s_op, w_op, b_op, t_op, o_op = operands
+    n_rows, n_quads, n_queries = shape
+    k = lambda x: ir.Constant(I64, x)       # noqa: E731
+    n_tiles = builder.udiv(n_rows, k(AMX_ROWS))
+    tiles_per_query = builder.udiv(n_tiles, n_queries)
+    step_bytes = k(4 * AMX_ROWS * DOT_LANES)
+    sums = cgutils.alloca_once(builder, ir.ArrayType(I32, 2 * AMX_ROWS * DOT_LANES))
+    sums.align = 64
+    sums_at = builder.ptrtoint(sums, I64)
+    mix = mixer(builder, s_op, w_op, t_op)
+    _load_resident(builder, b_op)
+    _issue_resident(builder, a_op, k(0), sums_at)
+    with cgutils.for_range(builder, n_tiles) as loop:
+        rt = loop.index
+        parity = builder.and_(rt, k(1))
+        nxt = builder.add(rt, k(1))
+        with builder.if_then(builder.icmp_unsigned("<", nxt, n_tiles)):
+            _issue_resident(builder, a_op, nxt, builder.add(sums_at, builder.mul(builder.sub(k(1), parity), step_bytes)))
+        mix.rows(builder.add(sums_at, builder.mul(parity, step_bytes)), rt)
+        with builder.if_then(builder.icmp_unsigned("==", builder.urem(nxt, tiles_per_query), k(0))):
+            mix.finish(o_op, builder.sub(builder.udiv(nxt, tiles_per_query), k(1)))
+
+
 def _mix_pipeline(builder, operands, shape, mixer):
-    """:func:`amx_mix_tile`'s loop: the tile products of a step's two row tiles stored, the two
-    before them mixed (``mixer``'s rounding) and each query's sums written out when its last
+    """:func:`amx_mix_tile`'s loop for any row length: the tile products of a step's two row tiles
+    stored, the two before them mixed (``mixer``'s rounding) and each query's sums written out when its last
     row tile is in."""
     a_op, s_op, w_op, b_op, t_op, o_op = operands
     n_rows, n_quads, n_queries = shape
