@@ -20,9 +20,16 @@ Peak RSS is each run's own (``getrusage`` in its subprocess) and is fitted as
 ``RSS(N) = R0 + g * N``: ``g`` should be the caches' bytes per token (window ring, compressed KV
 and index keys), nothing else.
 
+The second projection ("from the indexer's own rate") is the one to quote: the indexer is
+timed directly (:func:`indexer_seconds`) at ``--widths`` positions of the longest projected
+prefill, up to its full width, and summed over every query of a projected length
+(:func:`indexer_total`); the rest of a token's work is the first run's pace without its own
+indexer's share (timed the same way at that run's middle width). The fit of ``a, b, c``
+extrapolates the short runs' chunk times alone, whose growth is mostly noise.
+
 Options: ``--layer 20`` (default), ``--lengths 16384,32768``, ``--chunk 4096``, ``--decode 4``,
-``--project 65536,131072,262144,1048576``, ``--widths 65536,131072,262144`` (where the
-indexer is timed directly, see :func:`indexer_seconds`), ``--runs-from JSON``, ``--dir DIR`` (where the goldens are written;
+``--project 65536,131072,262144,1048576``, ``--widths 4096,65536,262144,1048576`` (where the
+indexer is timed directly), ``--runs-from JSON``, ``--dir DIR`` (where the goldens are written;
 each is deleted after its run), ``--json-file PATH``.
 """
 
@@ -81,10 +88,14 @@ def run_worker(layer: int, prefill: int, decode: int, chunk: int, directory: str
 
 def indexer_seconds(layer: int, width: int, prefill: int, queries: int = 64, repeat: int = 3) -> float:
     """Seconds a query spends in the indexer (projections, scores, candidate blocks, top-k) when
-    it sees ``width`` compressed positions of a prefill of ``prefill`` tokens: the median of
-    ``repeat`` calls on ``queries`` queries, over random fp4 keys (the values do not change the
-    work). Measured directly because at the lengths a chunked run can reach in minutes the
-    indexer's growth is lost in the noise of the rest."""
+    it sees ``width`` compressed positions of a prefill of ``prefill`` tokens, over random fp4
+    keys (the values do not change the work). Measured directly because at the lengths a chunked
+    run can reach in minutes the indexer's growth is lost in the noise of the rest.
+
+    The marginal cost: calls of ``queries`` and of ``2 * queries`` queries (medians of
+    ``repeat``), their difference divided by ``queries``. A call's own fixed work (the first
+    tile's mask of a fresh score buffer: 64 MB of -inf at 1,048,576 positions) is then left out;
+    a real prefill pays it once per chunk of thousands of queries, not once per 64."""
     from ds41numba.attention import layer_rope_table
     from ds41numba.indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer
 
@@ -93,17 +104,33 @@ def indexer_seconds(layer: int, width: int, prefill: int, queries: int = 64, rep
     w = common.weight_subset(layer, ["indexer.wq_b.weight", "indexer.weights_proj.weight"])
     weights = IndexerWeights(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"])
     keys = IndexKeyCache(common.index_keys(prefill // r, cfg.index_head_dim, 16))
-    start = width * r - queries
-    x = common.layer_input(layer, queries)
-    qr = common.normal_bf16((queries, cfg.q_lora_rank), 15)
     table = layer_rope_table(cfg, r, prefill)
     icfg = IndexerCfg.for_layer(cfg, layer)
-    times = []
-    for _ in range(repeat + 1):           # the first call loads the kernels
-        t0 = time.perf_counter()
-        indexer(x, qr, start, icfg, weights, table, keys, cfg.window_size, prefill_len=prefill)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:])) / queries
+    x = common.layer_input(layer, 2 * queries)
+    qr = common.normal_bf16((2 * queries, cfg.q_lora_rank), 15)
+    medians = []
+    for n in (queries, 2 * queries):
+        start = width * r - n         # the last query sees ``width`` positions
+        times = []
+        for _ in range(repeat + 1):           # the first call loads the kernels
+            t0 = time.perf_counter()
+            indexer(x[:n], qr[:n], start, icfg, weights, table, keys, cfg.window_size,
+                    prefill_len=prefill)
+            times.append(time.perf_counter() - t0)
+        medians.append(float(np.median(times[1:])))
+    return max(medians[1] - medians[0], 0.0) / queries
+
+
+def indexer_total(per_query: dict, n: int, ratio: int) -> float:
+    """Seconds the queries of an ``n``-token prefill spend in the indexer: query ``s`` sees
+    ``(s + 1) // ratio`` positions, and a query's seconds at ``W`` positions are read off
+    ``per_query`` ({W: seconds}) by linear interpolation (the nearest measured width outside
+    them), summed as ``ratio`` times the integral over ``W`` up to ``n / ratio``."""
+    widths = sorted(per_query)
+    seconds = [per_query[w] for w in widths]
+    grid = np.linspace(0.0, n / ratio, 4097)
+    t = np.interp(grid, widths, seconds)
+    return float(ratio * np.sum((t[1:] + t[:-1]) / 2 * np.diff(grid)))
 
 
 def _features(rows, middle, prefill, ratio):
@@ -165,7 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--project", type=common.int_list, default=[65536, 131072, 262144, 1048576])
-    ap.add_argument("--widths", type=common.int_list, default=[65536, 131072, 262144],
+    ap.add_argument("--widths", type=common.int_list, default=[4096, 65536, 262144, 1048576],
                     help="positions a query sees where the indexer is timed directly")
     ap.add_argument("--dir", default=None, help="where the goldens are written (default: a temp dir)")
     ap.add_argument("--json-file", default=None)
@@ -210,20 +237,30 @@ def main(argv=None) -> int:
         print(line)
     if ratio and args.widths:
         # The indexer timed directly in a prefill of the longest projected length (its score
-        # rows that wide): t_idx(W) = i0 + i1 * W seconds a query.
+        # rows that wide), and at the first run's own length and middle width: that run's pace
+        # holds its indexer's cost, which the projection replaces by the long rows'.
         longest = max(args.project)
-        idx = {w: indexer_seconds(args.layer, w, longest) for w in args.widths}
+        idx = {w: indexer_seconds(args.layer, w, longest) for w in args.widths if w <= longest // ratio}
+        short = runs[0]["prefill"]
+        chunks = [f for f in runs[0]["forwards"] if f["step"] == 0][1:] or \
+            [f for f in runs[0]["forwards"] if f["step"] == 0]
+        rows = sum(f["rows"] for f in chunks)
+        middle = sum((f["first_row"] + f["rows"] / 2) * f["rows"] for f in chunks) / rows
+        idx_short = indexer_seconds(args.layer, max(1, int(middle / ratio)), short)
+        other = sum(f["seconds"] for f in chunks) / rows - idx_short
         i1, i0 = np.polyfit(list(idx), list(idx.values()), 1)
-        model.update(indexer_per_query={str(w): t for w, t in idx.items()}, i0=float(i0), i1=float(i1))
-        print(f"  indexer alone, a query seeing W positions of a {longest:,}-token prefill: "
+        model.update(indexer_per_query={str(w): t for w, t in idx.items()}, i0=float(i0), i1=float(i1),
+                     indexer_short=idx_short, other_per_token=other)
+        print(f"  indexer alone (marginal), a query seeing W positions of a {longest:,}-token prefill: "
               + ", ".join(f"W={w:,}: {t * 1e3:.2f} ms" for w, t in idx.items())
-              + f"  (fit {i0 * 1e3:.2f} ms + {i1 * 1e9:.2f} ns x W)")
-        per_token = sum(f["seconds"] for f in runs[0]["forwards"] if f["step"] == 0) / runs[0]["prefill"]
+              + f"; in the {short:,}-token run (W={int(middle / ratio):,}): {idx_short * 1e3:.2f} ms")
+        print(f"  the {short:,}-token run's pace without its indexer: {other * 1e3:.2f} ms a token "
+              f"(chunks after the first)")
         for n in args.project:
-            # the short run's per-token time for everything, plus the indexer's growth past it
-            t = n * (per_token + i0) + i1 * n * n / (2 * ratio)
+            ix = indexer_total(idx, n, ratio)
+            t = n * other + ix
             print(f"  projected {n:>9,} tokens from the indexer's own rate: prefill {t / 3600:6.2f} h "
-                  f"(indexer {i1 * n * n / (2 * ratio) / t:.0%})")
+                  f"(indexer {ix / t:.0%})")
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump({"runs": runs, "model": model}, f, indent=1)
