@@ -614,51 +614,84 @@ class IndexKeyCache:
 
 
 @njit(parallel=True, cache=True)
-def _block_scores(scores, clen, block, masked):
+def _block_scores(scores, clen, block, masked, valid):
     """Per row, the max over each block of ``block`` positions; the newest visible block is +inf.
 
     With ``masked`` the positions at or past ``clen[s]`` are known to hold -inf (the indexer's
-    visibility mask), so their blocks keep the -inf they start with and the loop stops there:
-    in a long chunked prefill a row is the whole prefill wide (1,048,576 positions) while a
-    query sees only the positions before it.
+    visibility mask), so their blocks hold -inf and the loop stops there: in a long chunked
+    prefill a row is the whole prefill wide (1,048,576 positions) while a query sees only the
+    positions before it. Then only a row's first ``valid`` blocks (at least) are written, the
+    rest left undefined: the top-k that reads them scans no further (:func:`_candidate_picks`).
     """
     rows, width = scores.shape
     nb = (width + block - 1) // block
-    out = np.full((rows, nb), -np.inf, np.float32)
+    out = np.empty((rows, nb), np.float32)
     for s in prange(rows):
         n = min(width, max(clen[s], 0)) if masked else width
         row, o = scores[s], out[s]
-        for b in range((n + block - 1) // block):
+        seen = (n + block - 1) // block
+        for b in range(seen):
             best = np.float32(-np.inf)
             for t in range(b * block, min(n, (b + 1) * block)):
                 best = nan_max(best, row[t])
             o[b] = best
+        o[seen:max(seen, min(nb, valid))] = -np.inf
         if clen[s] > 0:
             o[(clen[s] - 1) // block] = np.inf
     return out
+
+
+def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, block: int,
+                     masked: bool) -> tuple:
+    """Per row, the block scores (:func:`_block_scores`) and the blocks torch's top-k picks from
+    them, ``[rows, min(topk_blocks, n_blocks)]`` (``masked``: the scores past ``clen`` are -inf)."""
+    clen = clen.astype(np.int64)
+    nb = -(-scores.shape[1] // block)
+    k = min(topk_blocks, nb)
+    # The blocks a row sees; past them (masked) every block is -inf: _top_k_sets scans only
+    # these where torch's branch is the heap's (k * 64 <= n_blocks), which -inf never enters,
+    # and -inf picks are dropped anyway; it reads no block past the first k of them then.
+    # Unmasked rows are scanned whole.
+    heap = masked and k * 64 <= nb
+    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen, block, masked, k if heap else nb)
+    seen = (clen + block - 1) // block if masked else np.full(len(clen), nb, np.int64)
+    picked = np.empty((scores.shape[0], k), np.int64)
+    _top_k_sets(bs, seen, k, picked)
+    return bs, picked
 
 
 def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int,
                           block: int, masked: bool = False) -> np.ndarray:
     """Per row, which blocks are candidates: ``[rows, n_blocks]`` bool (``masked``: the scores
     past ``clen`` are -inf, see :func:`_block_scores`)."""
-    clen = clen.astype(np.int64)
-    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen, block, masked)
-    rows, nb = bs.shape
-    k = min(topk_blocks, nb)
-    picked = np.empty((rows, k), np.int64)
-    # The blocks a row sees; past them (masked) every block is -inf: _top_k_sets scans only
-    # these where torch's branch is the heap's, which -inf never enters, and -inf picks are
-    # dropped below anyway. Unmasked rows are scanned whole.
-    seen = (clen + block - 1) // block if masked else np.full(rows, nb, np.int64)
-    _top_k_sets(bs, seen, k, picked)
-    mask = np.zeros((rows, nb), dtype=bool)
+    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, masked)
+    rows, k = picked.shape
+    mask = np.zeros(bs.shape, dtype=bool)
     if k:
         r = np.repeat(np.arange(rows), k)
         c = picked.reshape(-1)
         keep = bs[r, c] > -np.inf
         mask[r[keep], c[keep]] = True
     return mask
+
+
+@njit(cache=True)
+def _pack_picks(bs, picked, out):
+    """The picked blocks scoring above -inf as bits of ``out`` (zeros), packed along each row in
+    ``np.packbits``' order (block 0 the first byte's highest bit)."""
+    for s in range(picked.shape[0]):
+        for c in picked[s]:
+            if bs[s, c] > -np.inf:
+                out[s, c >> 3] |= np.uint8(0x80 >> (c & 7))
+
+
+def _candidate_block_bits(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, block: int,
+                          out: np.ndarray) -> None:
+    """:func:`_candidate_block_mask` of masked rows as bits packed along each row, into ``out``
+    (zeros; ``np.packbits``' layout), without a row-wide bool array: a long chunked prefill's
+    rows are 131,072 blocks wide while a query picks 2,048."""
+    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, True)
+    _pack_picks(bs, picked, out)
 
 
 def _select_rows(scores, clen, k, out):
@@ -859,9 +892,8 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         if observer is not None:
             observer.index_scores(s0, iq, w_all[s0:s1], scores)
         if cfg.candidate_source:
-            published[s0:s1] = np.packbits(_candidate_block_mask(
-                scores, clen[s0:s1], cfg.candidate_topk_blocks, cfg.candidate_block_size,
-                masked=True), axis=1)
+            _candidate_block_bits(scores, clen[s0:s1], cfg.candidate_topk_blocks,
+                                  cfg.candidate_block_size, published[s0:s1])
         if cfg.use_candidates:
             allowed = candidate_mask(candidate_blocks[s0:s1], width, cfg.candidate_block_size)
             scores[~allowed] = -np.inf

@@ -263,34 +263,6 @@ def _nth_element(v, ix, n, nth):
 
 
 @njit(cache=True)
-def _heapsort_ints(a, k):
-    """Sort ``a[:k]`` ascending in place (distinct indices, so any correct sort gives the same)."""
-    for start in range((k - 2) // 2, -1, -1):
-        _sift_down_ints(a, start, k)
-    for end in range(k - 1, 0, -1):
-        t = a[0]
-        a[0] = a[end]
-        a[end] = t
-        _sift_down_ints(a, 0, end)
-
-
-@njit(cache=True)
-def _sift_down_ints(a, root, end):
-    while True:
-        child = 2 * root + 1
-        if child >= end:
-            return
-        if child + 1 < end and a[child + 1] > a[child]:
-            child += 1
-        if a[root] >= a[child]:
-            return
-        t = a[root]
-        a[root] = a[child]
-        a[child] = t
-        root = child
-
-
-@njit(cache=True)
 def topk_scratch_len(n, k):
     """Scratch entries ``topk_set_into`` needs for a row of n values: n when ``k * 64 > n``, else k."""
     if k * 64 > n:
@@ -353,10 +325,15 @@ def partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     past a visible length): they may pass only the prefix, the branch being decided by the full
     length. Scratch: k entries each.
     """
+    if row_vals.shape[0] == k:
+        # Nothing past the first k pairs to scan: the heap keeps them all.
+        for j in range(k):
+            out_idx[j] = j
+        return
     _heap_select_row(row_vals, k, scratch_vals, scratch_idx)
     for j in range(k):
         out_idx[j] = scratch_idx[j]
-    _heapsort_ints(out_idx, k)
+    out_idx[:k].sort()          # distinct indices: any correct sort gives the same
 
 
 # --------------------------------------------------------------------------- batched kernel
