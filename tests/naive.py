@@ -634,8 +634,9 @@ def tile_scores(iq, w, keys, clen):
 
 
 def select_candidate_blocks(scores, clen, topk_blocks, block):
-    """SPEC "select_candidate_blocks": block maxima (width padded with -inf), the newest visible
-    block pinned to +inf, torch's CPU top-k over the blocks, blocks above -inf kept, expanded."""
+    """SPEC "select_candidate_blocks": block maxima (width padded with -inf; a NaN propagates, as
+    in torch's amax), the newest visible block pinned to +inf, torch's CPU top-k over the blocks,
+    blocks above -inf kept (a NaN block is not), expanded."""
     scores = np.asarray(scores, F32)
     rows, width = scores.shape
     n_blocks = -(-width // block)
@@ -646,7 +647,7 @@ def select_candidate_blocks(scores, clen, topk_blocks, block):
         for b in range(n_blocks):
             for t in range(b * block, (b + 1) * block):
                 v = scores[s, t] if t < width else F32(-np.inf)
-                if v > bs[b]:
+                if v > bs[b] or np.isnan(v):      # torch's amax: a NaN is the max, and stays
                     bs[b] = v
         c = int(clen[s])
         if c > 0:

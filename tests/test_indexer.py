@@ -64,6 +64,32 @@ def test_select_candidate_blocks_vs_naive_tie_heavy():
     assert cases == 150
 
 
+def test_candidate_bits_of_masked_rows_are_the_naive_mask_packed():
+    """The indexer's candidate source writes its blocks as packed bits straight from the picks of
+    rows past whose visible length every score is -inf (the block scores written only as far as
+    the top-k reads): the naive candidate mask, packed, in both of torch's top-k branches (k * 64
+    at most the blocks, and more), with ties, a NaN and rows that see nothing."""
+    rng = np.random.default_rng(4)
+    branches = set()
+    for _ in range(60):
+        block = int(rng.integers(1, 9))
+        width = int(rng.integers(1, 1200))
+        n_blocks = -(-width // block)
+        topk_blocks = int(rng.choice([1, 2, 3, max(1, n_blocks // 2), n_blocks + 3]))
+        rows = int(rng.integers(1, 6))
+        scores = _tie_heavy_scores(rng, rows, width)
+        clen = rng.integers(0, width + 1, size=rows)
+        if rng.random() < 0.3:
+            scores[0, int(rng.integers(0, width))] = np.nan
+        scores[np.arange(width)[None, :] >= clen[:, None]] = -np.inf
+        got = np.zeros((rows, (n_blocks + 7) // 8), np.uint8)
+        indexer_mod._candidate_block_bits(scores, clen, topk_blocks, block, got)
+        want = naive.select_candidate_blocks(scores, clen, topk_blocks, block)[:, ::block]
+        assert np.array_equal(got, np.packbits(want, axis=1)), (width, block, topk_blocks, clen)
+        branches.add(min(topk_blocks, n_blocks) * 64 <= n_blocks)
+    assert branches == {True, False}
+
+
 def test_select_candidate_blocks_topk_beyond_blocks_keeps_every_finite_block():
     scores = np.array([[1.0, -np.inf, -np.inf, 2.0, 0.0, -np.inf, -np.inf]], np.float32)
     got = select_candidate_blocks(scores, np.array([4]), 10, 2)

@@ -246,6 +246,26 @@ def test_introselect_depth_limit(n):
 # --------------------------------------------------------------------------- full length
 
 
+def test_partial_sort_of_a_prefix_is_the_whole_rows_set():
+    """The indexer passes only the part of a row a query sees (the rest is -inf, which never
+    enters torch's heap): the set is the whole row's, also for a prefix of exactly k values
+    (kept whole without a heap) and with ties and a NaN in the prefix."""
+    from ds41numba.topk import partial_sort_set_into
+
+    rng = np.random.default_rng(23)
+    for seen, k in [(32, 32), (32, 40), (100, 64), (700, 64), (5000, 512)]:
+        n = max(64 * k, seen)
+        row = np.full(n, -np.inf, np.float32)
+        row[:seen] = rng.integers(-4, 4, size=seen).astype(np.float32) / 4
+        if seen > 10:
+            row[7] = np.nan
+        want = torch_cpu_topk_set(row, k)
+        got = np.empty(k, np.int64)
+        m = max(k, seen)
+        partial_sort_set_into(row[:m], k, got, np.empty(k, np.float32), np.empty(k, np.int64))
+        assert np.array_equal(got, want), (seen, k)
+
+
 def test_million_row_partial_sort():
     rng = np.random.default_rng(41)
     n, k = 1_000_000, 512
