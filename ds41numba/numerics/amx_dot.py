@@ -349,9 +349,9 @@ def _mix_resident(builder, operands, shape, mixer):
 
 
 def _mix_pipeline(builder, operands, shape, mixer):
-    """:func:`amx_mix_tile`'s loop for any row length: the tile products of a step's two row tiles
-    stored, the two before them mixed (``mixer``'s rounding) and each query's sums written out when its last
-    row tile is in."""
+    """:func:`amx_mix_tile`'s loop for any row length: the tile products of a step's two row
+    tiles stored, the two before them mixed (``mixer``'s rounding) and each query's sums written
+    out when its last row tile is in."""
     a_op, s_op, w_op, b_op, t_op, o_op = operands
     n_rows, n_quads, n_queries = shape
     k = lambda x: ir.Constant(I64, x)       # noqa: E731
@@ -521,7 +521,9 @@ def converted_mix_exact(a_scale: np.ndarray, b_range: np.ndarray, w: np.ndarray)
     RNE is the bits' (it flushes denormals): every weight is finite, and every scale product
     ``sq * sk``, ``w * sq`` and ``w * sq * sk`` (w not zero) is a normal number (a score is an
     integer, at least 1 when not zero, times them). A key row of zeros has scale 1, and 1 is
-    therefore in the keys' range.
+    therefore in the keys' range. For operands :func:`.int8_dot.foldable` and
+    :func:`.int8_dot.int8_dot_exact` accept (the only ones the kernel takes): their scores are
+    exact and finite.
     """
     w = np.abs(np.asarray(w, np.float64))
     if not np.isfinite(w).all() or a_scale.size == 0:
