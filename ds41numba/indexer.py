@@ -661,10 +661,10 @@ def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, blo
 
 
 def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int,
-                          block: int, masked: bool = False) -> np.ndarray:
-    """Per row, which blocks are candidates: ``[rows, n_blocks]`` bool (``masked``: the scores
-    past ``clen`` are -inf, see :func:`_block_scores`)."""
-    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, masked)
+                          block: int) -> np.ndarray:
+    """Per row, which blocks are candidates: ``[rows, n_blocks]`` bool, every score read (the
+    indexer's rows, -inf past ``clen``, take :func:`_candidate_block_bits`)."""
+    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, False)
     rows, k = picked.shape
     mask = np.zeros(bs.shape, dtype=bool)
     if k:
@@ -687,9 +687,10 @@ def _pack_picks(bs, picked, out):
 
 def _candidate_block_bits(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, block: int,
                           out: np.ndarray) -> None:
-    """:func:`_candidate_block_mask` of masked rows as bits packed along each row, into ``out``
-    (zeros; ``np.packbits``' layout), without a row-wide bool array: a long chunked prefill's
-    rows are 131,072 blocks wide while a query picks 2,048."""
+    """:func:`_candidate_block_mask` of rows that are -inf past ``clen`` (so scanned only as far
+    as they see), as bits packed along each row into ``out`` (zeros; ``np.packbits``' layout),
+    without a row-wide bool array: a long chunked prefill's rows are 131,072 blocks wide while a
+    query picks 2,048."""
     bs, picked = _candidate_picks(scores, clen, topk_blocks, block, True)
     _pack_picks(bs, picked, out)
 
