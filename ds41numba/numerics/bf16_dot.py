@@ -19,7 +19,7 @@ from .formats import as_f32_array, output_buffer
 from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, row_operands,
                         row_pointer, splat)
 
-__all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "bf16_dot_tile", "bf16_fma_tile", "gemm_bf16",
+__all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "bf16_dot_tile", "bf16_fma_tile", "bf16_matvec_tile", "MATVEC_BLOCKS", "gemm_bf16",
            "bf16_pairs", "pack_bf16_pairs", "values_range", "fma_safe", "fma_faster"]
 
 
@@ -138,6 +138,58 @@ def bf16_fma_tile(typingctx, a, b, out):
             return new
 
         _pairs_loop(builder, o_op, cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0], "bf16fma", step)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+#: Output blocks (each DOT_LANES wide) one :func:`bf16_matvec_tile` call advances together.
+MATVEC_BLOCKS = 4
+
+
+@intrinsic
+def bf16_matvec_tile(typingctx, x, b0, b1, b2, b3, out):
+    """``out[q, j] = sum_p (out[q, j] + x[2p+1] * hi(bq[p, j])) + x[2p] * lo(bq[p, j])`` for the
+    ``MATVEC_BLOCKS`` blocks ``b0 .. b3``: one input row against four blocks of held pairs.
+
+    The decode step's product (one row of x against every weight) reads each weight once and
+    does two multiply-adds a weight: it is bound by reading memory, which needs many loads in
+    flight and the sums in registers (numba's own loop keeps them in memory, its stores and
+    reloads holding up the loads). Each product is rounded, then each sum (no FMA): the
+    reference's order whatever the values. ``x`` float32 ``[1, 2P]``, each ``bq`` uint32 ``[P,
+    DOT_LANES]`` (a block's pairs; a caller short of four blocks repeats one), ``out`` float32
+    ``[MATVEC_BLOCKS, DOT_LANES]``. The caller checks the shapes; P >= 1.
+    """
+    sig = types.void(x, b0, b1, b2, b3, out)
+
+    def codegen(context, builder, signature, args):
+        (x_op, *b_ops, o_op), arrays = row_operands(context, builder, signature, args)
+        high = ir.Constant(V16I, [0xFFFF0000 - (1 << 32)] * 16)
+        sixteen = ir.Constant(V16I, [16] * 16)
+        nvec = DOT_LANES // 16
+        ptrs = [row_pointer(builder, o_op, i64(q), i64(64 * v), V16F)
+                for q in range(MATVEC_BLOCKS) for v in range(nvec)]
+        start = [builder.load(ptr, align=4) for ptr in ptrs]
+        p, entry = open_loop(builder, "bf16mv")
+        acc = [builder.phi(V16F) for _ in ptrs]
+        for a, s in zip(acc, start):
+            a.add_incoming(s, entry)
+        p8 = builder.mul(p, i64(8))
+        x_even, x_odd = (splat(builder, builder.load(row_pointer(builder, x_op, i64(0), at, F32), align=4), V16F)
+                         for at in (p8, builder.add(p8, i64(4))))
+        new = []
+        for q, b_op in enumerate(b_ops):
+            for v, w in enumerate(_b_rows(builder, b_op, p)):
+                hi = builder.bitcast(builder.and_(w, high), V16F)
+                lo = builder.bitcast(builder.shl(w, sixteen), V16F)
+                s = builder.fadd(acc[q * nvec + v], builder.fmul(x_odd, hi))
+                new.append(builder.fadd(s, builder.fmul(x_even, lo)))
+        loop = builder.basic_block
+        for a, n in zip(acc, new):
+            a.add_incoming(n, loop)
+        close_loop(builder, p, cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0], "bf16mv")
+        for n, ptr in zip(new, ptrs):
+            builder.store(n, ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -9,7 +9,8 @@ import numpy as np
 from numba import njit, prange
 
 from .backend import bf16_dot_enabled
-from .bf16_dot import DOT_LANES, DOT_ROWS, bf16_pairs, fma_faster, fma_safe, gemm_bf16, values_range
+from .bf16_dot import (DOT_LANES, DOT_ROWS, MATVEC_BLOCKS, bf16_matvec_tile, bf16_pairs, fma_faster,
+                       fma_safe, gemm_bf16, values_range)
 from .f32_products import F32Matrix, linear_f32_ordered
 from .formats import as_f32_array, bf16_scalar, is_bf16_valued, output_buffer, round_bf16_inplace
 from .workers import worth_parallel
@@ -171,11 +172,6 @@ TINY_BF16_LINEAR = 4096
 # Rows of the caller's weight converted to bf16 bits at a time while packing: the only
 # temporary of a construction.
 _PACK_ROWS = 1024
-# A decode step multiplies one row by every weight: it is bound by reading the weights. One work
-# item of the decode kernel covers this many DOT_LANES-wide blocks of outputs, so a pass over
-# the inputs advances several independent accumulator chains (one block alone would wait on
-# the latency of its adds).
-_MV_BLOCKS = 4
 
 
 @njit(cache=True)
@@ -233,29 +229,31 @@ def _widen_pairs(pairs, k_in, out):
 
 @njit(cache=True, nogil=True)
 def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
-    """Work item ``item`` of ``out = bf16(x @ W.T)``: up to ``_MV_BLOCKS`` blocks of one group.
+    """Work item ``item`` of ``out = bf16(x @ W.T)``: up to ``MATVEC_BLOCKS`` blocks of one group.
 
     The blocks of ``pairs`` split evenly into ``groups``; a group's blocks are covered by items of
-    ``_MV_BLOCKS`` (the last fewer), group g reads inputs ``x[:, g*k_in : (g+1)*k_in]`` and writes
-    outputs ``g*rank ..`` (``rank = out.shape[1] / groups``); padding lanes are dropped. Each
-    output adds its products in the reference's order: runs of ``block`` inputs (even, see
-    :func:`bf16_k_block`) each from zero, every pair as ``(acc + x[2i+1]*w[2i+1]) + x[2i]*w[2i]``,
-    an odd K's last product added alone, run sums added in order. Two pairs per pass keep the
-    accumulators in registers (enough work per load of them, few enough weight rows in flight).
+    ``MATVEC_BLOCKS`` (the last fewer), group g reads inputs ``x[:, g*k_in : (g+1)*k_in]`` and
+    writes outputs ``g*rank ..`` (``rank = out.shape[1] / groups``); padding lanes are dropped.
+    Each output adds its products in the reference's order: runs of ``block`` inputs (even, see
+    :func:`bf16_k_block`) each from zero, every pair as ``(acc + x[2i+1]*w[2i+1]) + x[2i]*w[2i]``
+    (:func:`~.bf16_dot.bf16_matvec_tile`), an odd K's last product added alone, run sums added
+    in order.
     """
     m = x.shape[0]
     n_pairs = pairs.shape[1]
     per_group = pairs.shape[0] // groups
-    items = -(-per_group // _MV_BLOCKS)
+    items = -(-per_group // MATVEC_BLOCKS)
     g = item // items
-    b0 = g * per_group + (item % items) * _MV_BLOCKS
-    nq = min(_MV_BLOCKS, (g + 1) * per_group - b0)
+    b0 = g * per_group + (item % items) * MATVEC_BLOCKS
+    nq = min(MATVEC_BLOCKS, (g + 1) * per_group - b0)
+    # An item short of four blocks repeats its last one (read from cache, its sums dropped).
+    q1, q2, q3 = b0 + min(1, nq - 1), b0 + min(2, nq - 1), b0 + min(3, nq - 1)
     rank = out.shape[1] // groups
     both = k_in // 2              # the pairs holding two products
-    acc = np.zeros((m, _MV_BLOCKS * DOT_LANES), np.float32)
-    part = np.empty(_MV_BLOCKS * DOT_LANES, np.float32)
+    acc = np.zeros((m, MATVEC_BLOCKS, DOT_LANES), np.float32)
+    part = np.empty((MATVEC_BLOCKS, DOT_LANES), np.float32)
     for i in range(m):
-        xi = x[i, g * k_in:(g + 1) * k_in]
+        xi = x[i:i + 1, g * k_in:(g + 1) * k_in]
         for p0 in range(0, n_pairs, block // 2):
             p1 = min(n_pairs, p0 + block // 2)
             # The first run sums straight into the output row, later ones from zero apart.
@@ -263,42 +261,28 @@ def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
             if p0:
                 run[:] = 0
             p_end = min(p1, both)
-            p2 = p0 + (p_end - p0) // 2 * 2
-            for p in range(p0, p2, 2):
-                x0, x1, x2, x3 = xi[2 * p], xi[2 * p + 1], xi[2 * p + 2], xi[2 * p + 3]
-                for q in range(nq):
-                    w0, w1 = pairs[b0 + q, p], pairs[b0 + q, p + 1]
-                    r = run[q * DOT_LANES:(q + 1) * DOT_LANES]
-                    for j in range(DOT_LANES):
-                        a = (r[j] + x1 * _pair_hi(w0[j])) + x0 * _pair_lo(w0[j])
-                        r[j] = (a + x3 * _pair_hi(w1[j])) + x2 * _pair_lo(w1[j])
-            if p_end > p2:
-                x0, x1 = xi[2 * p2], xi[2 * p2 + 1]
-                for q in range(nq):
-                    w0 = pairs[b0 + q, p2]
-                    r = run[q * DOT_LANES:(q + 1) * DOT_LANES]
-                    for j in range(DOT_LANES):
-                        r[j] = (r[j] + x1 * _pair_hi(w0[j])) + x0 * _pair_lo(w0[j])
+            if p_end > p0:
+                bf16_matvec_tile(xi[:, 2 * p0:2 * p_end], pairs[b0, p0:p_end], pairs[q1, p0:p_end],
+                                 pairs[q2, p0:p_end], pairs[q3, p0:p_end], run)
             if p1 > p_end:
                 # An odd K: its last product alone, as the reference adds it (x holds no value
                 # to pair it with).
-                xl = xi[k_in - 1]
+                xl = xi[0, k_in - 1]
                 for q in range(nq):
                     w0 = pairs[b0 + q, p_end]
                     for j in range(DOT_LANES):
-                        run[q * DOT_LANES + j] += xl * _pair_lo(w0[j])
+                        run[q, j] += xl * _pair_lo(w0[j])
             if p0:
-                for j in range(nq * DOT_LANES):
-                    acc[i, j] += part[j]
+                acc[i] += part
     first = (b0 - g * per_group) * DOT_LANES
     for i in range(m):
         for j in range(min(nq * DOT_LANES, rank - first)):
-            out[i, g * rank + first + j] = bf16_scalar(acc[i, j])
+            out[i, g * rank + first + j] = bf16_scalar(acc[i, j // DOT_LANES, j % DOT_LANES])
 
 
 @njit(parallel=True, cache=True)
 def _matvec_bf16_parallel(x, pairs, out, groups, k_in, block):
-    items = groups * -(-(pairs.shape[0] // groups) // _MV_BLOCKS)
+    items = groups * -(-(pairs.shape[0] // groups) // MATVEC_BLOCKS)
     for item in prange(items):
         _matvec_bf16_block(x, pairs, out, groups, k_in, block, item)
 
@@ -307,7 +291,7 @@ def _matvec_bf16_parallel(x, pairs, out, groups, k_in, block):
 def _matvec_bf16_serial(x, pairs, out, groups, k_in, block):
     # Small weights (the indexer's head weights, its keys' projection): waking numba's workers
     # would cost more than the product (workers.worth_parallel).
-    items = groups * -(-(pairs.shape[0] // groups) // _MV_BLOCKS)
+    items = groups * -(-(pairs.shape[0] // groups) // MATVEC_BLOCKS)
     for item in range(items):
         _matvec_bf16_block(x, pairs, out, groups, k_in, block, item)
 
