@@ -302,9 +302,16 @@ def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out, converts):
         T = out.shape[0]
         ih = w_rows.shape[0] // T
         rows = slice(s_lo * ih, T * ih)
+        t0 = b * DOT_LANES
+        whole = t0 + DOT_LANES <= out.shape[1]
+        for s in range(s_lo, T):
+            whole = whole and clen[s] >= t0 + DOT_LANES
+        if whole:
+            amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b],
+                         out[s_lo:T, t0:t0 + DOT_LANES], converts)
+            return
         amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b], mixed[:T - s_lo],
                      converts)
-        t0 = b * DOT_LANES
         for s in range(s_lo, T):
             for j in range(min(DOT_LANES, clen[s] - t0)):
                 out[s, t0 + j] = mixed[s - s_lo, j]
@@ -335,8 +342,23 @@ def _key_block_dots_impl(q, keys, b, first, rows, d):
     return int8_dots
 
 
+@njit(cache=True)
+def _key_block_maxima(out, clen, t0, s_lo, block, block_max):
+    """Rows ``s_lo ..`` of ``block_max``: the maxima of the blocks of ``block`` positions (a
+    divisor of DOT_LANES) in the key block at ``t0``, over the positions each row sees (NaN
+    wins), taken while the block's scores are still in cache."""
+    for s in range(s_lo, out.shape[0]):
+        n = min(DOT_LANES, clen[s] - t0)
+        row = out[s, t0:t0 + n]
+        for g in range(-(-n // block)):
+            best = np.float32(-np.inf)
+            for t in range(g * block, min(n, (g + 1) * block)):
+                best = nan_max(best, row[t])
+            block_max[s, t0 // block + g] = best
+
+
 @njit(parallel=True, cache=True)
-def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, converts, out):
+def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
     """:func:`_tile_scores` with the dot products on a packed kernel (:func:`_key_block_dots`).
 
     ``q`` holds the tile's query heads (query-major, zero rows padding to a multiple of
@@ -345,7 +367,8 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, converts, out):
     tile when ``clen`` grows with the query, as it does) and mixes them while they are in cache.
     Every score is formed whole by one worker, in a fixed order, so the result does not depend
     on the thread count. ``converts``: the AMX kernel's mixing may round on the CPU's conversion
-    (:func:`~ds41numba.numerics.converted_mix_exact`).
+    (:func:`~ds41numba.numerics.converted_mix_exact`). With ``block`` > 0 each row's maxima of
+    its visible blocks of that many positions go into ``block_max`` (:func:`_key_block_maxima`).
     """
     T, ih = w.shape
     step = _row_step(q)
@@ -364,9 +387,11 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, converts, out):
                 continue
             if mixed_on_tiles:
                 _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out, converts)
-                continue
-            _key_block_dots(q, keys, b, s_lo * ih // step * step, T * ih, d)
-            _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
+            else:
+                _key_block_dots(q, keys, b, s_lo * ih // step * step, T * ih, d)
+                _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
+            if block:
+                _key_block_maxima(out, clen, t0, s_lo, block, block_max)
         _tile_state(q, False)
 
 
@@ -427,10 +452,12 @@ def _query_folded(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
 
 def _tile_scores_packed(q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray, width: int,
                         out: np.ndarray | None = None, dirty_to: int | None = None,
-                        converts: bool = False) -> np.ndarray:
+                        converts: bool = False, maxima: tuple | None = None) -> np.ndarray:
     """:func:`_tile_scores` from packed queries and keys (either kernel's, see
-    :func:`_key_block_dots`; ``converts`` for AMX's, see :func:`_scores_packed_kernel`)."""
+    :func:`_key_block_dots`; ``converts`` for AMX's, see :func:`_scores_packed_kernel`), and
+    with ``maxima = (block, block_max)`` the block maxima (:meth:`IndexKeyCache.scores`)."""
     T = w.shape[0]
+    block, block_max = maxima if maxima is not None and DOT_LANES % maxima[0] == 0 else (0, _NO_MAXIMA)
     out = _masked_buffer(out, (T, width), clen, dirty_to, "_tile_scores_packed")
     n_vis = int(clen.max(initial=0))
     if keys[0].shape[0] * DOT_LANES < n_vis:
@@ -439,26 +466,32 @@ def _tile_scores_packed(q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray, 
     if n_vis:
         n_blocks = -(-n_vis // DOT_LANES)
         _scores_packed_kernel(q, keys, np.ascontiguousarray(w, np.float32), clen, n_blocks,
-                              min(numba.get_num_threads(), n_blocks), converts, out)
+                              min(numba.get_num_threads(), n_blocks), converts, out, block, block_max)
+    if maxima is not None and not block:
+        _visible_block_maxima(out, clen, *maxima)
     return out
+
+
+# The kernel's block maxima buffer when none are asked for (one type for every call).
+_NO_MAXIMA = np.empty((1, 1), np.float32)
 
 
 def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                       width: int, out: np.ndarray | None = None,
-                      qbuf: np.ndarray | None = None, dirty_to: int | None = None) -> np.ndarray:
+                      qbuf: np.ndarray | None = None, dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray:
     """:func:`_tile_scores` against packed keys (``[blocks, id / 2, DOT_LANES]``); ``qbuf`` a
     reusable uint32 buffer of at least :func:`_query_pairs_size` elements."""
     T, ih, idim = iq.shape
     if keys.shape[1] != idim // 2:
         raise ValueError(f"_tile_scores_bf16: packed keys {keys.shape} are not of {idim} dims")
     q = _query_pairs(iq, _query_buffer(qbuf, T, ih, idim))
-    return _tile_scores_packed(q, (keys,), w, clen, width, out=out, dirty_to=dirty_to)
+    return _tile_scores_packed(q, (keys,), w, clen, width, out=out, dirty_to=dirty_to, maxima=maxima)
 
 
 def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
                       clen: np.ndarray, width: int, out: np.ndarray | None = None,
                       qbuf: np.ndarray | None = None,
-                      dirty_to: int | None = None) -> np.ndarray | None:
+                      dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray | None:
     """:func:`_tile_scores` on AVX512-VNNI against keys packed by
     :func:`~ds41numba.numerics.pack_int8_blocks` (``(quads, scales)`` and their range), or None
     when these queries and keys are not all fp4 values whose dot products are exact in f32
@@ -470,13 +503,13 @@ def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.
     q, q_range = _query_int8(iq, _query_buffer(qbuf, T, ih, idim))
     if not int8_dot_exact(q_range, key_range, idim):
         return None
-    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to)
+    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, maxima=maxima)
 
 
 def _tile_scores_amx(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
                      clen: np.ndarray, width: int, out: np.ndarray | None = None,
                      qbuf: np.ndarray | None = None,
-                     dirty_to: int | None = None) -> np.ndarray | None:
+                     dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray | None:
     """:func:`_tile_scores_int8` on AMX against keys packed by
     :func:`~ds41numba.numerics.pack_folded_blocks`, or None when the queries or keys do not fold
     (:func:`~ds41numba.numerics.foldable`) or their products are not exact: the caller then
@@ -488,7 +521,8 @@ def _tile_scores_amx(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.n
     if not (foldable(q_range, key_range) and int8_dot_exact(q_range, key_range, idim)):
         return None
     converts = converted_mix_exact(q[1], key_range, w)
-    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, converts=converts)
+    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, converts=converts,
+                               maxima=maxima)
 
 
 def _int8_scored(head_dim: int) -> bool:
@@ -588,63 +622,102 @@ class IndexKeyCache:
 
     def scores(self, iq: np.ndarray, w: np.ndarray, clen: np.ndarray, width: int,
                out: np.ndarray | None = None, qbuf: np.ndarray | None = None,
-               dirty_to: int | None = None) -> np.ndarray:
+               dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray:
         """A tile's scores ``[T, width]`` after the visibility mask (see :func:`_tile_scores`);
-        ``dirty_to``: the columns of ``out`` from there on hold -inf already (:func:`_masked_buffer`)."""
+        ``dirty_to``: the columns of ``out`` from there on hold -inf already (:func:`_masked_buffer`).
+
+        ``maxima = (block, block_max)``: also each row's maxima of the blocks of ``block``
+        positions it sees, into ``block_max [T, >= ceil(width / block)]`` (float32): entry
+        ``[s, j]`` for ``j < ceil(clen[s] / block)`` the max (NaN wins) over the positions ``j *
+        block ..`` below ``clen[s]``, the rest left as they were. The packed kernels take them
+        while each key block's scores are in cache (``block`` dividing DOT_LANES); otherwise a
+        pass over the scores after them.
+        """
+        if maxima is not None:
+            block, block_max = maxima
+            if block < 1 or block_max.dtype != np.float32 or block_max.shape[0] < len(clen) \
+                    or block_max.shape[1] < -(-width // block):
+                raise ValueError(f"IndexKeyCache.scores: block maxima of {block} positions need a "
+                                 f"float32 [{len(clen)}, {-(-width // max(block, 1))}] buffer, got "
+                                 f"{block_max.dtype} {block_max.shape}")
         if not bf16_dot_enabled():
-            return _tile_scores(iq, w, self.keys[:width], clen, width, out=out, dirty_to=dirty_to)
+            got = _tile_scores(iq, w, self.keys[:width], clen, width, out=out, dirty_to=dirty_to)
+            if maxima is not None:
+                _visible_block_maxima(got, clen, *maxima)
+            return got
         if _amx_scored(self.keys.shape[1]):
             if self.folded is None:     # made while the products ran on another tier
                 self._pack_folded(self.keys.shape[0])
             got = _tile_scores_amx(iq, w, self.folded, self.folded_range, clen, width, out=out,
-                                   qbuf=qbuf, dirty_to=dirty_to)
+                                   qbuf=qbuf, dirty_to=dirty_to, maxima=maxima)
             if got is not None:
                 return got
         if _int8_scored(self.keys.shape[1]):
             if self.int8 is None:       # made while the products ran on another tier
                 self._pack_int8(self.keys.shape[0])
             got = _tile_scores_int8(iq, w, self.int8, self.int8_range, clen, width, out=out,
-                                    qbuf=qbuf, dirty_to=dirty_to)
+                                    qbuf=qbuf, dirty_to=dirty_to, maxima=maxima)
             if got is not None:
                 return got
         if self.blocks is None:
             self._pack_all(self.keys.shape[0])
         return _tile_scores_bf16(iq, w, self.blocks, clen, width, out=out, qbuf=qbuf,
-                                 dirty_to=dirty_to)
+                                 dirty_to=dirty_to, maxima=maxima)
 
 
 @njit(parallel=True, cache=True)
-def _block_scores(scores, clen, block, masked, valid):
-    """Per row, the max over each block of ``block`` positions; the newest visible block is +inf.
-
-    With ``masked`` the positions at or past ``clen[s]`` are known to hold -inf (the indexer's
-    visibility mask), so their blocks hold -inf and the loop stops there: in a long chunked
-    prefill a row is the whole prefill wide (1,048,576 positions) while a query sees only the
-    positions before it. Then only a row's first ``valid`` blocks (at least) are written, the
-    rest left undefined: the top-k that reads them scans no further (:func:`_candidate_picks`).
-    """
-    rows, width = scores.shape
-    nb = (width + block - 1) // block
-    out = np.empty((rows, nb), np.float32)
-    for s in prange(rows):
-        n = min(width, max(clen[s], 0)) if masked else width
+def _visible_block_maxima(scores, clen, block, out):
+    """Per row, the max (NaN wins) over each block of ``block`` positions it sees: ``out[s, j]``
+    for the blocks ``j`` holding positions below ``clen[s]``, over those positions only."""
+    width = scores.shape[1]
+    for s in prange(scores.shape[0]):
+        n = min(width, max(clen[s], 0))
         row, o = scores[s], out[s]
-        seen = (n + block - 1) // block
-        for b in range(seen):
+        for b in range(-(-n // block)):
             best = np.float32(-np.inf)
             for t in range(b * block, min(n, (b + 1) * block)):
                 best = nan_max(best, row[t])
             o[b] = best
-        o[seen:max(seen, min(nb, valid))] = -np.inf
+
+
+@njit(cache=True)
+def _finish_block_scores(bs, clen, block, valid):
+    """The block scores of rows whose visible blocks hold their maxima: -inf from there to
+    ``valid`` blocks, the newest visible block pinned to +inf."""
+    for s in range(bs.shape[0]):
+        seen = -(-max(clen[s], 0) // block)
+        bs[s, seen:max(seen, min(bs.shape[1], valid))] = -np.inf
         if clen[s] > 0:
-            o[(clen[s] - 1) // block] = np.inf
-    return out
+            bs[s, (clen[s] - 1) // block] = np.inf
+
+
+def _block_scores(scores, clen, block, masked, valid, maxima=None):
+    """Per row, the max over each block of ``block`` positions; the newest visible block is +inf.
+
+    With ``masked`` the positions at or past ``clen[s]`` are known to hold -inf (the indexer's
+    visibility mask), so their blocks hold -inf and only the visible ones are scanned: in a long
+    chunked prefill a row is the whole prefill wide (1,048,576 positions) while a query sees
+    only the positions before it. Then only a row's first ``valid`` blocks (at least) are
+    written, the rest left undefined: the top-k that reads them scans no further
+    (:func:`_candidate_picks`). ``maxima``: the visible blocks' maxima already taken (a buffer
+    :meth:`IndexKeyCache.scores` filled), finished in place.
+    """
+    rows, width = scores.shape
+    nb = -(-width // block)
+    if maxima is None:
+        maxima = np.empty((rows, nb), np.float32)
+        _visible_block_maxima(scores, clen if masked else np.full(rows, width, np.int64), block, maxima)
+    else:
+        maxima = maxima[:rows, :nb]
+    _finish_block_scores(maxima, clen, block, valid if masked else 0)
+    return maxima
 
 
 def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, block: int,
-                     masked: bool) -> tuple:
-    """Per row, the block scores (:func:`_block_scores`) and the blocks torch's top-k picks from
-    them, ``[rows, min(topk_blocks, n_blocks)]`` (``masked``: the scores past ``clen`` are -inf)."""
+                     masked: bool, maxima: np.ndarray | None = None) -> tuple:
+    """Per row, the block scores (:func:`_block_scores`, from ``maxima`` when taken already) and
+    the blocks torch's top-k picks from them, ``[rows, min(topk_blocks, n_blocks)]``
+    (``masked``: the scores past ``clen`` are -inf)."""
     clen = clen.astype(np.int64)
     nb = -(-scores.shape[1] // block)
     k = min(topk_blocks, nb)
@@ -653,7 +726,8 @@ def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, blo
     # and -inf picks are dropped anyway; it reads no block past the first k of them then.
     # Unmasked rows are scanned whole.
     heap = masked and k * 64 <= nb
-    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen, block, masked, k if heap else nb)
+    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen, block, masked,
+                       k if heap else nb, maxima)
     seen = (clen + block - 1) // block if masked else np.full(len(clen), nb, np.int64)
     picked = np.empty((scores.shape[0], k), np.int64)
     _top_k_sets(bs, seen, k, picked)
@@ -686,12 +760,12 @@ def _pack_picks(bs, picked, out):
 
 
 def _candidate_block_bits(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, block: int,
-                          out: np.ndarray) -> None:
+                          out: np.ndarray, maxima: np.ndarray | None = None) -> None:
     """:func:`_candidate_block_mask` of rows that are -inf past ``clen`` (so scanned only as far
     as they see), as bits packed along each row into ``out`` (zeros; ``np.packbits``' layout),
     without a row-wide bool array: a long chunked prefill's rows are 131,072 blocks wide while a
-    query picks 2,048."""
-    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, True)
+    query picks 2,048. ``maxima``: the visible blocks' maxima, taken with the scores."""
+    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, True, maxima)
     _pack_picks(bs, picked, out)
 
 
@@ -876,6 +950,10 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     dirty_to = None              # score_buf's columns from here on hold -inf (None: unknown)
     qbuf = (np.empty(_query_pairs_size(min(tile, seqlen), cfg.n_heads, cfg.head_dim), np.uint32)
             if bf16_dot_enabled() else None)
+    # The candidate source's block maxima, taken by the score kernel while the scores are in
+    # cache (a second pass over a tile's rows, 64 MB at 1M positions, costs more).
+    max_buf = (np.empty((min(tile, seqlen), -(-width // cfg.candidate_block_size)), np.float32)
+               if cfg.candidate_source else None)
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
         if s0 % proj_rows == 0:
@@ -884,8 +962,9 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             iq_rows = iq_rows.reshape(p1 - s0, cfg.n_heads, cfg.head_dim)
             iq_rows = fp4_quant_e8m0_inplace(apply_rotary(iq_rows, positions[s0:p1], table, inplace=True))
         iq = iq_rows[s0 % proj_rows:s0 % proj_rows + s1 - s0]
+        maxima = None if max_buf is None else (cfg.candidate_block_size, max_buf[:s1 - s0])
         scores = index_k.scores(iq, w_all[s0:s1], clen[s0:s1], width, out=score_buf[:s1 - s0],
-                                qbuf=qbuf, dirty_to=dirty_to)
+                                qbuf=qbuf, dirty_to=dirty_to, maxima=maxima)
         # What the tile wrote: below each row's clen (later writers only write -inf).
         dirty_to = max(int(clen[s0:s1].max(initial=0)), 0)
         if capture:
@@ -894,7 +973,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             observer.index_scores(s0, iq, w_all[s0:s1], scores)
         if cfg.candidate_source:
             _candidate_block_bits(scores, clen[s0:s1], cfg.candidate_topk_blocks,
-                                  cfg.candidate_block_size, published[s0:s1])
+                                  cfg.candidate_block_size, published[s0:s1], maxima[1])
         if cfg.use_candidates:
             allowed = candidate_mask(candidate_blocks[s0:s1], width, cfg.candidate_block_size)
             scores[~allowed] = -np.inf

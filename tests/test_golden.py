@@ -443,8 +443,11 @@ def test_another_head_order_passes_as_boundary_swaps(tmp_path, monkeypatch):
     golden.write_golden(plan, path)
     indexer = importlib.import_module("ds41numba.indexer")
 
-    def scores(self, iq, w, clen, width, out=None, qbuf=None, dirty_to=None):
-        return _reversed_head_sum_scores(iq, w, self.keys[:width], clen, width, out)
+    def scores(self, iq, w, clen, width, out=None, qbuf=None, dirty_to=None, maxima=None):
+        got = _reversed_head_sum_scores(iq, w, self.keys[:width], clen, width, out)
+        if maxima is not None:      # the candidate source's block maxima, of these scores
+            indexer._visible_block_maxima(got, clen, *maxima)
+        return got
 
     monkeypatch.setattr(indexer.IndexKeyCache, "scores", scores)
     cand = _made_with(tmp_path, monkeypatch, "heads.safetensors", plan)

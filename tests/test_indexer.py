@@ -178,6 +178,53 @@ def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
         assert np.array_equal(to_bf16_rne(got), got)
 
 
+def _naive_visible_maxima(scores, clen, block):
+    """Per row, the max (NaN wins) of each block of ``block`` positions it sees, over those."""
+    out = {}
+    for s, n in enumerate(clen):
+        for j in range(-(-int(n) // block)):
+            vals = scores[s, j * block:min(int(n), (j + 1) * block)]
+            out[s, j] = np.float32(np.nan) if np.isnan(vals).any() else vals.max()
+    return out
+
+
+@pytest.mark.parametrize("tier", BACKENDS)
+@pytest.mark.parametrize("block", [8, 4, 32, 3, 12])
+def test_block_maxima_taken_with_the_scores_are_the_naive_maxima(tier, block):
+    """The candidate source's block maxima from ``scores(maxima=...)`` (inside the packed
+    kernels where ``block`` divides their key block, a pass after them otherwise): each row's
+    visible blocks only, a partly visible one over what the row sees, a NaN winning (an inf
+    head weight times a zero product), every other entry of the buffer left as it was."""
+    rng = np.random.default_rng(block)
+    T, ih, idim, n = 6, 32, 128, 300
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    clen = np.array([0, 1, 37, 200, 299, 300])
+    for weights in (w, np.where(np.arange(ih) == 3, np.float32(np.inf), w).astype(np.float32)):
+        want_scores = naive.tile_scores(iq, weights, keys, clen)
+        with use_backend(tier):
+            buf = np.full((T, -(-n // block) + 2), 7.0, np.float32)
+            got = indexer_mod.IndexKeyCache(keys).scores(iq, weights, clen, n, maxima=(block, buf))
+        assert np.array_equal(got, want_scores, equal_nan=True)
+        want = _naive_visible_maxima(want_scores, clen, block)
+        for (s, j), v in want.items():
+            assert buf[s, j] == v or (np.isnan(v) and np.isnan(buf[s, j])), (s, j, buf[s, j], v)
+        untouched = np.ones(buf.shape, bool)
+        untouched[tuple(zip(*want))] = False
+        assert np.all(buf[untouched] == 7.0)
+        if weights is not w:
+            assert any(np.isnan(v) for v in want.values()), "no NaN block: the case tests nothing"
+
+
+def test_block_maxima_need_a_buffer_that_holds_them():
+    rng = np.random.default_rng(3)
+    iq, w, keys = _index_inputs(rng, 2, 4, 64, 40)
+    cache = indexer_mod.IndexKeyCache(keys)
+    for maxima in ((8, np.empty((2, 4), np.float32)), (8, np.empty((1, 5), np.float32)),
+                   (0, np.empty((2, 5), np.float32)), (8, np.empty((2, 5), np.float64))):
+        with pytest.raises(ValueError, match="block maxima"):
+            cache.scores(iq, w, np.array([10, 40]), 40, maxima=maxima)
+
+
 @pytest.mark.parametrize("tier", BACKENDS)
 def test_a_reused_score_buffer_is_masked_only_where_it_was_written(tier):
     """The indexer reuses one score buffer tile after tile and masks only the columns a
