@@ -25,7 +25,7 @@ from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 from numba.extending import overload
 
-from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP,
+from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, MAX_BLOCK,
                        aligned_empty, amx_begin, amx_dot_tile, amx_enabled, amx_end, amx_mix_tile,
                        bf16_dot_enabled, bf16_dot_tile, bf16_pairs, bf16_scalar, converted_mix_exact,
                        empty_folded_blocks, foldable, folded_rows, fp4_quant_e8m0_inplace,
@@ -279,11 +279,12 @@ def _mixed_on_tiles(q, ih):
     operands, and each query's heads a whole number of its row tiles."""
 
 
-def _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out, converts):
+def _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, block_max):
     """The scores of key block ``b`` for the queries ``s_lo ..`` (see :func:`_tile_scores`) from
     :func:`~ds41numba.numerics.amx_mix_tile`, into ``out`` where visible; ``w_rows`` the head
     weights one a row (``[T * ih, 1]``), ``mixed`` room for ``[T, DOT_LANES]``, ``converts``
-    as for that kernel."""
+    as for that kernel. True where the kernel also wrote the block maxima (``block`` is its
+    ``MAX_BLOCK`` and every query sees the whole key block; :func:`_scores_packed_kernel`)."""
 
 
 @overload(_mixed_on_tiles)
@@ -294,11 +295,11 @@ def _mixed_on_tiles_impl(q, ih):
 
 
 @overload(_mixed_block)
-def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out, converts):
+def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, block_max):
     if len(q.types) != 2:
-        return lambda q, keys, w_rows, clen, b, s_lo, mixed, out, converts: None
+        return lambda q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, block_max: False
 
-    def amx_mixed(q, keys, w_rows, clen, b, s_lo, mixed, out, converts):
+    def amx_mixed(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, block_max):
         T = out.shape[0]
         ih = w_rows.shape[0] // T
         rows = slice(s_lo * ih, T * ih)
@@ -307,14 +308,21 @@ def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out, converts):
         for s in range(s_lo, T):
             whole = whole and clen[s] >= t0 + DOT_LANES
         if whole:
+            # Every query sees the whole key block: its scores straight into the score rows,
+            # and the candidate blocks' maxima from the kernel's registers.
+            maxima = block == MAX_BLOCK
+            j = t0 // MAX_BLOCK if maxima else 0
+            # (block_max, a placeholder when not asked for, is not written then)
+            bm = block_max[s_lo:T, j:j + DOT_LANES // MAX_BLOCK]
             amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b],
-                         out[s_lo:T, t0:t0 + DOT_LANES], converts)
-            return
+                         out[s_lo:T, t0:t0 + DOT_LANES], bm, converts, maxima)
+            return maxima
         amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b], mixed[:T - s_lo],
-                     converts)
+                     block_max, converts, False)
         for s in range(s_lo, T):
             for j in range(min(DOT_LANES, clen[s] - t0)):
                 out[s, t0 + j] = mixed[s - s_lo, j]
+        return False
     return amx_mixed
 
 
@@ -385,12 +393,14 @@ def _scores_packed_kernel(q, keys, w, clen, n_blocks, workers, converts, out, bl
                 s_lo += 1
             if s_lo == T:
                 continue
+            took = False
             if mixed_on_tiles:
-                _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out, converts)
+                took = _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block,
+                                    block_max)
             else:
                 _key_block_dots(q, keys, b, s_lo * ih // step * step, T * ih, d)
                 _mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
-            if block:
+            if block and not took:
                 _key_block_maxima(out, clen, t0, s_lo, block, block_max)
         _tile_state(q, False)
 

@@ -749,24 +749,37 @@ def test_amx_dot_at_its_largest_bytes():
 
 
 @numba.njit
-def _amx_mix_all(qa, sa, w, qb, sb, out, converts):
+def _amx_mix_all(qa, sa, w, qb, sb, out, block_max, converts, maxima):
     """Every block of B mixed against all of A's rows, through the mixing tile kernel."""
     nm.amx_begin()
     for k in range(qb.shape[0]):
-        nm.amx_mix_tile(qa, sa, w, qb[k], sb[k], out[k], converts)
+        nm.amx_mix_tile(qa, sa, w, qb[k], sb[k], out[k], block_max[k], converts, maxima)
     nm.amx_end()
 
 
 def _amx_mix(a_rows, w, b_rows, converts):
     """amx_mix_tile's scores ``[T, n]`` of queries ``a_rows [T * H, d]`` (head weights ``w [T * H]``)
-    against keys ``b_rows [n, d]``, and whether converted_mix_exact allows ``converts``."""
+    against keys ``b_rows [n, d]`` (n a multiple of DOT_LANES), and whether converted_mix_exact
+    allows ``converts``. The kernel's block maxima (asked for in a second run, which must give
+    the same scores) are checked against the maxima of those scores (NaN wins)."""
     T = a_rows.shape[0] // nm.AMX_ROWS // 2
     qa, sa, ra = nm.folded_rows(a_rows)
     qb, sb, rb = nm.pack_folded_blocks(b_rows)
     assert nm.foldable(ra, rb) and nm.int8_dot_exact(ra, rb, a_rows.shape[1])
-    out = np.full((qb.shape[0], T, nm.DOT_LANES), np.nan, F32)
-    _amx_mix_all(qa, sa, np.ascontiguousarray(w, F32).reshape(-1, 1), qb, sb, out, converts)
-    got = out.transpose(1, 0, 2).reshape(T, -1)[:, :b_rows.shape[0]]
+    wr = np.ascontiguousarray(w, F32).reshape(-1, 1)
+    per_block = nm.DOT_LANES // nm.MAX_BLOCK
+    outs, maxima = [], np.full((qb.shape[0], T, per_block), 7.0, F32)
+    for take in (False, True):
+        out = np.full((qb.shape[0], T, nm.DOT_LANES), np.nan, F32)
+        _amx_mix_all(qa, sa, wr, qb, sb, out, maxima, converts, take)
+        outs.append(out.transpose(1, 0, 2).reshape(T, -1)[:, :b_rows.shape[0]])
+        if not take:
+            assert np.all(maxima == 7.0), "block maxima written without being asked for"
+    got = outs[0]
+    assert_same_bits(outs[1], got)
+    blocks = got.reshape(T, -1, nm.MAX_BLOCK)
+    want = np.where(np.isnan(blocks).any(axis=2), np.nan, blocks.max(axis=2, initial=-np.inf))
+    assert np.array_equal(maxima.transpose(1, 0, 2).reshape(T, -1), want, equal_nan=True)
     return got, nm.converted_mix_exact(sa, rb, w)
 
 
@@ -831,6 +844,9 @@ def test_converted_mix_exact_guards_what_the_conversion_flushes():
         w2 = w.copy()
         w2[5] = bad
         assert not nm.converted_mix_exact(sa, rb, w2), bad
+        got, _ = _amx_mix(a, w2, b, False)          # NaN scores: their blocks' maxima NaN
+        np.testing.assert_array_equal(got, _mixed_reference(a, w2, b, heads)[0])
+        assert np.isnan(got).any()
     w2[5] = 2.0 ** 127                            # finite, but w * sq * sk may reach 2^129
     assert nm.converted_mix_exact(sa, rb, w2) == (2.0 ** 127 * sa.max() * 2.0 ** max(rb[2], 0) < 2.0 ** 128)
     assert not nm.converted_mix_exact(sa * F32(8.0), rb, w2)

@@ -36,7 +36,7 @@ from .bf16_dot import DOT_LANES
 from .int8_dot import AMX_K
 from .vector_ir import F32, I32, I64, V16F, V16I, i64, row_operands, row_pointer, splat
 
-__all__ = ["AMX_ROWS", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile", "converted_mix_exact",
+__all__ = ["AMX_ROWS", "MAX_BLOCK", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile", "converted_mix_exact",
            "request_tile_state"]
 
 #: Rows of A one tile product multiplies (a tile register's rows); A is padded to a multiple.
@@ -227,7 +227,7 @@ def _issue_pair(builder, a_op, b_op, n_quads, rt, has_second, dst):
 
 
 @intrinsic
-def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, converts):
+def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, block_max, converts, maxima):
     """The index scores of a key block for several queries, their heads' dot products on the
     tile multiplier and mixed as they come out of it:
 
@@ -249,16 +249,22 @@ def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, converts):
     (``vcvtne2ps2bf16``, 32 values in two micro-ops) instead of integer arithmetic on the bits
     (five a vector, more with NaNs): a third of the vector work. Only where
     :func:`converted_mix_exact` says so: the instruction flushes denormals.
+
+    ``maxima`` (a bool) also writes each query's maxima of the key block's four blocks of
+    ``MAX_BLOCK`` keys into its row of ``block_max`` (float32 ``[queries, 4]``; NaN wins), the
+    candidate source's block scores, while the sums are in registers.
     """
-    sig = types.void(a, a_scale, w, b, b_scale, out, converts)
+    sig = types.void(a, a_scale, w, b, b_scale, out, block_max, converts, maxima)
 
     def codegen(context, builder, signature, args):
-        (a_op, s_op, w_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args[:6])
+        (a_op, s_op, w_op, b_op, t_op, o_op, m_op), arrays = row_operands(context, builder, signature,
+                                                                          args[:7])
         n_rows = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[0]
         n_quads = cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0]
         n_queries = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[0]
         shape = (n_rows, n_quads, n_queries)
-        ops = (a_op, s_op, w_op, b_op, t_op, o_op)
+        maxima_on = context.cast(builder, args[8], signature.args[8], types.boolean)
+        ops = (a_op, s_op, w_op, b_op, t_op, o_op, (m_op, maxima_on))
         # 128-value rows (the index heads): the key block stays in four tile registers.
         resident = builder.icmp_unsigned("==", n_quads, ir.Constant(I64, 2 * AMX_K // 4))
         with builder.if_else(resident) as (held, streamed):
@@ -305,7 +311,7 @@ def _load_resident(builder, b_op):
 def _both_mixes(context, builder, signature, args, ops, shape, pipeline):
     """``pipeline`` with the converted rounding where the call's ``converts`` says so, else the
     bits' rounding."""
-    with builder.if_else(context.cast(builder, args[6], signature.args[6], types.boolean)) \
+    with builder.if_else(context.cast(builder, args[7], signature.args[7], types.boolean)) \
             as (converted, exact_bits):
         with converted:
             pipeline(builder, ops, shape, _ConvertedMix)
@@ -316,7 +322,7 @@ def _both_mixes(context, builder, signature, args, ops, shape, pipeline):
 def _mix_resident(builder, operands, shape, mixer):
     """:func:`_mix_pipeline` for 128-value rows with the key block held in tile registers: a
     step is one row tile, its products formed while the one before it is mixed."""
-    a_op, s_op, w_op, b_op, t_op, o_op = operands
+    a_op, s_op, w_op, b_op, t_op, o_op, maxima = operands
     n_rows, n_quads, n_queries = shape
     k = lambda x: ir.Constant(I64, x)       # noqa: E731
     n_tiles = builder.udiv(n_rows, k(AMX_ROWS))
@@ -325,7 +331,7 @@ def _mix_resident(builder, operands, shape, mixer):
     sums = cgutils.alloca_once(builder, ir.ArrayType(I32, 2 * AMX_ROWS * DOT_LANES))
     sums.align = 64
     sums_at = builder.ptrtoint(sums, I64)
-    mix = mixer(builder, s_op, w_op, t_op)
+    mix = mixer(builder, s_op, w_op, t_op, maxima)
     _load_resident(builder, b_op)
     _issue_resident(builder, a_op, k(0), sums_at)
     with cgutils.for_range(builder, n_tiles) as loop:
@@ -352,7 +358,7 @@ def _mix_pipeline(builder, operands, shape, mixer):
     """:func:`amx_mix_tile`'s loop for any row length: the tile products of a step's two row
     tiles stored, the two before them mixed (``mixer``'s rounding) and each query's sums written
     out when its last row tile is in."""
-    a_op, s_op, w_op, b_op, t_op, o_op = operands
+    a_op, s_op, w_op, b_op, t_op, o_op, maxima = operands
     n_rows, n_quads, n_queries = shape
     k = lambda x: ir.Constant(I64, x)       # noqa: E731
     n_tiles = builder.udiv(n_rows, k(AMX_ROWS))
@@ -363,7 +369,7 @@ def _mix_pipeline(builder, operands, shape, mixer):
     sums = cgutils.alloca_once(builder, ir.ArrayType(I32, 2 * _PAIR * AMX_ROWS * DOT_LANES))
     sums.align = 64         # whole cache lines for the tile stores and the loads after them
     sums_at = builder.ptrtoint(sums, I64)
-    mix = mixer(builder, s_op, w_op, t_op)
+    mix = mixer(builder, s_op, w_op, t_op, maxima)
 
     def issue(step, dst):
         rt = builder.mul(step, k(_PAIR))
@@ -391,13 +397,24 @@ def _lanes(v):
     return ir.Constant(V16I, [v] * 16)
 
 
+#: Keys a block maximum of :func:`amx_mix_tile` spans (the production candidate block).
+MAX_BLOCK = 8
+
+
+def _nan_max(builder, a, b):
+    """Lane by lane the larger of ``a`` and ``b``, a NaN in either winning."""
+    bigger = builder.select(builder.fcmp_ordered(">", b, a), b, a)
+    return builder.select(builder.fcmp_unordered("uno", a, b), builder.fadd(a, b), bigger)
+
+
 class _BitsMix:
     """Each row tile's products scaled, rounded to bf16 on the bits (RNE), ReLU'd, weighted,
     rounded again and added into the query's head sums, rows (heads) in order; lane j of the
     sums is key j."""
 
-    def __init__(self, builder, s_op, w_op, t_op):
+    def __init__(self, builder, s_op, w_op, t_op, maxima):
         self.b, self.s_op, self.w_op = builder, s_op, w_op
+        self.m_op, self.maxima = maxima
         zero = ir.Constant(V16F, [0.0] * 16)
         self.acc = [cgutils.alloca_once_value(builder, zero) for _ in range(_HALVES)]
         self.sk = [builder.load(row_pointer(builder, t_op, i64(0), i64(64 * h), V16F), align=4)
@@ -426,10 +443,25 @@ class _BitsMix:
     def finish(self, o_op, q):
         """Query ``q``'s sums rounded into its row of ``out``, and the sums zeroed."""
         builder = self.b
+        sums = [_bf16_round(builder, builder.load(acc), True) for acc in self.acc]
         for h in range(_HALVES):
-            ptr = row_pointer(builder, o_op, q, i64(64 * h), V16F)
-            builder.store(_bf16_round(builder, builder.load(self.acc[h]), True), ptr, align=4)
+            builder.store(sums[h], row_pointer(builder, o_op, q, i64(64 * h), V16F), align=4)
             builder.store(ir.Constant(V16F, [0.0] * 16), self.acc[h])
+        self.block_maxima(q, sums)
+
+    def block_maxima(self, q, sums):
+        """Where asked, query ``q``'s maxima of its scores ``sums`` (two vectors, keys in order)
+        over each ``MAX_BLOCK`` keys, into its row of ``block_max``: three steps of a max
+        against the lanes swapped in pairs, fours, eights. A NaN wins, as in torch's amax (which
+        NaN does not matter: every use reads it as NaN)."""
+        builder = self.b
+        with builder.if_then(self.maxima):
+            for step in (4, 2, 1):
+                lanes = ir.Constant(V16I, [j ^ step for j in range(16)])
+                sums = [_nan_max(builder, v, builder.shuffle_vector(v, v, lanes)) for v in sums]
+            firsts = ir.Constant(ir.VectorType(I32, 4), [0, MAX_BLOCK, 16, 16 + MAX_BLOCK])
+            ptr = row_pointer(builder, self.m_op, q, i64(0), ir.VectorType(F32, 4))
+            builder.store(builder.shuffle_vector(sums[0], sums[1], firsts), ptr, align=4)
 
 
 class _BFloat(ir.Type):
@@ -473,8 +505,8 @@ class _ConvertedMix(_BitsMix):
     product needs one scale vector per row. The sums' lanes hold the keys in the order the
     conversions leave them (``_SECOND``), put back in order when written out."""
 
-    def __init__(self, builder, s_op, w_op, t_op):
-        super().__init__(builder, s_op, w_op, t_op)
+    def __init__(self, builder, s_op, w_op, t_op, maxima):
+        super().__init__(builder, s_op, w_op, t_op, maxima)
         sk = self.sk
         self.sk = [builder.shuffle_vector(sk[0], sk[1], ir.Constant(V16I, keys)) for keys in _FIRST]
 
@@ -500,12 +532,13 @@ class _ConvertedMix(_BitsMix):
     def finish(self, o_op, q):
         builder = self.b
         sums = [_bf16_round(builder, builder.load(acc), True) for acc in self.acc]
+        ordered = [builder.shuffle_vector(sums[0], sums[1], ir.Constant(V16I, _UNSHUFFLE[16 * h:16 * (h + 1)]))
+                   for h in range(_HALVES)]
         for h in range(_HALVES):
-            lanes = ir.Constant(V16I, _UNSHUFFLE[16 * h:16 * (h + 1)])
-            ptr = row_pointer(builder, o_op, q, i64(64 * h), V16F)
-            builder.store(builder.shuffle_vector(sums[0], sums[1], lanes), ptr, align=4)
+            builder.store(ordered[h], row_pointer(builder, o_op, q, i64(64 * h), V16F), align=4)
         for acc in self.acc:
             builder.store(ir.Constant(V16F, [0.0] * 16), acc)
+        self.block_maxima(q, ordered)
 
 
 # Exponents of the normal f32 numbers.
