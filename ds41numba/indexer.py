@@ -34,7 +34,7 @@ from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_G
                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
                        split_range, to_bf16_rne, worth_parallel)
 from .rope import apply_rotary
-from .topk import partial_sort_set_into, topk_set_into
+from .topk import partial_sort_set_hinted, topk_set_into
 
 __all__ = ["IndexerWeights", "IndexerCfg", "IndexKeyCache", "indexer", "index_keys",
            "select_candidate_blocks", "candidate_mask", "visible_lengths"]
@@ -740,7 +740,7 @@ def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, blo
                        k if heap else nb, maxima)
     seen = (clen + block - 1) // block if masked else np.full(len(clen), nb, np.int64)
     picked = np.empty((scores.shape[0], k), np.int64)
-    _top_k_sets(bs, seen, k, picked)
+    _top_k_sets(bs, seen, k, picked, bs, 0)
     return bs, picked
 
 
@@ -779,20 +779,25 @@ def _candidate_block_bits(scores: np.ndarray, clen: np.ndarray, topk_blocks: int
     _pack_picks(bs, picked, out)
 
 
-def _select_rows(scores, clen, k, out):
+def _select_rows(scores, clen, k, out, maxima=None):
     """The index selection: each row's top-k set (:func:`_top_k_sets`). A name of its own, apart
     from the candidate blocks' top-k, which uses the same rule: a kernel with its own tie order
-    replaces this one (tests/test_golden.py does) and must leave the candidates as they are."""
-    _top_k_sets(scores, clen, k, out)
+    replaces this one (tests/test_golden.py does) and must leave the candidates as they are.
+    ``maxima = (block, block_scores)``: the candidate source's block scores of these rows (each
+    at least its block's max), which let the scan skip runs of a row unread."""
+    block, hint = maxima if maxima is not None else (0, scores)
+    _top_k_sets(scores, clen, k, out, hint, block)
 
 
 @njit(parallel=True, cache=True)
-def _top_k_sets(scores, clen, k, out):
+def _top_k_sets(scores, clen, k, out, hint, block):
     """Each row's top-k set (torch's CPU tie order) into ``out [rows, k]``, ascending.
 
     In the ``partial_sort`` branch (``k * 64 <= width``, every long row) the scan stops at the
     row's visible length: past it every score is -inf, which never displaces the heap's top, so
     the set is the one the whole row gives, at a cost that grows with what the query sees.
+    With ``block`` > 0 that scan skips runs by ``hint``, the rows' block maxima (see
+    :func:`~ds41numba.topk.partial_sort_set_hinted`).
     """
     rows, width = scores.shape
     for s in prange(rows):
@@ -800,7 +805,7 @@ def _top_k_sets(scores, clen, k, out):
             n = min(width, max(k, clen[s]))
             sv = np.empty(k, np.float32)
             si = np.empty(k, np.int64)
-            partial_sort_set_into(scores[s, :n], k, out[s], sv, si)
+            partial_sort_set_hinted(scores[s, :n], k, out[s], sv, si, hint[s], block)
         else:
             sv = np.empty(width, np.float32)
             si = np.empty(width, np.int64)
@@ -989,7 +994,10 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             scores[~allowed] = -np.inf
         picked = np.zeros((s1 - s0, k), np.int64)
         if k:
-            _select_rows(scores, clen[s0:s1], k, picked)
+            # The candidate source's block scores bound its rows' blocks (the pinned block's
+            # +inf too): the top-k's scan skips by them.
+            _select_rows(scores, clen[s0:s1], k, picked,
+                         maxima if cfg.candidate_source else None)
         # Positions past a query's visible range are dropped; a candidate-masked position
         # inside it that top-k still picked (fewer candidates than k) stays valid.
         topk_idxs[s0:s1] = np.where(picked >= clen[s0:s1, None], -1, picked + offset)

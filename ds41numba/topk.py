@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 __all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partial_sort_set_into",
+           "partial_sort_set_hinted",
            "topk_scratch_len"]
 
 
@@ -104,12 +105,16 @@ def _heap_select(v, ix, first, middle, last):
 
 
 @njit(cache=True)
-def _heap_select_row(row, k, hv, hi):
+def _heap_select_row(row, k, hv, hi, hint, block):
     """``std::partial_sort``'s set: heap-select the first k pairs of ``row`` into ``hv/hi[:k]``.
 
     Same steps as ``_heap_select`` over the pairs ``(row[i], i)``, but the row itself is never
     copied: the displaced top would be written back to position i, which the scan never reads
     again, so only the k-pair heap needs storage. The hot loop compares against a cached top.
+    With ``block`` > 0, ``hint[b]`` is at least the max of ``row[b * block : (b + 1) * block]``
+    (NaN where one of them is): a run whose blocks' hints none passes the top is skipped
+    without reading the row (a long row is read from memory otherwise; its hints are a
+    ``block``-th of it).
     """
     n = row.shape[0]
     for j in range(k):
@@ -123,9 +128,14 @@ def _heap_select_row(row, k, hv, hi):
             return          # a NaN top is never displaced
         # The top only rises: a run of values none of which passes it now never will, and one
         # vector pass over the run says so (most of a long row).
-        if i + _SCAN_RUN <= n and not _passes_any(row, i, top):
-            i += _SCAN_RUN
-            continue
+        if i + _SCAN_RUN <= n:
+            if block:
+                passes = _hint_passes(hint, i // block, (i + _SCAN_RUN - 1) // block + 1, top)
+            else:
+                passes = _passes_any(row, i, top)
+            if not passes:
+                i += _SCAN_RUN
+                continue
         for j in range(i, min(n, i + _SCAN_RUN)):
             x = row[j]
             # Inlined `before(x, top)`.
@@ -146,6 +156,16 @@ def _passes_any(row, i, top):
     hit = 0
     for j in range(i, i + _SCAN_RUN):
         x = row[j]
+        hit |= (x > top) | (x != x)
+    return hit != 0
+
+
+@njit(cache=True)
+def _hint_passes(hint, b0, b1, top):
+    """Whether any of the block hints ``hint[b0:b1]`` comes before ``top``."""
+    hit = 0
+    for b in range(b0, b1):
+        x = hint[b]
         hit |= (x > top) | (x != x)
     return hit != 0
 
@@ -325,12 +345,19 @@ def partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     past a visible length): they may pass only the prefix, the branch being decided by the full
     length. Scratch: k entries each.
     """
+    partial_sort_set_hinted(row_vals, k, out_idx, scratch_vals, scratch_idx, row_vals, 0)
+
+
+@njit(cache=True)
+def partial_sort_set_hinted(row_vals, k, out_idx, scratch_vals, scratch_idx, hint, block):
+    """:func:`partial_sort_set_into` with the row's block maxima ``hint`` (or upper bounds of
+    them; see :func:`_heap_select_row`), which only decide what is skipped: the set is the same."""
     if row_vals.shape[0] == k:
         # Nothing past the first k pairs to scan: the heap keeps them all.
         for j in range(k):
             out_idx[j] = j
         return
-    _heap_select_row(row_vals, k, scratch_vals, scratch_idx)
+    _heap_select_row(row_vals, k, scratch_vals, scratch_idx, hint, block)
     for j in range(k):
         out_idx[j] = scratch_idx[j]
     out_idx[:k].sort()          # distinct indices: any correct sort gives the same

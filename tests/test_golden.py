@@ -415,8 +415,9 @@ def _reversed_head_sum_scores(iq, w, keys, clen, width, out=None):
     return res
 
 
-def _other_way_select(scores, clen, k, out):
-    """Top-k breaking every tie the other way: among equal scores the highest positions."""
+def _other_way_select(scores, clen, k, out, maxima=None):
+    """Top-k breaking every tie the other way: among equal scores the highest positions (the
+    block maxima, a hint for what to skip, unused)."""
     for s in range(scores.shape[0]):
         n = int(min(scores.shape[1], clen[s]))
         v = scores[s, :n]

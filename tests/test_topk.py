@@ -266,6 +266,34 @@ def test_partial_sort_of_a_prefix_is_the_whole_rows_set():
         assert np.array_equal(got, want), (seen, k)
 
 
+@pytest.mark.parametrize("block", [8, 3, 32])
+def test_hinted_partial_sort_skips_by_block_maxima_and_keeps_the_set(block):
+    """The indexer's top-k scan skips runs by the candidate source's block scores: hints that
+    are the block maxima, or above them (a pinned +inf block, every hint +inf), give the set the
+    row alone gives (torch's), ties at the cut, NaN and inf values and k not a multiple of the
+    block included."""
+    from ds41numba.topk import partial_sort_set_hinted
+
+    rng = np.random.default_rng(block)
+    for n, k in [(20000, 100), (70000, 512), (4096, 64)]:
+        row = (np.round(rng.standard_normal(n) * 3) / 4).astype(np.float32)   # wide ties
+        row[rng.integers(0, n, 5)] = np.nan
+        row[rng.integers(0, n, 5)] = np.inf
+        nb = -(-n // block)
+        padded = np.full(nb * block, -np.inf, np.float32)
+        padded[:n] = row
+        blocks = padded.reshape(nb, block)
+        maxima = np.where(np.isnan(blocks).any(axis=1), np.nan, blocks.max(axis=1))
+        pinned = maxima.copy()
+        pinned[nb // 2] = np.inf
+        want = torch_cpu_topk_set(row, k)
+        for hint in (maxima, pinned, np.full(nb, np.inf, np.float32), maxima + np.float32(1.0)):
+            got = np.empty(k, np.int64)
+            partial_sort_set_hinted(row, k, got, np.empty(k, np.float32), np.empty(k, np.int64),
+                                    np.ascontiguousarray(hint, np.float32), block)
+            assert np.array_equal(got, want), (n, k)
+
+
 def test_million_row_partial_sort():
     rng = np.random.default_rng(41)
     n, k = 1_000_000, 512
