@@ -312,7 +312,7 @@ def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, bloc
             # and the candidate blocks' maxima from the kernel's registers.
             maxima = block == MAX_BLOCK
             j = t0 // MAX_BLOCK if maxima else 0
-            # (block_max, a placeholder when not asked for, is not written then)
+            # This key block's columns of block_max (a placeholder, unwritten, unless maxima).
             bm = block_max[s_lo:T, j:j + DOT_LANES // MAX_BLOCK]
             amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b],
                          out[s_lo:T, t0:t0 + DOT_LANES], bm, converts, maxima)
