@@ -351,18 +351,24 @@ def _key_block_dots_impl(q, keys, b, first, rows, d):
 
 
 @njit(cache=True)
+def _row_block_maxima(row, n, block, out):
+    """``out[b]``: the max (NaN wins) of ``row[b * block : (b + 1) * block]`` within its first
+    ``n`` values, for every block holding one of them."""
+    for b in range(-(-n // block)):
+        best = np.float32(-np.inf)
+        for t in range(b * block, min(n, (b + 1) * block)):
+            best = nan_max(best, row[t])
+        out[b] = best
+
+
+@njit(cache=True)
 def _key_block_maxima(out, clen, t0, s_lo, block, block_max):
     """Rows ``s_lo ..`` of ``block_max``: the maxima of the blocks of ``block`` positions (a
     divisor of DOT_LANES) in the key block at ``t0``, over the positions each row sees (NaN
     wins), taken while the block's scores are still in cache."""
     for s in range(s_lo, out.shape[0]):
         n = min(DOT_LANES, clen[s] - t0)
-        row = out[s, t0:t0 + n]
-        for g in range(-(-n // block)):
-            best = np.float32(-np.inf)
-            for t in range(g * block, min(n, (g + 1) * block)):
-                best = nan_max(best, row[t])
-            block_max[s, t0 // block + g] = best
+        _row_block_maxima(out[s, t0:t0 + n], n, block, block_max[s, t0 // block:])
 
 
 @njit(parallel=True, cache=True)
@@ -681,13 +687,7 @@ def _visible_block_maxima(scores, clen, block, out):
     for the blocks ``j`` holding positions below ``clen[s]``, over those positions only."""
     width = scores.shape[1]
     for s in prange(scores.shape[0]):
-        n = min(width, max(clen[s], 0))
-        row, o = scores[s], out[s]
-        for b in range(-(-n // block)):
-            best = np.float32(-np.inf)
-            for t in range(b * block, min(n, (b + 1) * block)):
-                best = nan_max(best, row[t])
-            o[b] = best
+        _row_block_maxima(scores[s], min(width, max(clen[s], 0)), block, out[s])
 
 
 @njit(cache=True)

@@ -19,8 +19,9 @@ from .formats import as_f32_array, output_buffer
 from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, row_operands,
                         row_pointer, splat)
 
-__all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "bf16_dot_tile", "bf16_fma_tile", "bf16_matvec_tile", "MATVEC_BLOCKS", "gemm_bf16",
-           "bf16_pairs", "pack_bf16_pairs", "values_range", "fma_safe", "fma_faster"]
+__all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_fma_tile",
+           "bf16_matvec_tile", "gemm_bf16", "bf16_pairs", "pack_bf16_pairs", "values_range", "fma_safe",
+           "fma_faster"]
 
 
 # The reference's products are of bf16 values summed in f32: the bf16 linears, and the indexer's
