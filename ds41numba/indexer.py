@@ -494,7 +494,8 @@ _NO_MAXIMA = np.empty((1, 1), np.float32)
 
 def _tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                       width: int, out: np.ndarray | None = None,
-                      qbuf: np.ndarray | None = None, dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray:
+                      qbuf: np.ndarray | None = None, dirty_to: int | None = None,
+                      maxima: tuple | None = None) -> np.ndarray:
     """:func:`_tile_scores` against packed keys (``[blocks, id / 2, DOT_LANES]``); ``qbuf`` a
     reusable uint32 buffer of at least :func:`_query_pairs_size` elements."""
     T, ih, idim = iq.shape
@@ -701,7 +702,7 @@ def _finish_block_scores(bs, clen, block, valid):
             bs[s, (clen[s] - 1) // block] = np.inf
 
 
-def _block_scores(scores, clen, block, masked, valid, maxima=None):
+def _block_scores(scores, clen, block, masked, valid, block_max=None):
     """Per row, the max over each block of ``block`` positions; the newest visible block is +inf.
 
     With ``masked`` the positions at or past ``clen[s]`` are known to hold -inf (the indexer's
@@ -709,23 +710,24 @@ def _block_scores(scores, clen, block, masked, valid, maxima=None):
     chunked prefill a row is the whole prefill wide (1,048,576 positions) while a query sees
     only the positions before it. Then only a row's first ``valid`` blocks (at least) are
     written, the rest left undefined: the top-k that reads them scans no further
-    (:func:`_candidate_picks`). ``maxima``: the visible blocks' maxima already taken (a buffer
-    :meth:`IndexKeyCache.scores` filled), finished in place.
+    (:func:`_candidate_picks`). ``block_max``: the visible blocks' maxima already taken (a
+    buffer :meth:`IndexKeyCache.scores` filled), finished in place.
     """
     rows, width = scores.shape
     nb = -(-width // block)
-    if maxima is None:
-        maxima = np.empty((rows, nb), np.float32)
-        _visible_block_maxima(scores, clen if masked else np.full(rows, width, np.int64), block, maxima)
+    if block_max is None:
+        block_max = np.empty((rows, nb), np.float32)
+        _visible_block_maxima(scores, clen if masked else np.full(rows, width, np.int64), block,
+                              block_max)
     else:
-        maxima = maxima[:rows, :nb]
-    _finish_block_scores(maxima, clen, block, valid if masked else 0)
-    return maxima
+        block_max = block_max[:rows, :nb]
+    _finish_block_scores(block_max, clen, block, valid if masked else 0)
+    return block_max
 
 
 def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, block: int,
-                     masked: bool, maxima: np.ndarray | None = None) -> tuple:
-    """Per row, the block scores (:func:`_block_scores`, from ``maxima`` when taken already) and
+                     masked: bool, block_max: np.ndarray | None = None) -> tuple:
+    """Per row, the block scores (:func:`_block_scores`, from ``block_max`` when taken already) and
     the blocks torch's top-k picks from them, ``[rows, min(topk_blocks, n_blocks)]``
     (``masked``: the scores past ``clen`` are -inf)."""
     clen = clen.astype(np.int64)
@@ -737,7 +739,7 @@ def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, blo
     # Unmasked rows are scanned whole.
     heap = masked and k * 64 <= nb
     bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen, block, masked,
-                       k if heap else nb, maxima)
+                       k if heap else nb, block_max)
     seen = (clen + block - 1) // block if masked else np.full(len(clen), nb, np.int64)
     picked = np.empty((scores.shape[0], k), np.int64)
     _top_k_sets(bs, seen, k, picked, bs, 0)
@@ -770,12 +772,12 @@ def _pack_picks(bs, picked, out):
 
 
 def _candidate_block_bits(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, block: int,
-                          out: np.ndarray, maxima: np.ndarray | None = None) -> None:
+                          out: np.ndarray, block_max: np.ndarray | None = None) -> None:
     """:func:`_candidate_block_mask` of rows that are -inf past ``clen`` (so scanned only as far
     as they see), as bits packed along each row into ``out`` (zeros; ``np.packbits``' layout),
     without a row-wide bool array: a long chunked prefill's rows are 131,072 blocks wide while a
-    query picks 2,048. ``maxima``: the visible blocks' maxima, taken with the scores."""
-    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, True, maxima)
+    query picks 2,048. ``block_max``: the visible blocks' maxima, taken with the scores."""
+    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, True, block_max)
     _pack_picks(bs, picked, out)
 
 

@@ -36,8 +36,8 @@ from .bf16_dot import DOT_LANES
 from .int8_dot import AMX_K
 from .vector_ir import F32, I32, I64, V16F, V16I, i64, row_operands, row_pointer, splat
 
-__all__ = ["AMX_ROWS", "MAX_BLOCK", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile", "converted_mix_exact",
-           "request_tile_state"]
+__all__ = ["AMX_ROWS", "MAX_BLOCK", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile",
+           "converted_mix_exact", "request_tile_state"]
 
 #: Rows of A one tile product multiplies (a tile register's rows); A is padded to a multiple.
 AMX_ROWS = 16
@@ -532,7 +532,8 @@ class _ConvertedMix(_BitsMix):
     def finish(self, o_op, q):
         builder = self.b
         sums = [_bf16_round(builder, builder.load(acc), True) for acc in self.acc]
-        ordered = [builder.shuffle_vector(sums[0], sums[1], ir.Constant(V16I, _UNSHUFFLE[16 * h:16 * (h + 1)]))
+        ordered = [builder.shuffle_vector(sums[0], sums[1],
+                                          ir.Constant(V16I, _UNSHUFFLE[16 * h:16 * (h + 1)]))
                    for h in range(_HALVES)]
         for h in range(_HALVES):
             builder.store(ordered[h], row_pointer(builder, o_op, q, i64(64 * h), V16F), align=4)

@@ -176,7 +176,8 @@ def bf16_matvec_tile(typingctx, x, b0, b1, b2, b3, out):
         for a, s in zip(acc, start):
             a.add_incoming(s, entry)
         p8 = builder.mul(p, i64(8))
-        x_even, x_odd = (splat(builder, builder.load(row_pointer(builder, x_op, i64(0), at, F32), align=4), V16F)
+        x_even, x_odd = (splat(builder, builder.load(row_pointer(builder, x_op, i64(0), at, F32),
+                                                     align=4), V16F)
                          for at in (p8, builder.add(p8, i64(4))))
         new = []
         for q, b_op in enumerate(b_ops):
