@@ -413,12 +413,13 @@ def _row(parts, src, zero_row, c):
 
 
 @njit(cache=True, nogil=True)
-def _qk_blocked(qT, addr, n, x, heads):
-    """``x[c, h] = q_h . row_c`` for ``c < n`` and the first ``heads`` heads (up to a multiple
-    of 16 are computed: qT's extra columns are zero), MKL's blocked order over hd."""
+def _qk_blocked(qT, addr, n, x, lo, hi):
+    """``x[c, h] = q_h . row_c`` for ``c < n`` and the heads ``lo .. hi - 1`` (``lo`` a multiple
+    of 16; up to a multiple of 16 are computed: qT's extra columns are zero), MKL's blocked
+    order over hd."""
     hd = qT.shape[0]
-    for h0 in range(0, heads, _QK_HEADS):
-        nv = min(_QK_HEADS // 16, (heads - h0 + 15) // 16)
+    for h0 in range(lo, hi, _QK_HEADS):
+        nv = min(_QK_HEADS // 16, (hi - h0 + 15) // 16)
         for d0 in range(0, hd, _KC):
             b = qT[d0:min(hd, d0 + _KC), h0:h0 + 16 * nv]
             for c0 in range(0, n, _QK_ROWS):
@@ -458,12 +459,12 @@ def _dot_no_fma(qh, row, hd, peel):
 
 
 @njit(cache=True, nogil=True)
-def _qk_small(qs, parts, src, zero_row, listed, n, x, first):
-    """Heads ``first ..`` by the reference's 1-3 row kernels: one head alone the gemv dot, whose
+def _qk_small(qs, parts, src, zero_row, listed, n, x, lo, hi):
+    """Heads ``lo .. hi - 1`` by the reference's 1-3 row kernels: one head alone the gemv dot, whose
     peel follows the rows' alignment (64-byte aligned, ``hd`` apart); otherwise the small dot,
     whose peel follows the query row's (q 64-byte aligned, head rows ``hd`` apart)."""
     H, hd = qs.shape
-    for h in range(first, H):
+    for h in range(lo, hi):
         peel = 4 - (-hd) % 4 if H == 1 else (-(h * hd)) % 4
         for c in range(n):
             if listed[c]:
@@ -471,8 +472,8 @@ def _qk_small(qs, parts, src, zero_row, listed, n, x, first):
 
 
 @njit(cache=True, nogil=True)
-def _softmax_rows(x, pos, listed, n, W, sink, scale, H, lanes):
-    """In place over ``x[:n, :H]`` (the dot products of the compacted list): torch's AVX512
+def _softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes):
+    """In place over ``x[:n, lo:hi]`` (the dot products of the compacted list): torch's AVX512
     ``_vec_softmax_lastdim`` of each head's row ``[scores * scale (-inf at -1 entries), sink]``
     of W + 1 columns, the sink's column dropped: ``x`` becomes the probabilities.
 
@@ -483,66 +484,66 @@ def _softmax_rows(x, pos, listed, n, W, sink, scale, H, lanes):
     The columns a compacted list leaves out are -1 entries: their e is +0, which leaves every
     lane sum as it is (or the whole row is NaN anyway).
     """
-    m = sink[:H].copy()
+    m = sink.copy()
     for c in range(n):
-        for h in range(H):
+        for h in range(lo, hi):
             v = x[c, h] * scale if listed[c] else np.float32(-np.inf)
             x[c, h] = v
             m[h] = nan_max(m[h], v)
-    e_sink = np.empty(H, np.float32)
-    for h in range(H):
+    e_sink = np.empty(sink.shape[0], np.float32)
+    for h in range(lo, hi):
         e_sink[h] = _expf_u10(sink[h] - m[h])
     for c in range(n):
-        for h in range(H):
+        for h in range(lo, hi):
             x[c, h] = _expf_u10(x[c, h] - m[h])
-    total = np.zeros(H, np.float32)
+    total = np.zeros(sink.shape[0], np.float32)
     if W + 1 < _LANES:
         for c in range(n):
-            for h in range(H):
+            for h in range(lo, hi):
                 total[h] += x[c, h]
-        for h in range(H):
+        for h in range(lo, hi):
             total[h] += e_sink[h]
     else:
-        lanes[:, :H] = 0
+        lanes[:, lo:hi] = 0
         for c in range(n):
             lane = lanes[pos[c] % _LANES]
-            for h in range(H):
+            for h in range(lo, hi):
                 lane[h] += x[c, h]
         lane = lanes[W % _LANES]
-        for h in range(H):
+        for h in range(lo, hi):
             lane[h] += e_sink[h]
         half = _LANES // 2
         while half:
             for i in range(half):
-                for h in range(H):
+                for h in range(lo, hi):
                     lanes[i, h] += lanes[i + half, h]
             half //= 2
-        total[:] = lanes[0, :H]
-    for h in range(H):
+        total[lo:hi] = lanes[0, lo:hi]
+    for h in range(lo, hi):
         total[h] = np.float32(1.0) / total[h]
     for c in range(n):
-        for h in range(H):
+        for h in range(lo, hi):
             x[c, h] *= total[h]
 
 
 @njit(cache=True, nogil=True)
-def _pv_blocked(p, addr, edges, out, heads, hd):
-    """``out[h] = sum_c p[c, h] row_c`` for the first ``heads`` heads (up to a multiple of 6
-    are computed), MKL's blocked order over the list: one FMA chain per block, blocks added in
-    order."""
+def _pv_blocked(p, addr, edges, out, h_lo, h_hi, hd):
+    """``out[h] = sum_c p[c, h] row_c`` for the heads ``h_lo .. h_hi - 1`` (up to a multiple
+    of _PV_HEADS are computed), MKL's blocked order over the list: one FMA chain per block,
+    blocks added in order."""
     for d0 in range(0, hd, _PV_COLS):
         for b in range(len(edges) - 1):
             lo, hi = edges[b], edges[b + 1]
-            for h0 in range(0, heads, _PV_HEADS):
+            for h0 in range(h_lo, h_hi, _PV_HEADS):
                 _pv_tile(p[lo:hi, h0:h0 + _PV_HEADS], addr[lo:hi], d0, hd - d0,
                          out[h0:h0 + _PV_HEADS, d0:d0 + _PV_COLS], b > 0)
 
 
 @njit(cache=True, nogil=True)
-def _pv_small(p, parts, src, zero_row, n, out, first, H, hd):
-    """Heads ``first .. H-1``: the reference's 1-3 row NN kernel, one chain over the whole list
+def _pv_small(p, parts, src, zero_row, n, out, lo, hi, hd):
+    """Heads ``lo .. hi - 1``: the reference's 1-3 row NN kernel, one chain over the whole list
     without FMA (each product rounded, then added)."""
-    for h in range(first, H):
+    for h in range(lo, hi):
         acc = out[h]
         acc[:hd] = 0
         for c in range(n):
@@ -552,10 +553,23 @@ def _pv_small(p, parts, src, zero_row, n, out, first, H, hd):
                 acc[d] += w * row[d]
 
 
+@njit(cache=True)
+def _head_groups(S, H, workers):
+    """Into how many groups of heads each query's work splits: one, unless there are fewer
+    queries than workers (a decode step), then as many as keep the workers busy, each a multiple
+    of 16 heads (the q.k tiles' columns). Every head's arithmetic is the same in any group."""
+    groups = 1
+    while S * groups * 2 <= workers and H % (32 * groups) == 0:
+        groups *= 2
+    return groups
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers):
-    """:func:`sparse_attn` into ``o``: worker w takes the queries w, w + workers, ..., each
-    whole (its arithmetic does not depend on which worker runs it), in buffers of its own."""
+def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
+    """:func:`sparse_attn` into ``o``: the work items are the queries, or with fewer queries than
+    workers each query's ``groups`` groups of heads (:func:`_head_groups`); worker w takes the items w,
+    w + workers, ..., each whole (its arithmetic does not depend on which worker runs it), in
+    buffers of its own."""
     S, H, hd = q.shape
     W = idx.shape[1]
     blocked = _blocked_heads(H)
@@ -577,21 +591,23 @@ def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers):
         x = np.zeros((cap, hp), np.float32)
         acc = np.zeros((hp, hd_pad), np.float32)
         lanes = np.zeros((_LANES, hp), np.float32)
-        for s in range(w, S, workers):
+        for item in range(w, S * groups, workers):
+            s, g = item // groups, item % groups
+            lo, hi = g * H // groups, (g + 1) * H // groups
             n, n_listed = _list_rows(parts, starts, idx[s], zero_row, addr, src, pos, listed, edges)
             if n_listed == 0:
-                o[s] = 0
+                o[s, lo:hi] = 0
                 continue
             qs = q[s]
-            for h in range(H):
+            for h in range(lo, hi):
                 for d in range(hd):
                     qT[d, h] = qs[h, d]
-            _qk_blocked(qT, addr, n, x, blocked)
-            _qk_small(qs, parts, src, zero_row, listed, n, x, blocked)
-            _softmax_rows(x, pos, listed, n, W, sink, scale, H, lanes)
-            _pv_blocked(x, addr, edges, acc, blocked, hd)
-            _pv_small(x, parts, src, zero_row, n, acc, blocked, H, hd)
-            for h in range(H):
+            _qk_blocked(qT, addr, n, x, lo, min(hi, blocked))
+            _qk_small(qs, parts, src, zero_row, listed, n, x, max(lo, blocked), hi)
+            _softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes)
+            _pv_blocked(x, addr, edges, acc, lo, min(hi, blocked), hd)
+            _pv_small(x, parts, src, zero_row, n, acc, max(lo, blocked), hi, hd)
+            for h in range(lo, hi):
                 for d in range(hd):
                     o[s, h, d] = bf16_scalar(acc[h, d])
 
@@ -631,8 +647,9 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     Every f32 operation is the reference's, in its order (see the notes above
     ``_fma_tile``): the last bit of a score, a probability or an output is what the reference
     computes, including NaN and inf propagation. Queries are spread over
-    ``numba.get_num_threads()`` workers, each query computed whole by one of them, so the
-    result does not depend on the thread count.
+    ``numba.get_num_threads()`` workers, each query (with fewer queries than workers, each
+    group of a query's heads) computed whole by one of them, so the result does not depend on
+    the thread count.
     """
     _check_sparse_attn(q, kv, idx, attn_sink)
     S, H, hd = q.shape
@@ -642,9 +659,11 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
     o = output_buffer(out, (S, H, hd), "sparse_attn")       # every query's row is written below
     if S:
+        threads = numba.get_num_threads()
+        groups = _head_groups(S, H, threads)
         _sparse_attn_kernel(np.ascontiguousarray(q), parts, starts,
                             np.ascontiguousarray(idx, dtype=np.int64), sink, scale, o,
-                            max(1, min(S, numba.get_num_threads())))
+                            max(1, min(S * groups, threads)), groups)
     return o
 
 

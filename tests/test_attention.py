@@ -21,7 +21,7 @@ from helpers import (DATA, assert_bf16_close, bf16, captured_steps, nan_rows, na
 from ds41numba import (AttentionStack, act_quant_fp8_inplace, apply_rotary, fp4_quant_e4m3_inplace,
                        linear_bf16, linear_f32, output_projection, sparse_attn, to_bf16_rne,
                        window_index_rows)
-from ds41numba.attention import _expf_u10, layer_rope_table
+from ds41numba.attention import _expf_u10, _head_groups, layer_rope_table
 from ds41numba.numerics import Bf16Matrix
 
 
@@ -276,6 +276,10 @@ def test_sparse_attn_reproduces_the_reference_at_production_dimensions():
         got = sparse_attn(q, kv, d[f"{name}.idx"], d[f"{name}.sink"], 512 ** -0.5)
         same = got.view(np.uint32) == o.view(np.uint32)
         assert same.all(), f"{name}: {int((~same).sum())} of {same.size} elements differ"
+        # One query a call, as a decode step runs it: its 64 heads split between the workers.
+        for s in range(q.shape[0]):
+            one = sparse_attn(q[s:s + 1], kv, d[f"{name}.idx"][s:s + 1], d[f"{name}.sink"], 512 ** -0.5)
+            assert np.array_equal(one.view(np.uint32), o[s:s + 1].view(np.uint32)), (name, s)
 
 
 def test_sparse_attn_does_not_depend_on_the_thread_count():
@@ -291,6 +295,36 @@ def test_sparse_attn_does_not_depend_on_the_thread_count():
     finally:
         numba.set_num_threads(before)
     assert np.array_equal(one.view(np.uint32), two.view(np.uint32))
+
+
+@pytest.mark.parametrize("H", [64, 32, 96, 48, 7])
+def test_sparse_attn_of_one_query_splits_its_heads_without_changing_a_bit(H):
+    """A single query (a decode step) on 2 threads: its heads split into groups of a multiple of
+    16 (64, 32 and 96 heads into two; 48 and 7 not), each worker a group. Against the
+    reference's order (naive.sparse_attn_ordered) and the 1-thread run, every bit, with -1
+    entries, a list across product blocks and a query that lists nothing."""
+    rng = np.random.default_rng(300 + H)
+    q, kv, idx, sink = _attn_case(rng, S=4, H=H, hd=96, n=400, W=250)
+    threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    assert _head_groups(1, H, threads) == (threads if H % 32 == 0 else 1)
+    before = numba.get_num_threads()
+    try:
+        for s in range(4):
+            args = (q[s:s + 1], kv, idx[s:s + 1], sink, 0.1)
+            numba.set_num_threads(threads)
+            split = sparse_attn(*args)
+            numba.set_num_threads(1)
+            whole = sparse_attn(*args)
+            assert _bits_equal(split, naive.sparse_attn_ordered(*args)), s
+            assert np.array_equal(split.view(np.uint32), whole.view(np.uint32)), s
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_head_groups_split_only_what_leaves_workers_idle():
+    assert [_head_groups(1, 64, w) for w in (1, 2, 3, 4, 8)] == [1, 2, 2, 4, 4]
+    assert [_head_groups(S, 64, 4) for S in (1, 2, 3, 4, 9)] == [4, 2, 1, 1, 1]
+    assert [_head_groups(1, H, 8) for H in (16, 48, 96, 128)] == [1, 1, 2, 8]
 
 
 @pytest.mark.parametrize("name", ["tiny", "mixed", "edge_prefill1", "edge_prefill_window",
