@@ -29,6 +29,7 @@ from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
 from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, bf16_scalar, fp4_quant_e4m3_inplace,
                        linear_bf16, nan_max, output_buffer, rms_norm, single_threaded_blas)
+from .numerics.vector_ir import prefetch as prefetch_line
 from .rope import apply_rotary, fma_f32, yarn_freqs_cis
 
 __all__ = ["CompAttnRun", "attention_any", "attention_rows", "sparse_attn", "window_index_rows",
@@ -230,18 +231,13 @@ def _fma_tile(rows, nvec, by_address, prefetch=0):
                 row = builder.add(a_base, builder.mul(k, a_k))
                 return builder.load(at(row, builder.mul(a_i, const(i)), f32), align=4)
 
-            prefetch_fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-                "llvm.prefetch.p0i8")
-
             def load_b(k):
                 row = builder.add(builder.load(at(addr, builder.mul(k, const(8)), i64)), offset)
-                if prefetch:      # read, into L1 (locality 3), data
+                if prefetch:
                     ahead = builder.mul(builder.add(k, const(prefetch)), const(8))
                     ahead = builder.add(builder.load(at(addr, ahead, i64)), offset)
                     for line in range(0, 64 * nvec, 64):
-                        builder.call(prefetch_fn, [at(ahead, const(line), i8), ir.Constant(i32, 0),
-                                                   ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                        prefetch_line(builder, at(ahead, const(line), i8))
                 return [builder.call(masked_load, [at(row, const(64 * v), v16f), ir.Constant(i32, 4),
                                                    masks[v], zero])
                         for v in range(nvec)]

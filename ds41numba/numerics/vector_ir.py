@@ -8,7 +8,7 @@ import llvmlite.ir as ir
 from numba.core import cgutils
 
 __all__ = ["I32", "I64", "F32", "V16I", "V16F", "row_operands", "row_pointer", "i64", "splat", "open_loop",
-           "close_loop"]
+           "close_loop", "prefetch"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
@@ -32,6 +32,16 @@ def row_pointer(builder, operand, row, offset, ty):
 def i64(v):
     """The i64 constant ``v``."""
     return ir.Constant(I64, v)
+
+
+def prefetch(builder, ptr):
+    """A hint to read the cache line at ``ptr`` (any pointer) into L1 (``prefetcht0``). It never
+    faults, so it may point past the end of an array."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
+                                        "llvm.prefetch.p0i8")
+    # read (0), the highest locality (3), data (1)
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def splat(builder, value, vty):
