@@ -549,8 +549,7 @@ def _pv_small(p, parts, src, zero_row, n, out, lo, hi, hd):
                 acc[d] += w * row[d]
 
 
-@njit(cache=True)
-def _head_groups(S, H, workers):
+def _head_groups(S: int, H: int, workers: int) -> int:
     """Into how many groups of heads each query's work splits: one, unless there are fewer
     queries than workers (a decode step), then as many as keep the workers busy, each a multiple
     of 16 heads (the q.k tiles' columns). Every head's arithmetic is the same in any group."""

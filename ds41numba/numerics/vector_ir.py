@@ -38,10 +38,10 @@ def prefetch(builder, ptr):
     """A hint to read the cache line at ``ptr`` (any pointer) into L1 (``prefetcht0``). It never
     faults, so it may point past the end of an array."""
     i8p = ir.IntType(8).as_pointer()
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
-                                        "llvm.prefetch.p0i8")
-    # read (0), the highest locality (3), data (1)
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]), "llvm.prefetch.p0i8")
+    read, highest_locality, data = (ir.Constant(I32, v) for v in (0, 3, 1))
+    builder.call(fn, [builder.bitcast(ptr, i8p), read, highest_locality, data])
 
 
 def splat(builder, value, vty):
