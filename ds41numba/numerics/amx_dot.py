@@ -464,6 +464,9 @@ class _BitsMix:
             builder.store(builder.shuffle_vector(sums[0], sums[1], firsts), ptr, align=4)
 
 
+_V32H = ir.VectorType(ir.IntType(16), 32)
+
+
 class _BFloat(ir.Type):
     """LLVM's ``bfloat`` (llvmlite has no such type), to declare the conversion's result."""
 
@@ -471,15 +474,22 @@ class _BFloat(ir.Type):
         return "bfloat"
 
 
-def _round_pair(builder, lo, hi):
+def _round_pair(builder, lo, hi, relu=False):
     """Two vectors of 16 f32 rounded to bf16 by ``vcvtne2ps2bf16`` (RNE; denormal inputs and
     results flushed to zero), back as f32 and split by parity: of the 32 values ``[lo, hi]``,
     the even ones (value ``2d`` in lane d) and the odd ones. No shuffle: each result pair is
-    one 32-bit lane of the instruction's output."""
+    one 32-bit lane of the instruction's output. ``relu``: negative results made +0 on the
+    32 bf16 values at once (a signed 16-bit max with 0: a bf16 value and its bit pattern have
+    the same sign)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VectorType(_BFloat(), 32), [V16F, V16F]),
         "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
-    pairs = builder.bitcast(builder.call(fn, [hi, lo]), V16I)     # the low half from its 2nd operand
+    pairs = builder.call(fn, [hi, lo])        # the low half from its 2nd operand
+    if relu:
+        halves = builder.bitcast(pairs, _V32H)
+        zero = ir.Constant(_V32H, [0] * 32)
+        pairs = builder.select(builder.icmp_signed(">", halves, zero), halves, zero)
+    pairs = builder.bitcast(pairs, V16I)
     even = builder.bitcast(builder.shl(pairs, _lanes(16)), V16F)
     odd = builder.bitcast(builder.and_(pairs, _lanes(0xFFFF0000 - (1 << 32))), V16F)
     return even, odd
@@ -499,8 +509,9 @@ _UNSHUFFLE = [(_SECOND[0] + _SECOND[1]).index(j) for j in range(DOT_LANES)]
 
 
 class _ConvertedMix(_BitsMix):
-    """:class:`_BitsMix` with both roundings on ``vcvtne2ps2bf16``: the ReLU on the integers
-    (``max(s, 0)``), ``bf16(relu(bf16(s * sq * sk)) * w) = bf16(bf16(relu(s)) * (w * sq * sk))``
+    """:class:`_BitsMix` with both roundings on ``vcvtne2ps2bf16``: the ReLU on the rounded
+    integers (``relu(bf16(s)) = bf16(relu(s))``: rounding keeps a sign),
+    ``bf16(relu(bf16(s * sq * sk)) * w) = bf16(bf16(relu(s)) * (w * sq * sk))``
     (scaling by powers of two commutes with rounding while every value stays normal), so a
     product needs one scale vector per row. The sums' lanes hold the keys in the order the
     conversions leave them (``_SECOND``), put back in order when written out."""
@@ -513,18 +524,15 @@ class _ConvertedMix(_BitsMix):
     def rows(self, src_at, rt, rows=range(AMX_ROWS)):
         builder = self.b
         src = (src_at, i64(4 * DOT_LANES))
-        zero = _lanes(0)
         for m in rows:
             row = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(m))
             sq = builder.load(row_pointer(builder, self.s_op, row, i64(0), F32))
             wq = splat(builder, builder.fmul(builder.load(row_pointer(builder, self.w_op, row, i64(0), F32)),
                                              sq), V16F)
-            f = []
-            for h in range(_HALVES):
-                total = builder.load(row_pointer(builder, src, i64(m), i64(64 * h), V16I), align=4)
-                relu = builder.select(builder.icmp_signed(">", total, zero), total, zero)
-                f.append(builder.sitofp(relu, V16F))
-            rounded = _round_pair(builder, *f)
+            f = [builder.sitofp(builder.load(row_pointer(builder, src, i64(m), i64(64 * h), V16I),
+                                             align=4), V16F)
+                 for h in range(_HALVES)]
+            rounded = _round_pair(builder, *f, relu=True)
             products = [builder.fmul(rounded[i], builder.fmul(wq, self.sk[i])) for i in range(2)]
             for acc, term in zip(self.acc, _round_pair(builder, *products)):
                 builder.store(builder.fadd(builder.load(acc), term), acc)
