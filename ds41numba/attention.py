@@ -562,8 +562,8 @@ def _head_groups(S: int, H: int, workers: int) -> int:
 @njit(parallel=True, cache=True, nogil=True)
 def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
     """:func:`sparse_attn` into ``o``: the work items are the queries, or with fewer queries than
-    workers each query's ``groups`` groups of heads (:func:`_head_groups`); worker w takes the items w,
-    w + workers, ..., each whole (its arithmetic does not depend on which worker runs it), in
+    workers each query's ``groups`` groups of heads (:func:`_head_groups`); worker w takes the
+    items w, w + workers, ..., each whole (its arithmetic does not depend on which worker runs it), in
     buffers of its own."""
     S, H, hd = q.shape
     W = idx.shape[1]
