@@ -356,9 +356,6 @@ def test_compare_unreadable_file_exits_2(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["tiny", "mixed", "edge_prefill1", "edge_prefill_window",
                                   "edge_r128_short", "edge_r128_groups", "prod_dev"])
 def test_reference_goldens_replay_exactly_under_exact_index(name, capsys):
-    from ds41numba.numerics import bf16_dot_enabled
-    if name == "prod_dev" and not bf16_dot_enabled():
-        pytest.skip("prod_dev's index rows are bit-identical on AVX512-BF16 only (README)")
     assert main(["replay", "--quiet", "--exact-index", "--json", str(DATA / f"{name}.npz")]) == 0
     s = json.loads(capsys.readouterr().out)["summary"]
     assert s["index_rule"] == "exact" and s["index_rows_differ"] == 0 and s["ok"]

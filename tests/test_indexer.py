@@ -120,6 +120,10 @@ SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot),
                pytest.param("avx512-vnni", marks=needs_int8_dot), pytest.param("amx", marks=needs_amx)]
 # The tiers this CPU runs, from the highest down.
 TIERS = [b for b in BACKENDS if b == "blas" or BACKENDS.index(b) >= BACKENDS.index(backend())]
+# Every tier, those this CPU lacks skipped.
+ALL_TIERS = [pytest.param(b, marks=pytest.mark.skipif(b not in TIERS, reason=f"this CPU lacks the "
+                                                      f"{b} tier (or it is switched off)"))
+             for b in BACKENDS]
 
 
 def int8_tile_scores(iq, w, keys, clen, n):
@@ -188,7 +192,7 @@ def _naive_visible_maxima(scores, clen, block):
     return out
 
 
-@pytest.mark.parametrize("tier", BACKENDS)
+@pytest.mark.parametrize("tier", ALL_TIERS)
 @pytest.mark.parametrize("block", [8, 4, 32, 3, 12])
 def test_block_maxima_taken_with_the_scores_are_the_naive_maxima(tier, block):
     """The candidate source's block maxima from ``scores(maxima=...)`` (inside the packed
@@ -225,7 +229,7 @@ def test_block_maxima_need_a_buffer_that_holds_them():
             cache.scores(iq, w, np.array([10, 40]), 40, maxima=maxima)
 
 
-@pytest.mark.parametrize("tier", BACKENDS)
+@pytest.mark.parametrize("tier", ALL_TIERS)
 def test_a_reused_score_buffer_is_masked_only_where_it_was_written(tier):
     """The indexer reuses one score buffer tile after tile and masks only the columns a
     previous tile wrote (``dirty_to``): a buffer full of garbage masked in full, then reused

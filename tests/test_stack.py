@@ -35,7 +35,7 @@ from helpers import (DATA, captured_steps, random_config, random_weights, random
                      run_steps, xs)
 from ds41numba import AttentionStack, AttnConfig, preset, to_bf16_rne
 from ds41numba.golden import GoldenError, GoldenPlan, make_weights
-from ds41numba.numerics import backend, bf16_dot_enabled, use_backend
+from ds41numba.numerics import backend, use_backend
 from ds41numba.stack import weight_specs
 
 
@@ -126,24 +126,21 @@ def replay(d):
 
 @pytest.mark.parametrize("name", GOLDENS)
 def test_replay_golden(reference_golden, name):
-    """Every index row identical and every float within the bf16 bar; with the reference's own
-    product orders (AVX512-BF16) every float element bit-identical too."""
+    """Every index row identical and every float element bit-identical: the reference's own
+    product orders."""
     failures, same, total = replay(reference_golden(name))
     assert not failures, f"{len(failures)} mismatches, first: " + "\n".join(failures[:15])
-    bar = 1.0 if bf16_dot_enabled() else 0.99
-    assert same / total >= bar, f"only {same / total:.4%} of float elements bit-identical"
+    assert same == total, f"only {same / total:.4%} of float elements bit-identical"
 
 
-@pytest.mark.parametrize("path", ["default", "f32-blas"])
-def test_replay_prod_dev_statistically(reference_golden, path):
-    """Production head shapes. In the reference's own product orders (AVX512-BF16) every index
-    row and every float element is identical. On numpy's f32 BLAS the agreement is statistical,
-    and the bar is the reference's agreement with itself on torch's other CPU matmul backend
-    (golden README): 99.27% of index rows and 93.9% of float elements (measured: 99.71%, 96.2%).
-    """
+@pytest.mark.parametrize("path", ["default", "blas-tier"])
+def test_replay_prod_dev_exactly_on_every_tier(reference_golden, path):
+    """Production head shapes, in the reference's own product orders: every index row and every
+    float element identical, on this CPU's tier and on the ``blas`` tier (a CPU without
+    AVX512-BF16, whose bf16 products run on the FMA twin of ``vdpbf16ps``)."""
     rows_same = rows_total = el_same = el_total = 0
     # Captures may be views of the stack's live state: each is counted before the next step.
-    with use_backend("blas" if path == "f32-blas" else backend()):
+    with use_backend("blas" if path == "blas-tier" else backend()):
         for _pre, k, g, want in iter_captures(reference_golden("prod_dev")):
             assert g.shape == want.shape, f"{_pre}{k}: shape {g.shape} != {want.shape}"
             if k in INDEX_KEYS:
@@ -156,20 +153,18 @@ def test_replay_prod_dev_statistically(reference_golden, path):
                 el_same += int(eq.sum())
                 el_total += eq.size
     assert rows_total > 8000 and el_total > 10**6
-    exact = path == "default" and bf16_dot_enabled()
-    assert rows_same / rows_total >= (1.0 if exact else 0.9927), \
-        f"index rows identical: {rows_same / rows_total:.4%}"
-    assert el_same / el_total >= (1.0 if exact else 0.939), \
-        f"float elements identical: {el_same / el_total:.4%}"
+    assert rows_same == rows_total, f"index rows identical: {rows_same / rows_total:.4%}"
+    assert el_same == el_total, f"float elements identical: {el_same / el_total:.4%}"
 
 
 @pytest.mark.parametrize("name", ["tiny", "mixed"])
 def test_replay_golden_without_avx512_bf16(reference_golden, name):
-    """A CPU without AVX512-BF16 runs every product on numpy's f32 BLAS: the same goldens."""
+    """A CPU without AVX512-BF16 (the ``blas`` tier: bf16 products on FMAs, index scores on
+    numpy's BLAS): the same goldens, bit for bit."""
     with use_backend("blas"):
         failures, same, total = replay(reference_golden(name))
     assert not failures, f"{len(failures)} mismatches, first: " + "\n".join(failures[:15])
-    assert same / total >= 0.99
+    assert same == total, f"only {same / total:.4%} of float elements bit-identical"
 
 
 # =============================================================================== thread counts
@@ -213,7 +208,7 @@ def test_outputs_do_not_depend_on_thread_counts():
     assert digest(2, 2) == one
     assert digest(2, 1) == one
     assert digest(1, 2) == one
-    # Without AVX512-BF16 the products run on numpy's f32 BLAS: thread-independent as well.
+    # Without AVX512-BF16 (the blas tier): thread-independent as well.
     blas = digest(1, 1, bf16_dot="0")
     assert digest(2, 2, bf16_dot="0") == blas
 

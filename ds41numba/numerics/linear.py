@@ -96,9 +96,9 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     (:func:`bf16_k_block`) for a call of ``ref_rows`` rows (default: the rows of x; a tiled
     loop passes the length of the whole step): at most ``MATVEC_MAX_ROWS`` rows (a decode step)
     through the kernel that reads the held bf16 pairs a row at a time, more rows of bf16 values
-    through the AVX512-BF16 kernel where the CPU has it (:attr:`Bf16Matrix.dot_bf16`).
-    Elsewhere, and for a plain float32 ``w``, numpy's f32 BLAS sums in its own order:
-    approximate (README, "How exact"). So do products of at most ``TINY_BF16_LINEAR``
+    through :meth:`Bf16Matrix.dot_bf16` (AVX512-BF16, or its FMA twin on any CPU). For a plain
+    float32 ``w``, or x not bf16-valued, numpy's f32 BLAS sums in its own order: approximate
+    (README, "How exact"). So do products of at most ``TINY_BF16_LINEAR``
     multiply-adds per group, which torch does not hand to oneDNN but sums in a kernel of its
     own (an order not pinned down; they occur only at toy shapes, where BLAS reproduces the
     reference's goldens).
@@ -123,7 +123,7 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
         y = output_buffer(out, shape, "linear_bf16")
         y[...] = w.matvec(x, ref_rows)
         return y
-    if ordered and bf16_dot_enabled():
+    if ordered:
         y = output_buffer(out, (rows, n_out), "linear_bf16")
         if w.dot_bf16(x.reshape(rows, w.in_features), y, ref_rows):
             return round_bf16_inplace(y).reshape(shape)
@@ -379,32 +379,33 @@ class Bf16Matrix:
         return out
 
     def dot_bf16(self, x, out, ref_rows: int | None = None) -> bool:
-        """``out = x @ w.T`` in f32 (not rounded) on AVX512-BF16, for rows ``x [m, in_features]``
-        of bf16 values (float32 or ``ml_dtypes.bfloat16``): the products are exact and each output
-        sums them in the reference's order for a call of ``ref_rows`` rows (default ``m``; see
+        """``out = x @ w.T`` in f32 (not rounded), for rows ``x [m, in_features]`` of bf16 values
+        (float32 or ``ml_dtypes.bfloat16``): the products are exact and each output sums them in
+        the reference's order for a call of ``ref_rows`` rows (default ``m``; see
         :func:`bf16_k_block`), with ``vdpbf16ps`` or, where FMAs are faster on this CPU
         (:func:`~.bf16_dot.fma_faster`) and give the same sums (:func:`~.bf16_dot.fma_safe`),
-        with two FMAs a pair in its order. Returns False where it cannot run
-        (no AVX512-BF16, x not bf16-valued; ``out`` may then be partly
-        written): use BLAS instead.
+        with two FMAs a pair in its order. Without AVX512-BF16 (the ``blas`` tier) always on the
+        FMAs: the same sums but where ``vdpbf16ps`` would flush a denormal, which they keep.
+        Either way no sum depends on the rows' tiling or the thread count (a BLAS's may: some
+        OpenBLAS kernels sum a row by where it sits in the call). Returns False where x is not
+        bf16-valued (``out`` may then be partly written): use BLAS instead.
 
         Rows run ``_WIDEN_ROWS`` at a time, so the operand copy of a long input stays small.
         """
         k_in = self.shape[1]
-        if not bf16_dot_enabled():
-            return False
         x = np.ascontiguousarray(x)
         m, n_out = x.shape[0], self.shape[0]
         rank = n_out // self.groups
         b = self._pairs
         block_pairs = bf16_k_block(m if ref_rows is None else ref_rows, k_in) // 2
-        fma = fma_faster() and self._range[0]
+        native = bf16_dot_enabled()
+        fma = not native or (fma_faster() and self._range[0])
         for r0 in range(0, m, _WIDEN_ROWS):
             chunk = _even_width(x[r0:r0 + _WIDEN_ROWS])
             n = chunk.shape[0]
             rows = -(-n // DOT_ROWS) * DOT_ROWS
-            a = self._fma_operand(chunk, rows) if fma else None
-            if a is None:
+            a = self._fma_operand(chunk, rows, same_as_dot=native) if fma else None
+            if a is None and native:
                 a = _pairs_operand(chunk, rows)
             if a is None:       # not bf16 values: the caller's BLAS path runs
                 return False
@@ -417,11 +418,13 @@ class Bf16Matrix:
                 y[...] = padded[:n].reshape(n, self.groups, -1)[:, :, :rank].reshape(n, n_out)
         return True
 
-    def _fma_operand(self, chunk, rows):
+    def _fma_operand(self, chunk, rows, same_as_dot=True):
         """The FMA kernel's A operand for ``chunk`` (its values, padded to ``rows`` rows), or
-        None where the FMA kernel's sums could differ from ``vdpbf16ps``'s (:func:`fma_safe`)."""
+        None where they are not bf16 values or (``same_as_dot``) where the FMA kernel's sums
+        could differ from ``vdpbf16ps``'s (:func:`fma_safe`)."""
         values = np.ascontiguousarray(chunk, np.float32)
-        if not fma_safe(values_range(values), self._range, self.shape[1]):
+        if not (fma_safe(values_range(values), self._range, self.shape[1]) if same_as_dot
+                else is_bf16_valued(values)):
             return None
         if rows == values.shape[0]:
             return values
