@@ -1053,7 +1053,8 @@ def test_linear_bf16_on_inputs_the_fma_kernel_refuses(bf16_kernel):
 
 @pytest.mark.parametrize("m, k, n, groups, ref_rows", [
     (1, 1280, 70, 1, None), (3, 1025, 64, 1, None), (1, 2048, 64, 2, None), (5, 3000, 40, 1, 2048),
-    (20, 1536, 64, 1, None), (20, 2050, 96, 2, None), (9, 1100, 64, 1, 1), (40, 777, 64, 1, None)])
+    (20, 1536, 64, 1, None), (20, 2050, 96, 2, None), (9, 1100, 64, 1, 1), (40, 777, 64, 1, None),
+    (24, 777, 64, 2, None)])
 def test_linear_bf16_follows_the_reference_order(m, k, n, groups, ref_rows, bf16_kernel):
     """Against the literal emulation, for both kernels (few rows / many rows), grouped, odd K, and
     a tile of rows summed in the order of a call of ``ref_rows`` rows (a tiled prefill)."""
@@ -1116,11 +1117,12 @@ def test_one_row_and_many_row_products_of_one_matrix_agree(k, n, groups):
 
 
 @pytest.mark.parametrize("m, k, n, groups", [(20, 96, 40, 1), (16, 128, 64, 4), (3, 20, 30, 1),
-                                             (40, 777, 64, 2), (9, 1100, 64, 1)])
-def test_blas_path_widens_the_held_weight_exactly(m, k, n, groups):
-    """On the BLAS backend (a CPU without AVX512-BF16) and for the tiny products, the held pairs
-    are widened back to the very f32 weight: the result is BLAS's own product of that weight, as
-    before the weight was held once."""
+                                             (40, 777, 64, 2), (9, 1100, 64, 1), (12, 16, 16, 2)])
+def test_blas_tier_widens_the_held_weight_exactly_and_orders_the_rest(m, k, n, groups):
+    """On the ``blas`` tier (a CPU without AVX512-BF16) the tiny products (torch's own kernel in
+    the reference) run on BLAS from the held pairs widened back to the very f32 weight: BLAS's own
+    product of that weight. Every other many-row product runs on the FMA kernel, in the
+    reference's order."""
     rng = np.random.default_rng(m + k + n)
     x = _bf16_rows(rng, (m, groups * k))
     w = _bf16_rows(rng, (n, k), 1 / np.sqrt(k))
@@ -1128,12 +1130,17 @@ def test_blas_path_widens_the_held_weight_exactly(m, k, n, groups):
     rank = n // groups
     assert_same_bits(mat.to_f32(), w)
     assert_same_bits(mat.to_f32(groups - 1), w[(groups - 1) * rank:])
+    tiny = m * rank * k <= nm.TINY_BF16_LINEAR
     want = np.empty((m, n), F32)
     for g in range(groups):
-        y = np.empty((m, rank), F32)
-        linear_mod._blas_product(np.ascontiguousarray(x[:, g * k:(g + 1) * k]),
-                                 np.ascontiguousarray(w[g * rank:(g + 1) * rank]), y, m)
-        want[:, g * rank:(g + 1) * rank] = naive.to_bf16_rne(y)
+        xg = np.ascontiguousarray(x[:, g * k:(g + 1) * k])
+        wg = np.ascontiguousarray(w[g * rank:(g + 1) * rank])
+        if tiny:
+            y = np.empty((m, rank), F32)
+            linear_mod._blas_product(xg, wg, y, m)
+            want[:, g * rank:(g + 1) * rank] = naive.to_bf16_rne(y)
+        else:
+            want[:, g * rank:(g + 1) * rank] = naive.linear_bf16_ordered(xg, wg, m)
     with nm.use_backend("blas"):
         got = nm.linear_bf16(x, mat)
     assert_same_bits(got, want)

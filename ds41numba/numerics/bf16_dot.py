@@ -19,8 +19,8 @@ from .formats import as_f32_array, output_buffer
 from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, prefetch, row_operands,
                         row_pointer, splat)
 
-__all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_fma_tile",
-           "bf16_matvec_tile", "gemm_bf16", "bf16_pairs", "pack_bf16_pairs", "values_range", "fma_safe",
+__all__ = ["DOT_ROWS", "DOT_LANES", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_dot_run", "bf16_fma_tile",
+           "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16", "bf16_pairs", "pack_bf16_pairs", "values_range", "fma_safe",
            "fma_faster"]
 
 
@@ -37,6 +37,8 @@ __all__ = ["DOT_ROWS", "DOT_LANES", "GEMM_PAIRS", "MATVEC_BLOCKS", "bf16_dot_til
 DOT_ROWS = 8
 #: Columns of B one call multiplies: two 16-lane vectors.
 DOT_LANES = 32
+#: Pairs of B ahead the many-row micro-kernels ask the cache for.
+GEMM_PREFETCH = 24
 
 
 def _b_rows(builder, b_op, p):
@@ -45,14 +47,17 @@ def _b_rows(builder, b_op, p):
             for v in range(DOT_LANES // 16)]
 
 
-def _pairs_loop(builder, o_op, n_pairs, name, step):
-    """The frame both bf16 micro-kernels share: the ``[DOT_ROWS, DOT_LANES]`` output tile's sums
-    loaded into registers, a loop over the pairs p whose ``step(p, acc)`` returns the new sums,
-    and the sums stored back."""
+def _pairs_loop(builder, o_op, n_pairs, name, step, fresh):
+    """The frame both bf16 micro-kernels share: a loop over the pairs p whose ``step(p, acc)``
+    returns the ``[DOT_ROWS, DOT_LANES]`` output tile's new sums, in registers throughout. The
+    sums start from the output tile and are stored back; or (``fresh``) start from zero and are
+    added to the output tile at the end, one rounded addition each: a later run of the
+    reference's order (:func:`~.linear.bf16_k_block`) without a tile of its own in memory."""
     nvec = DOT_LANES // 16
     out_ptrs = [[row_pointer(builder, o_op, i64(m), i64(64 * v), V16F) for v in range(nvec)]
                 for m in range(DOT_ROWS)]
-    start = [[builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
+    zero = ir.Constant(V16F, [0.0] * 16)
+    start = [[zero if fresh else builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
     p, entry = open_loop(builder, name)
     acc = [[builder.phi(V16F) for _ in range(nvec)] for _ in range(DOT_ROWS)]
     for m in range(DOT_ROWS):
@@ -66,7 +71,63 @@ def _pairs_loop(builder, o_op, n_pairs, name, step):
     close_loop(builder, p, n_pairs, name)
     for m in range(DOT_ROWS):
         for v in range(nvec):
-            builder.store(new[m][v], out_ptrs[m][v], align=4)
+            total = builder.fadd(builder.load(out_ptrs[m][v], align=4), new[m][v]) if fresh else new[m][v]
+            builder.store(total, out_ptrs[m][v], align=4)
+
+
+def _dot_step(builder, a_op, b_op):
+    """One pair of every row against the B block: ``vdpbf16ps``."""
+    # The bf16 pairs as <16 x i32>: the intrinsic's original type, which LLVMs that have
+    # since typed it <32 x bfloat> upgrade as they read the IR (llvmlite has no bfloat type).
+    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I, V16I]),
+                                         "llvm.x86.avx512bf16.dpbf16ps.512")
+
+    def step(p, acc):
+        ahead = builder.add(p, i64(GEMM_PREFETCH))
+        for v in range(DOT_LANES // 16):
+            prefetch(builder, row_pointer(builder, b_op, ahead, i64(64 * v), F32))
+        bv = _b_rows(builder, b_op, p)
+        new = []
+        for m in range(DOT_ROWS):
+            pair = builder.load(row_pointer(builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4)
+            pairs = splat(builder, pair, V16I)
+            new.append([builder.call(dot, [acc[m][v], bv[v], pairs]) for v in range(len(bv))])
+        return new
+
+    return step
+
+
+def _fma_step(builder, a_op, b_op):
+    """One pair of every row against the B block: two FMAs, odd element first."""
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16F, V16F]),
+                                         "llvm.fma.v16f32")
+    high = ir.Constant(V16I, [0xFFFF0000 - (1 << 32)] * 16)
+    sixteen = ir.Constant(V16I, [16] * 16)
+
+    def step(p, acc):
+        bv = _b_rows(builder, b_op, p)
+        b_even = [builder.bitcast(builder.shl(x, sixteen), V16F) for x in bv]
+        b_odd = [builder.bitcast(builder.and_(x, high), V16F) for x in bv]
+        p8 = builder.mul(p, i64(8))
+        new = []
+        for m in range(DOT_ROWS):
+            a_even, a_odd = (splat(builder, builder.load(row_pointer(builder, a_op, i64(m), at, F32), align=4), V16F)
+                             for at in (p8, builder.add(p8, i64(4))))
+            new.append([builder.call(fma, [a_even, b_even[v], builder.call(fma, [a_odd, b_odd[v], acc[m][v]])])
+                        for v in range(len(bv))])
+        return new
+
+    return step
+
+
+def _tile_codegen(make_step, name, fresh):
+    def codegen(context, builder, signature, args):
+        (a_op, b_op, o_op), arrays = row_operands(context, builder, signature, args)
+        n_pairs = cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0]
+        _pairs_loop(builder, o_op, n_pairs, name, make_step(builder, a_op, b_op), fresh)
+        return context.get_dummy_value()
+
+    return codegen
 
 
 @intrinsic
@@ -79,29 +140,14 @@ def bf16_dot_tile(typingctx, a, b, out):
     with ``vdpbf16ps``: products exact, sums rounded to f32 (RNE), denormal inputs and results
     flushed to zero. The caller checks the shapes; P >= 1.
     """
-    sig = types.void(a, b, out)
+    return types.void(a, b, out), _tile_codegen(_dot_step, "bf16dot", fresh=False)
 
-    def codegen(context, builder, signature, args):
-        # The bf16 pairs as <16 x i32>: the intrinsic's original type, which LLVMs that have
-        # since typed it <32 x bfloat> upgrade as they read the IR (llvmlite has no bfloat type).
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I, V16I]),
-                                             "llvm.x86.avx512bf16.dpbf16ps.512")
-        (a_op, b_op, o_op), arrays = row_operands(context, builder, signature, args)
 
-        def step(p, acc):
-            bv = _b_rows(builder, b_op, p)
-            new = []
-            for m in range(DOT_ROWS):
-                pair = builder.load(row_pointer(builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4)
-                pairs = splat(builder, pair, V16I)
-                new.append([builder.call(dot, [acc[m][v], bv[v], pairs]) for v in range(len(bv))])
-            return new
-
-        _pairs_loop(builder, o_op, cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0], "bf16dot", step)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
+@intrinsic
+def bf16_dot_run(typingctx, a, b, out):
+    """:func:`bf16_dot_tile`'s sums from zero, then ``out[m, j] = out[m, j] + sum``: one later
+    run of the reference's order, added to the runs before it."""
+    return types.void(a, b, out), _tile_codegen(_dot_step, "bf16run", fresh=True)
 
 
 @intrinsic
@@ -116,32 +162,13 @@ def bf16_fma_tile(typingctx, a, b, out):
     twice as fast. It differs only where ``vdpbf16ps`` flushes denormals (inputs read as zero,
     results flushed): the caller keeps such inputs away (:func:`fma_safe`). P >= 1.
     """
-    sig = types.void(a, b, out)
+    return types.void(a, b, out), _tile_codegen(_fma_step, "bf16fma", fresh=False)
 
-    def codegen(context, builder, signature, args):
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16F, V16F]),
-                                             "llvm.fma.v16f32")
-        (a_op, b_op, o_op), arrays = row_operands(context, builder, signature, args)
-        high = ir.Constant(V16I, [0xFFFF0000 - (1 << 32)] * 16)
-        sixteen = ir.Constant(V16I, [16] * 16)
 
-        def step(p, acc):
-            bv = _b_rows(builder, b_op, p)
-            b_even = [builder.bitcast(builder.shl(x, sixteen), V16F) for x in bv]
-            b_odd = [builder.bitcast(builder.and_(x, high), V16F) for x in bv]
-            p8 = builder.mul(p, i64(8))
-            new = []
-            for m in range(DOT_ROWS):
-                a_even, a_odd = (splat(builder, builder.load(row_pointer(builder, a_op, i64(m), at, F32), align=4), V16F)
-                                 for at in (p8, builder.add(p8, i64(4))))
-                new.append([builder.call(fma, [a_even, b_even[v], builder.call(fma, [a_odd, b_odd[v], acc[m][v]])])
-                            for v in range(len(bv))])
-            return new
-
-        _pairs_loop(builder, o_op, cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0], "bf16fma", step)
-        return context.get_dummy_value()
-
-    return sig, codegen
+@intrinsic
+def bf16_fma_run(typingctx, a, b, out):
+    """:func:`bf16_fma_tile`'s sums from zero, then added to ``out`` (as :func:`bf16_dot_run`)."""
+    return types.void(a, b, out), _tile_codegen(_fma_step, "bf16fmarun", fresh=True)
 
 
 #: Output blocks (each DOT_LANES wide) one :func:`bf16_matvec_tile` call advances together.
@@ -307,7 +334,7 @@ def fma_faster() -> bool:
 @njit(cache=True)
 def _hot_tiles(a, b, out, reps):
     for _ in range(reps):
-        _tile_product(a, b, out)
+        _tile_product(a, b, out, False)
 
 
 def _measure_fma_faster() -> bool:
@@ -326,10 +353,10 @@ def _measure_fma_faster() -> bool:
 
 
 # A product of many rows runs in work items of _GEMM_ROWS rows by one block of DOT_LANES
-# columns, over the inner dimension GEMM_PAIRS pairs at a time: that slice of B (32 KB) stays
-# in L1 while every row group of the item passes over it.
+# columns, one run of the reference's order (up to 512 pairs) at a time: that slice of B (up to
+# 64 KB) stays in cache while every row group of the item passes over it, and each micro-kernel
+# call sums a whole run in registers.
 _GEMM_ROWS = 256
-GEMM_PAIRS = 256
 
 
 def _a_width(a):
@@ -342,16 +369,22 @@ def _a_width_impl(a):
     return lambda a: width
 
 
-def _tile_product(a, b, out):
+def _tile_product(a, b, out, later):
     """The micro-kernel for A's layout: :func:`bf16_dot_tile` on pairs, :func:`bf16_fma_tile`
-    on f32 values."""
+    on f32 values; their ``_run`` forms for a ``later`` run (summed from zero, then added)."""
 
 
 @overload(_tile_product)
-def _tile_product_impl(a, b, out):
-    if a.dtype == types.float32:
-        return lambda a, b, out: bf16_fma_tile(a, b, out)
-    return lambda a, b, out: bf16_dot_tile(a, b, out)
+def _tile_product_impl(a, b, out, later):
+    tile, run = (bf16_fma_tile, bf16_fma_run) if a.dtype == types.float32 else (bf16_dot_tile, bf16_dot_run)
+
+    def impl(a, b, out, later):
+        if later:
+            run(a, b, out)
+        else:
+            tile(a, b, out)
+
+    return impl
 
 
 @njit(parallel=True, cache=True)
@@ -363,9 +396,9 @@ def gemm_bf16(a, b, out, groups, block_pairs):
     The blocks split evenly into ``groups``; block j belongs to group ``g = j // (blocks /
     groups)`` and reads the pairs ``g*P .. (g+1)*P`` of A (the grouped projection). The inner
     dimension is summed in the reference's order (:func:`bf16_k_block`): runs of
-    ``block_pairs`` pairs (a multiple of ``GEMM_PAIRS``, or >= P for one run), each from zero,
-    added to the output in order. Every output is summed whole by one work item: the result
-    does not depend on the thread count.
+    ``block_pairs`` pairs (or >= P for one run), each from zero, added to the output in order.
+    Every output is summed whole by one work item: the result does not depend on the thread
+    count.
     """
     M = a.shape[0]
     n_blocks, P = b.shape[0], b.shape[1]
@@ -378,22 +411,12 @@ def gemm_bf16(a, b, out, groups, block_pairs):
         r0, r1 = i * _GEMM_ROWS, min(M, (i + 1) * _GEMM_ROWS)
         o = out[r0:r1, j * DOT_LANES:(j + 1) * DOT_LANES]
         o[:] = 0
-        # The first run sums straight into the output; later runs into a tile of their own.
-        run = np.empty((r1 - r0 if P > block_pairs else 0, DOT_LANES), np.float32)
         a_rows = a[r0:r1, g * P * width:(g + 1) * P * width]
-        for k0 in range(0, P, GEMM_PAIRS):
-            k1 = min(P, k0 + GEMM_PAIRS)
-            later = k0 >= block_pairs
-            starts = later and k0 % block_pairs == 0
-            ends = later and (k1 == P or k1 % block_pairs == 0)
-            b_panel = b[j, k0:k1]
+        for k0 in range(0, P, block_pairs):
+            k1 = min(P, k0 + block_pairs)
+            b_run = b[j, k0:k1]
             for r in range(0, r1 - r0, DOT_ROWS):
-                t = run[r:r + DOT_ROWS] if later else o[r:r + DOT_ROWS]
-                if starts:
-                    t[:] = 0
-                _tile_product(a_rows[r:r + DOT_ROWS, k0 * width:k1 * width], b_panel, t)
-                if ends:
-                    o[r:r + DOT_ROWS] += t
+                _tile_product(a_rows[r:r + DOT_ROWS, k0 * width:k1 * width], b_run, o[r:r + DOT_ROWS], k0 > 0)
 
 
 @njit(cache=True)

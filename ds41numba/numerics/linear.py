@@ -296,12 +296,15 @@ def _matvec_bf16_serial(x, pairs, out, groups, k_in, block):
         _matvec_bf16_block(x, pairs, out, groups, k_in, block, item)
 
 
-def _even_width(x):
-    """``x [n, d]`` with a zero column appended when d is odd: the kernels take pairs, and a last
-    pair ``(p, 0)`` adds ``p`` alone, which is the reference's order for an odd K."""
-    if x.shape[1] % 2 == 0:
+def _even_width(x, groups=1):
+    """``x [n, groups * k]`` with a zero column appended to each group's k inputs when k is odd:
+    the kernels take pairs, and a last pair ``(p, 0)`` adds ``p`` alone, which is the
+    reference's order for an odd K."""
+    n, k = x.shape[0], x.shape[1] // groups
+    if k % 2 == 0:
         return x
-    return np.concatenate([x, np.zeros((x.shape[0], 1), x.dtype)], axis=1)
+    parts = x.reshape(n, groups, k)
+    return np.concatenate([parts, np.zeros((n, groups, 1), x.dtype)], axis=2).reshape(n, -1)
 
 
 class Bf16Matrix:
@@ -401,7 +404,7 @@ class Bf16Matrix:
         native = bf16_dot_enabled()
         fma = not native or (fma_faster() and self._range[0])
         for r0 in range(0, m, _WIDEN_ROWS):
-            chunk = _even_width(x[r0:r0 + _WIDEN_ROWS])
+            chunk = _even_width(x[r0:r0 + _WIDEN_ROWS], self.groups)
             n = chunk.shape[0]
             rows = -(-n // DOT_ROWS) * DOT_ROWS
             a = self._fma_operand(chunk, rows, same_as_dot=native) if fma else None
