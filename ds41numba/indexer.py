@@ -28,7 +28,8 @@ from numba.extending import overload
 from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, MAX_BLOCK,
                        aligned_empty, amx_begin, amx_dot_tile, amx_enabled, amx_end, amx_mix_tile,
                        bf16_dot_enabled, bf16_dot_tile, bf16_pairs, bf16_scalar, converted_mix_exact,
-                       empty_folded_blocks, foldable, folded_rows, fp4_quant_e8m0_inplace,
+                       FOLDED_KEY_OFFSET, empty_folded_blocks, foldable, folded_corrections, folded_rows,
+                       fp4_quant_e8m0_inplace, pack_offset_folded_blocks,
                        in_workers, int8_blocks_shape, int8_dot_enabled, int8_dot_exact,
                        int8_dot_tile, int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
@@ -453,6 +454,23 @@ def _query_int8(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
     return (quads, corr, scales), rng
 
 
+def _query_offset_folded(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
+    """A tile's query heads ``iq [T, ih, id]`` folded as the VNNI kernel's A operand against
+    :func:`~ds41numba.numerics.pack_offset_folded_blocks`' keys, in ``qbuf``: ``((quads, corr,
+    scales), range)`` (one group a row: corr and scales ``[rows, 1]``), the padding rows zeros
+    of scale 1."""
+    T, ih, idim = iq.shape
+    rows = _query_rows(T, ih)
+    quads = qbuf[:rows * idim // 4].reshape(rows, idim // 4)
+    corr = qbuf[rows * idim // 4:rows * (idim // 4 + 1)].view(np.int32).reshape(rows, 1)
+    scales = qbuf[rows * (idim // 4 + 1):rows * (idim // 4 + 2)].view(np.float32).reshape(rows, 1)
+    *_, rng = folded_rows(iq.reshape(T * ih, idim), out=(quads, scales))
+    quads[T * ih:] = 0
+    scales[T * ih:] = 1
+    folded_corrections(quads, out=corr)
+    return (quads, corr, scales), rng
+
+
 def _query_folded(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
     """A tile's query heads ``iq [T, ih, id]`` as the AMX kernel's A operand, in ``qbuf``:
     ``((quads, scales), range)``, the padding rows zeros of scale 1."""
@@ -523,6 +541,24 @@ def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.
     return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, maxima=maxima)
 
 
+def _tile_scores_offset_folded(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
+                               clen: np.ndarray, width: int, out: np.ndarray | None = None,
+                               qbuf: np.ndarray | None = None, dirty_to: int | None = None,
+                               maxima: tuple | None = None) -> np.ndarray | None:
+    """:func:`_tile_scores_int8` with both sides folded (one scale a row, one integer a dot
+    product: a quarter of the per-block work) against keys packed by
+    :func:`~ds41numba.numerics.pack_offset_folded_blocks`, or None when the queries or keys do
+    not fold or their products are not exact: the caller then runs the per-block layout."""
+    T, ih, idim = iq.shape
+    if keys[0].shape[1] != idim // 4:
+        raise ValueError(f"_tile_scores_offset_folded: packed keys {keys[0].shape} are not of "
+                         f"{idim} dims")
+    q, q_range = _query_offset_folded(iq, _query_buffer(qbuf, T, ih, idim))
+    if not (foldable(q_range, key_range) and int8_dot_exact(q_range, key_range, idim)):
+        return None
+    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, maxima=maxima)
+
+
 def _tile_scores_amx(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
                      clen: np.ndarray, width: int, out: np.ndarray | None = None,
                      qbuf: np.ndarray | None = None,
@@ -553,6 +589,11 @@ def _amx_scored(head_dim: int) -> bool:
     return amx_enabled() and head_dim % AMX_K == 0
 
 
+def _vnni_folded(head_dim: int) -> bool:
+    """... and first on folded rows: the VNNI tier (not AMX), heads as long as AMX's."""
+    return _int8_scored(head_dim) and not amx_enabled() and head_dim % AMX_K == 0
+
+
 class IndexKeyCache:
     """The index keys a key owner writes and every index source scores against.
 
@@ -570,17 +611,20 @@ class IndexKeyCache:
     not exact as integers). :meth:`scores` picks the kernel; every kernel gives the same scores.
     """
 
-    __slots__ = ("keys", "blocks", "int8", "int8_range", "folded", "folded_range")
+    __slots__ = ("keys", "blocks", "int8", "int8_range", "folded", "folded_range", "vfolded",
+                 "vfolded_range")
 
     def __init__(self, keys: np.ndarray, packed_rows: int | None = None):
         """Wrap ``keys`` (kept as given, not copied); its first ``packed_rows`` rows (all by
         default) hold keys already and are packed."""
         self.keys = keys
-        self.blocks = self.int8 = self.folded = None
-        self.int8_range = self.folded_range = EMPTY_RANGE
+        self.blocks = self.int8 = self.folded = self.vfolded = None
+        self.int8_range = self.folded_range = self.vfolded_range = EMPTY_RANGE
         rows = keys.shape[0] if packed_rows is None else packed_rows
         if _amx_scored(keys.shape[1]):
             self._pack_folded(rows)
+        if _vnni_folded(keys.shape[1]):
+            self._pack_vfolded(rows)
         if _int8_scored(keys.shape[1]) and not self._folds():
             self._pack_int8(rows)
         if bf16_dot_enabled() and not (self._folds() or (self.int8 is not None and not self.int8_range[0])):
@@ -598,8 +642,15 @@ class IndexKeyCache:
             pack_bf16_pairs(self.keys[:rows], self.blocks, 0)
 
     def _folds(self) -> bool:
-        """Whether the cache holds folded keys and they all fold."""
-        return self.folded is not None and foldable(self.folded_range, EMPTY_RANGE)
+        """Whether the cache holds folded keys (either layout) and they all fold."""
+        return ((self.folded is not None and foldable(self.folded_range, EMPTY_RANGE))
+                or (self.vfolded is not None and foldable(self.vfolded_range, EMPTY_RANGE)))
+
+    def _pack_vfolded(self, rows: int) -> None:
+        self.vfolded = empty_folded_blocks(*self.keys.shape, FOLDED_KEY_OFFSET)
+        self.vfolded_range = EMPTY_RANGE
+        if rows:
+            self.vfolded_range = pack_offset_folded_blocks(self.keys[:rows], self.vfolded, 0)[2]
 
     def _pack_folded(self, rows: int) -> None:
         self.folded = empty_folded_blocks(*self.keys.shape)
@@ -629,8 +680,12 @@ class IndexKeyCache:
         if self.folded is not None:
             self.folded_range = merge_ranges(self.folded_range,
                                              pack_folded_blocks(rows, self.folded, first_row)[2])
-            if not self._folds() and self.int8 is None:        # keys the VNNI kernel will score
-                self._pack_int8(self.keys.shape[0])
+        if self.vfolded is not None:
+            self.vfolded_range = merge_ranges(self.vfolded_range, pack_offset_folded_blocks(
+                rows, self.vfolded, first_row)[2])
+        if (self.folded is not None or self.vfolded is not None) and not self._folds() \
+                and self.int8 is None:                      # keys the per-block layout will score
+            self._pack_int8(self.keys.shape[0])
         if self.int8 is not None:
             self.int8_range = merge_ranges(self.int8_range,
                                            pack_int8_blocks(rows, self.int8, first_row)[2])
@@ -667,6 +722,13 @@ class IndexKeyCache:
                 self._pack_folded(self.keys.shape[0])
             got = _tile_scores_amx(iq, w, self.folded, self.folded_range, clen, width, out=out,
                                    qbuf=qbuf, dirty_to=dirty_to, maxima=maxima)
+            if got is not None:
+                return got
+        if _vnni_folded(self.keys.shape[1]):
+            if self.vfolded is None:    # made while the products ran on another tier
+                self._pack_vfolded(self.keys.shape[0])
+            got = _tile_scores_offset_folded(iq, w, self.vfolded, self.vfolded_range, clen, width,
+                                             out=out, qbuf=qbuf, dirty_to=dirty_to, maxima=maxima)
             if got is not None:
                 return got
         if _int8_scored(self.keys.shape[1]):

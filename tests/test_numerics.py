@@ -601,6 +601,68 @@ def _decode_rows(quads, scales, offset):
     return (ints * np.repeat(scales, 32, axis=-1)).astype(F32)
 
 
+def _offset_folded_dot(a_rows, b_rows):
+    """:func:`_int8_dot` on folded rows: queries :func:`folded_rows` with their corrections,
+    keys :func:`pack_offset_folded_blocks` (one group a row); returns the products and ranges."""
+    R, L = nm.DOT_ROWS, nm.DOT_LANES
+    qa, sa, ra = nm.folded_rows(a_rows)
+    ca = nm.folded_corrections(qa)
+    qb, sb, rb = nm.pack_offset_folded_blocks(b_rows)
+    out = np.zeros((qb.shape[0], R, L), F32)
+    _int8_dot_all(qa, ca, sa, qb, sb, out)
+    return out.transpose(1, 0, 2).reshape(R, -1)[:, :b_rows.shape[0]], ra, rb
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("d, spread", [(64, 0), (128, 2), (256, 1)])
+def test_offset_folded_rows_on_the_vnni_kernel_are_exact(d, spread):
+    """Folded rows (a row's block exponents at most FOLD_SPREAD apart, one scale a row) on the
+    VNNI kernel as one group: the exact dot products, the per-block layout's bit for bit."""
+    rng = np.random.default_rng(60 + d)
+    a, b = _fp4_rows(rng, nm.DOT_ROWS, d, spread), _fp4_rows(rng, 70, d, spread)
+    got, ra, rb = _offset_folded_dot(a, b)
+    assert nm.foldable(ra, rb) and nm.int8_dot_exact(ra, rb, d)
+    exact = a.astype(np.float64) @ b.T.astype(np.float64)
+    assert_same_bits(got, exact.astype(F32))
+    assert_same_bits(got, _int8_dot(a, b)[0])
+
+
+@needs_int8_dot
+def test_offset_folded_dot_at_its_largest_bytes():
+    """Values +-6 s with a row's blocks 2^3 apart: folded integers +-96 (key bytes 32 and 224),
+    the largest sums and corrections, no int32 overflow, exact f32 results."""
+    d = 128
+    a = np.full((nm.DOT_ROWS, d), 6.0, F32)
+    a[:, 96:] *= F32(8.0)
+    a[1] = -a[1]
+    a[2, ::2] = -a[2, ::2]
+    b = np.full((40, d), 48.0, F32)
+    b[:, :32] = F32(6.0)
+    b[1::2] = -b[1::2]
+    got, ra, rb = _offset_folded_dot(a, b)
+    assert nm.foldable(ra, rb) and nm.int8_dot_exact(ra, rb, d) and ra[3] == rb[3] == 3
+    assert_same_bits(got, (a.astype(np.float64) @ b.T.astype(np.float64)).astype(F32))
+
+
+def test_offset_folded_packing_holds_the_values():
+    """The offset-folded keys are each value's folded integer plus FOLDED_KEY_OFFSET in its
+    lane, scale 2^(lowest block exponent); unwritten lanes hold the offset (zeros) and scale 1;
+    the corrections are -FOLDED_KEY_OFFSET times each query row's byte sum."""
+    rng = np.random.default_rng(62)
+    x = _fp4_rows(rng, 40, 128, 2)
+    kq, ks, rb = nm.pack_offset_folded_blocks(x)
+    assert nm.foldable(rb, nm.EMPTY_RANGE) and kq.shape == (2, 32, nm.DOT_LANES) and ks.shape == (2, 1, nm.DOT_LANES)
+    ints = kq.view(np.uint8).reshape(2, 32, nm.DOT_LANES, 4).astype(np.int64) - nm.FOLDED_KEY_OFFSET
+    values = ints.transpose(0, 2, 1, 3).reshape(2 * nm.DOT_LANES, 128) * ks.reshape(-1, 1)
+    assert np.array_equal(values[:40], x) and not values[40:].any()
+    assert np.all(ks.reshape(-1)[40:] == 1)
+    qa, sa, _ = nm.folded_rows(x)
+    assert np.array_equal(nm.folded_corrections(qa)[:, 0],
+                          -nm.FOLDED_KEY_OFFSET * qa.view(np.int8).astype(np.int64).sum(axis=1))
+    with pytest.raises(ValueError, match="folded_corrections"):
+        nm.folded_corrections(qa.view(np.int32))
+
+
 def test_int8_packing_holds_the_values():
     """Both layouts give back every value exactly (a zero's sign aside: a product with -0 or +0
     adds nothing to a sum that starts at +0); the A operand's corrections are -12 times its

@@ -23,8 +23,9 @@ from .backend import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot
                       use_backend)
 from .bf16_dot import (DOT_LANES, DOT_ROWS, bf16_dot_run, bf16_dot_tile, bf16_fma_run, bf16_fma_tile, bf16_pairs,
                        fma_faster, fma_safe, gemm_bf16, pack_bf16_pairs, values_range)
-from .int8_dot import (AMX_K, EMPTY_RANGE, FOLD_SPREAD, INT8_GROUP, INT8_MAX, KEY_OFFSET,
-                       empty_folded_blocks, foldable, folded_blocks_shape, folded_rows,
+from .int8_dot import (AMX_K, EMPTY_RANGE, FOLD_SPREAD, FOLDED_KEY_OFFSET, INT8_GROUP, INT8_MAX,
+                       KEY_OFFSET, empty_folded_blocks, foldable, folded_blocks_shape,
+                       folded_corrections, folded_rows, pack_offset_folded_blocks,
                        int8_blocks_shape, int8_dot_exact, int8_dot_tile, int8_rows, merge_ranges,
                        pack_folded_blocks, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
@@ -43,6 +44,7 @@ from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threa
 __all__ = [
     "AMX_K", "AMX_ROWS", "MAX_BLOCK", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "amx_mix_tile", "converted_mix_exact",
     "empty_folded_blocks", "foldable", "folded_blocks_shape", "folded_rows", "pack_folded_blocks",
+    "FOLDED_KEY_OFFSET", "folded_corrections", "pack_offset_folded_blocks",
     "BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend",
     "DOT_LANES", "DOT_ROWS", "bf16_dot_run", "bf16_dot_tile", "bf16_fma_run", "bf16_fma_tile", "bf16_pairs", "fma_faster",
     "fma_safe", "gemm_bf16", "pack_bf16_pairs", "values_range",

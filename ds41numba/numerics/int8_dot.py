@@ -21,7 +21,8 @@ from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, row_op
 __all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_dot_tile", "int8_rows",
            "pack_int8_blocks", "int8_blocks_shape", "merge_ranges", "int8_dot_exact",
            "AMX_K", "FOLD_SPREAD", "folded_rows", "pack_folded_blocks", "folded_blocks_shape",
-           "empty_folded_blocks", "foldable"]
+           "empty_folded_blocks", "foldable", "FOLDED_KEY_OFFSET", "pack_offset_folded_blocks",
+           "folded_corrections"]
 
 
 # An fp4 (e8m0) quantised block is ``e2m1 * s`` with ``s`` a power of two, and twice an e2m1
@@ -279,12 +280,17 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
     and ``a_scale`` (float32 ``[DOT_ROWS, G]``) as :func:`int8_rows` packs them; ``b`` (uint32
     ``[d / 4, DOT_LANES]``: unsigned bytes) and ``b_scale`` (float32 ``[G, DOT_LANES]``) one
     block of :func:`pack_int8_blocks`; ``out`` float32 ``[DOT_ROWS, DOT_LANES]``. The rows of
-    each may lie apart, each row is contiguous. The caller checks the shapes; G >= 1.
+    each may lie apart, each row is contiguous. A group is ``d / (4 G)`` quads: 8 for those
+    layouts (a 32-value block a scale), all of them for the folded ones (:func:`folded_rows`
+    with :func:`folded_corrections`, :func:`pack_offset_folded_blocks`: one scale a row). The
+    caller checks the shapes; G >= 1.
 
     No int32 overflows: the bytes are ``|n| <= 12`` and ``n + 12 <= 24``, so a group's 32
     products sum to at most 32 * 24 * 12 = 9216 in magnitude, and with the correction
     ``|12 sum(n)| <= 4608`` the group sum ``I`` is ``sum n m``, at most 4608 in magnitude
-    (exact in f32). The f32 products and sums are exact when :func:`int8_dot_exact` says so.
+    (exact in f32); folded, ``|n| <= 96`` and ``n + 128 <= 224``, 128 values at most 2.8e6 in
+    magnitude before the correction, ``I`` at most 1.2e6. The f32 products and sums are exact
+    when :func:`int8_dot_exact` says so.
     """
     sig = types.void(a, a_corr, a_scale, b, b_scale, out)
 
@@ -293,6 +299,7 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
                                              "llvm.x86.avx512.vpdpbusd.512")
         (a_op, c_op, s_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args)
         n_groups = cgutils.unpack_tuple(builder, arrays[4].shape, 2)[0]
+        group_quads = builder.sdiv(cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0], n_groups)
         nvec = DOT_LANES // 16
 
         def load(operand, row, offset, ty):
@@ -300,15 +307,25 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
 
         g, _ = open_loop(builder, "int8dot")
         g4 = builder.mul(g, i64(4))
-        acc = [[splat(builder, load(c_op, i64(m), g4, I32), V16I)] * nvec for m in range(DOT_ROWS)]
-        for q in range(_GROUP_QUADS):
-            p = builder.add(builder.mul(g, i64(_GROUP_QUADS)), i64(q))
-            p4 = builder.mul(p, i64(4))
-            bv = [load(b_op, p, i64(64 * v), V16I) for v in range(nvec)]
-            for m in range(DOT_ROWS):
-                aq = splat(builder, load(a_op, i64(m), p4, I32), V16I)
-                # unsigned bytes (the keys) first, signed (the queries, broadcast) second
-                acc[m] = [builder.call(dot, [acc[m][v], bv[v], aq]) for v in range(nvec)]
+        start = [splat(builder, load(c_op, i64(m), g4, I32), V16I) for m in range(DOT_ROWS)]
+        q, entry = open_loop(builder, "int8quads")
+        acc = [[builder.phi(V16I) for _ in range(nvec)] for _ in range(DOT_ROWS)]
+        for m in range(DOT_ROWS):
+            for v in range(nvec):
+                acc[m][v].add_incoming(start[m], entry)
+        p = builder.add(builder.mul(g, group_quads), q)
+        p4 = builder.mul(p, i64(4))
+        bv = [load(b_op, p, i64(64 * v), V16I) for v in range(nvec)]
+        new = []
+        for m in range(DOT_ROWS):
+            aq = splat(builder, load(a_op, i64(m), p4, I32), V16I)
+            # unsigned bytes (the keys) first, signed (the queries, broadcast) second
+            new.append([builder.call(dot, [acc[m][v], bv[v], aq]) for v in range(nvec)])
+        body = builder.basic_block
+        for m in range(DOT_ROWS):
+            for v in range(nvec):
+                acc[m][v].add_incoming(new[m][v], body)
+        close_loop(builder, q, group_quads, "int8quads")
         sk = [load(t_op, g, i64(64 * v), V16F) for v in range(nvec)]
         for m in range(DOT_ROWS):
             sq = splat(builder, load(s_op, i64(m), g4, F32), V16F)
@@ -316,7 +333,7 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
                 ptr = row_pointer(builder, o_op, i64(m), i64(64 * v), V16F)
                 # f32(I) and the scale product are exact; so is their product (a power of two
                 # apart), and the one rounding point, the addition, is exact when int8_dot_exact.
-                term = builder.fmul(builder.sitofp(acc[m][v], V16F), builder.fmul(sq, sk[v]))
+                term = builder.fmul(builder.sitofp(new[m][v], V16F), builder.fmul(sq, sk[v]))
                 builder.store(builder.fadd(builder.load(ptr, align=4), term), ptr, align=4)
         close_loop(builder, g, n_groups, "int8dot")
         return context.get_dummy_value()
@@ -383,10 +400,11 @@ _FOLD_CHUNK = 64
 
 
 @njit(parallel=True, cache=True)
-def _fold_kernel(x, out, scales, first):
+def _fold_kernel(x, out, scales, first, offset):
     """Row i of ``x`` folded into lane ``L = (first + i) % lanes`` of block ``(first + i) //
-    lanes``: its bytes ``out[block, p, 4L .. 4L + 3]`` (``out`` the quads' bytes, ``[blocks, d / 4,
-    4 * lanes]`` int8) and ``scales[block, 0, L]``. The A operand is blocks of one lane."""
+    lanes``: its bytes plus ``offset`` ``out[block, p, 4L .. 4L + 3]`` (``out`` the quads' bytes,
+    ``[blocks, d / 4, 4 * lanes]`` uint8; offset 0 keeps a signed byte's bits) and
+    ``scales[block, 0, L]``. The A operand is blocks of one lane."""
     n, d = x.shape
     lanes = scales.shape[2]
     bad = np.zeros(n, np.int64)
@@ -400,7 +418,7 @@ def _fold_kernel(x, out, scales, first):
             bad[i], emin[i], emax[i], scales[blk, 0, lane] = _fold_row(x[i], ints, exps)
             for p in range(d // 4):
                 for k in range(4):
-                    out[blk, p, 4 * lane + k] = np.int8(ints[4 * p + k])
+                    out[blk, p, 4 * lane + k] = np.uint8((ints[4 * p + k] + offset) & 0xFF)
     return _range_of(bad, emin, emax)
 
 
@@ -425,8 +443,8 @@ def folded_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
     for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
         _check_out(a, s, t, "folded_rows", what)
     quads, scales = out[0][:n], out[1][:n]
-    return quads, scales, _fold_kernel(x, quads.view(np.int8).reshape(n, d // 4, 4),
-                                       scales.reshape(n, 1, 1), 0)
+    return quads, scales, _fold_kernel(x, quads.view(np.uint8).reshape(n, d // 4, 4),
+                                       scales.reshape(n, 1, 1), 0, 0)
 
 
 def folded_blocks_shape(n: int, d: int) -> tuple:
@@ -445,16 +463,61 @@ def pack_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) 
     n, d = x.shape
     shapes = folded_blocks_shape(n, d)
     out = _blocks_out(out, shapes, n, first, "pack_folded_blocks", lambda: empty_folded_blocks(n, d))
-    return out[0], out[1], _fold_kernel(x, out[0].view(np.int8), out[1], first)
+    return out[0], out[1], _fold_kernel(x, out[0].view(np.uint8), out[1], first, 0)
 
 
-def empty_folded_blocks(n: int, d: int) -> tuple:
+def empty_folded_blocks(n: int, d: int, offset: int = 0) -> tuple:
     """A folded B operand of ``n`` rows of ``d`` values, none packed: ``(quads, scales)``, quads
-    of zeros (64-byte aligned: whole cache lines for the tile loads), scales of 1."""
+    of zeros (bytes ``offset``; 64-byte aligned: whole cache lines for the tile loads), scales
+    of 1."""
     shapes = folded_blocks_shape(n, d)
     quads = aligned_empty(shapes[0], np.uint32)
-    quads[:] = 0
+    quads[:] = np.uint32(offset * 0x01010101)
     return quads, np.ones(shapes[1], np.float32)
+
+
+# vpdpbusd multiplies unsigned by signed bytes. Folded for it, the keys are unsigned bytes
+# n + FOLDED_KEY_OFFSET (n in [-96, 96]), and each query row carries -FOLDED_KEY_OFFSET * sum(n)
+# to take the offset's products back out: one group of all the row's values, one scale a row,
+# one integer a dot product. The same exact products as AMX's, on int8_dot_tile.
+#: The offset of the folded keys' unsigned bytes.
+FOLDED_KEY_OFFSET = 128
+
+
+def pack_offset_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) -> tuple:
+    """fp4-valued rows ``x [n, d]`` folded as the B operand of :func:`int8_dot_tile`: ``(quads
+    uint32 [blocks, d / 4, DOT_LANES] of unsigned bytes n + FOLDED_KEY_OFFSET, scales float32
+    [blocks, 1, DOT_LANES], range)``, laid out and ranged as :func:`pack_folded_blocks`; the A
+    operand is :func:`folded_rows` with :func:`folded_corrections`."""
+    x = _folded_input(x, "pack_offset_folded_blocks")
+    n, d = x.shape
+    shapes = folded_blocks_shape(n, d)
+    out = _blocks_out(out, shapes, n, first, "pack_offset_folded_blocks",
+                      lambda: empty_folded_blocks(n, d, FOLDED_KEY_OFFSET))
+    return out[0], out[1], _fold_kernel(x, out[0].view(np.uint8), out[1], first, FOLDED_KEY_OFFSET)
+
+
+@njit(parallel=True, cache=True)
+def _corrections_kernel(quads, out):
+    for i in prange(quads.shape[0]):
+        total = 0
+        for q in quads[i]:
+            for k in range(4):
+                total += np.int32(np.int8((q >> np.uint32(8 * k)) & np.uint32(0xFF)))
+        out[i, 0] = -FOLDED_KEY_OFFSET * total
+
+
+def folded_corrections(quads: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """For folded rows (the signed bytes ``quads [n, d / 4]`` of :func:`folded_rows`), int32 ``[n,
+    1]``: ``-FOLDED_KEY_OFFSET`` times each row's sum, what :func:`int8_dot_tile` starts a row
+    from against :func:`pack_offset_folded_blocks`' keys (into ``out`` when given)."""
+    if not isinstance(quads, np.ndarray) or quads.dtype != np.uint32 or quads.ndim != 2 \
+            or not quads.flags.c_contiguous:
+        raise ValueError("folded_corrections: quads must be a C-contiguous uint32 [n, d / 4]")
+    out = np.empty((quads.shape[0], 1), np.int32) if out is None else out
+    _check_out(out, (quads.shape[0], 1), np.int32, "folded_corrections", "out")
+    _corrections_kernel(quads, out)
+    return out
 
 
 def foldable(a_range: np.ndarray, b_range: np.ndarray) -> bool:

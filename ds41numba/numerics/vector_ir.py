@@ -64,10 +64,11 @@ def open_loop(builder, name):
 
 def close_loop(builder, i, n, name):
     """End the loop of counter ``i`` (:func:`open_loop`) after ``n`` iterations; the builder
-    continues after it."""
-    body = builder.basic_block
+    continues after it. The body may hold loops of its own: the branch back goes to the block
+    holding ``i``, from wherever the body ends."""
+    latch = builder.basic_block
     done = builder.append_basic_block(f"{name}.done")
     i_next = builder.add(i, i64(1))
-    i.add_incoming(i_next, body)
-    builder.cbranch(builder.icmp_signed("<", i_next, n), body, done)
+    i.add_incoming(i_next, latch)
+    builder.cbranch(builder.icmp_signed("<", i_next, n), i.parent, done)
     builder.position_at_end(done)
