@@ -31,7 +31,7 @@ from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_G
                        FOLDED_KEY_OFFSET, empty_folded_blocks, foldable, folded_corrections, folded_rows,
                        fp4_quant_e8m0_inplace, pack_offset_folded_blocks,
                        in_workers, int8_blocks_shape, int8_dot_enabled, int8_dot_exact,
-                       int8_dot_tile, int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
+                       int8_dot_into, int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
                        split_range, to_bf16_rne, worth_parallel)
 from .rope import apply_rotary
@@ -243,7 +243,8 @@ def _key_block_dots(q, keys, b, first, rows, d):
     """``d[r] = 0 + q[r] . keys[b]`` for the query rows ``first .. rows`` (in steps of
     :func:`_row_step`) against key block ``b``, on the kernel the operands were packed for:
     ``q``, ``keys`` are ``(pairs,)``, ``(blocks,)`` for AVX512-BF16; ``(quads, corr, scales)``,
-    ``(quads, scales)`` for AVX512-VNNI; ``(quads, scales)`` and ``(quads, scales)``, both
+    ``(quads, scales)`` for AVX512-VNNI (a scale a 32-value block, or folded: one a row, see
+    :func:`_query_offset_folded`); ``(quads, scales)`` and ``(quads, scales)``, both
     folded (:func:`~ds41numba.numerics.folded_rows`), for AMX. ``first`` is a multiple of the
     row step."""
 
@@ -344,9 +345,8 @@ def _key_block_dots_impl(q, keys, b, first, rows, d):
         return bf16_dots
 
     def int8_dots(q, keys, b, first, rows, d):
-        d[first:] = 0
         for r in range(first, rows, DOT_ROWS):
-            int8_dot_tile(q[0][r:r + DOT_ROWS], q[1][r:r + DOT_ROWS], q[2][r:r + DOT_ROWS],
+            int8_dot_into(q[0][r:r + DOT_ROWS], q[1][r:r + DOT_ROWS], q[2][r:r + DOT_ROWS],
                           keys[0][b], keys[1][b], d[r:r + DOT_ROWS])
     return int8_dots
 

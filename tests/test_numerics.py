@@ -531,6 +531,11 @@ def _int8_dot_all(qa, ca, sa, qb, sb, out):
         nm.int8_dot_tile(qa, ca, sa, qb[k], sb[k], out[k])
 
 
+@numba.njit
+def _int8_dot_into(qa, ca, sa, qb, sb, out):
+    nm.int8_dot_into(qa, ca, sa, qb, sb, out)
+
+
 def _strided(x, extra):
     """``x`` (2-D) as a view whose rows sit ``extra`` elements further apart than their length."""
     out = np.zeros((x.shape[0], x.shape[1] + extra), x.dtype)[:, :x.shape[1]]
@@ -625,6 +630,12 @@ def test_offset_folded_rows_on_the_vnni_kernel_are_exact(d, spread):
     exact = a.astype(np.float64) @ b.T.astype(np.float64)
     assert_same_bits(got, exact.astype(F32))
     assert_same_bits(got, _int8_dot(a, b)[0])
+    # int8_dot_into never reads its output: NaN there changes nothing.
+    qa, sa, _ = nm.folded_rows(a)
+    qb, sb, _ = nm.pack_offset_folded_blocks(b)
+    into = np.full((nm.DOT_ROWS, nm.DOT_LANES), np.nan, F32)
+    _int8_dot_into(qa, nm.folded_corrections(qa), sa, qb[1], sb[1], into)
+    assert_same_bits(into, got[:, nm.DOT_LANES:2 * nm.DOT_LANES])
 
 
 @needs_int8_dot

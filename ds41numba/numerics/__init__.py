@@ -26,7 +26,8 @@ from .bf16_dot import (DOT_LANES, DOT_ROWS, bf16_dot_run, bf16_dot_tile, bf16_fm
 from .int8_dot import (AMX_K, EMPTY_RANGE, FOLD_SPREAD, FOLDED_KEY_OFFSET, INT8_GROUP, INT8_MAX,
                        KEY_OFFSET, empty_folded_blocks, foldable, folded_blocks_shape,
                        folded_corrections, folded_rows, pack_offset_folded_blocks,
-                       int8_blocks_shape, int8_dot_exact, int8_dot_tile, int8_rows, merge_ranges,
+                       int8_blocks_shape, int8_dot_exact, int8_dot_into, int8_dot_tile, int8_rows,
+                       merge_ranges,
                        pack_folded_blocks, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
@@ -49,6 +50,7 @@ __all__ = [
     "DOT_LANES", "DOT_ROWS", "bf16_dot_run", "bf16_dot_tile", "bf16_fma_run", "bf16_fma_tile", "bf16_pairs", "fma_faster",
     "fma_safe", "gemm_bf16", "pack_bf16_pairs", "values_range",
     "EMPTY_RANGE", "INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "int8_blocks_shape", "int8_dot_exact",
+    "int8_dot_into",
     "int8_dot_tile", "int8_rows", "merge_ranges", "pack_int8_blocks",
     "F32Matrix", "linear_f32_ordered", "matmul_nn_f32_ordered",
     "E2M1_MAX", "E4M3_MAX", "ELEMENT_COST", "FP4_BLOCK", "FP8_BLOCK", "LATENT_BLOCK",

@@ -18,7 +18,8 @@ from .formats import FP4_BLOCK, aligned_empty, as_f32_array
 from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, row_operands,
                         row_pointer, splat)
 
-__all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_dot_tile", "int8_rows",
+__all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_dot_tile", "int8_dot_into",
+           "int8_rows",
            "pack_int8_blocks", "int8_blocks_shape", "merge_ranges", "int8_dot_exact",
            "AMX_K", "FOLD_SPREAD", "folded_rows", "pack_folded_blocks", "folded_blocks_shape",
            "empty_folded_blocks", "foldable", "FOLDED_KEY_OFFSET", "pack_offset_folded_blocks",
@@ -292,8 +293,18 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
     magnitude before the correction, ``I`` at most 1.2e6. The f32 products and sums are exact
     when :func:`int8_dot_exact` says so.
     """
-    sig = types.void(a, a_corr, a_scale, b, b_scale, out)
+    return types.void(a, a_corr, a_scale, b, b_scale, out), _int8_codegen(fresh=False)
 
+
+@intrinsic
+def int8_dot_into(typingctx, a, a_corr, a_scale, b, b_scale, out):
+    """:func:`int8_dot_tile` into ``out`` instead of onto it: ``out[m, j] = sum_g ...``, the
+    output's old contents never read (the tile's first term is stored: never -0, since the
+    scales are positive and f32(0) is +0, so this is ``0 + sum`` bit for bit)."""
+    return types.void(a, a_corr, a_scale, b, b_scale, out), _int8_codegen(fresh=True)
+
+
+def _int8_codegen(fresh):
     def codegen(context, builder, signature, args):
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V16I, V16I]),
                                              "llvm.x86.avx512.vpdpbusd.512")
@@ -301,12 +312,14 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
         n_groups = cgutils.unpack_tuple(builder, arrays[4].shape, 2)[0]
         group_quads = builder.sdiv(cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0], n_groups)
         nvec = DOT_LANES // 16
+        zero = ir.Constant(V16F, [0.0] * 16)
 
         def load(operand, row, offset, ty):
             return builder.load(row_pointer(builder, operand, row, offset, ty), align=4)
 
         g, _ = open_loop(builder, "int8dot")
         g4 = builder.mul(g, i64(4))
+        first = builder.icmp_signed("==", g, i64(0))
         start = [splat(builder, load(c_op, i64(m), g4, I32), V16I) for m in range(DOT_ROWS)]
         q, entry = open_loop(builder, "int8quads")
         acc = [[builder.phi(V16I) for _ in range(nvec)] for _ in range(DOT_ROWS)]
@@ -334,11 +347,14 @@ def int8_dot_tile(typingctx, a, a_corr, a_scale, b, b_scale, out):
                 # f32(I) and the scale product are exact; so is their product (a power of two
                 # apart), and the one rounding point, the addition, is exact when int8_dot_exact.
                 term = builder.fmul(builder.sitofp(new[m][v], V16F), builder.fmul(sq, sk[v]))
-                builder.store(builder.fadd(builder.load(ptr, align=4), term), ptr, align=4)
+                before = builder.load(ptr, align=4)
+                if fresh:
+                    before = builder.select(first, zero, before)
+                builder.store(builder.fadd(before, term), ptr, align=4)
         close_loop(builder, g, n_groups, "int8dot")
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
 
 
 # ------------------------------------------------------------------------------ folded layouts
