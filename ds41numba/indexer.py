@@ -603,7 +603,9 @@ class IndexKeyCache:
     decode step scores every key, and repacking them all each step would cost more than scoring
     them (15 ms at 65,536 keys). On AMX that is ``folded`` (``(quads, scales)``, see
     :func:`~ds41numba.numerics.pack_folded_blocks`, with ``folded_range``, what decides whether
-    they fold); on AVX512-VNNI ``int8`` (``(quads, scales)``, see
+    they fold); on AVX512-VNNI ``vfolded`` (``(quads, scales)`` folded for ``vpdpbusd``, see
+    :func:`~ds41numba.numerics.pack_offset_folded_blocks`, with ``vfolded_range``) for heads of
+    a multiple of 64 values, else ``int8`` (``(quads, scales)``, see
     :func:`~ds41numba.numerics.pack_int8_blocks`, with ``int8_range``, what decides whether their
     integer dot products are exact); on AVX512-BF16 ``blocks`` (see
     :func:`~ds41numba.numerics.pack_bf16_pairs`). A tier also packs the next tier's layout,

@@ -366,56 +366,34 @@ def test_amx_scores_round_on_the_conversion_where_the_guard_allows(monkeypatch):
     assert np.array_equal(amx_tile_scores(iq, w, keys, clen, n), want)
 
 
-@needs_int8_dot
-def test_vnni_scores_run_folded_and_fall_back_where_rows_do_not_fold():
-    """On the VNNI tier (without AMX) a cache of 128-value keys holds them folded for
-    ``vpdpbusd`` (one integer a dot product) and scores there, bit for bit the naive scores; a
-    query head or keys written later whose block exponents lie more than FOLD_SPREAD apart send
-    the tile to the per-block layout, packed once on demand, with the same scores."""
-    rng = np.random.default_rng(19)
+@pytest.mark.parametrize("tier", [pytest.param("amx", marks=needs_amx),
+                                  pytest.param("avx512vnni", marks=needs_int8_dot)])
+def test_folded_scores_fall_back_to_the_per_block_layout_where_rows_do_not_fold(tier):
+    """A cache of 128-value keys holds them folded (for AMX's tile products, or on the VNNI tier
+    for ``vpdpbusd``: one integer a dot product) and scores there, bit for bit the naive scores.
+    Keys or a query head whose block exponents lie more than FOLD_SPREAD apart: the folded
+    kernel declines, the cache packs the per-block VNNI layout once and scores there, the same
+    scores; keys written later that do not fold do the same for a cache that folded."""
+    rng = np.random.default_rng(17)
     T, ih, idim, n = 4, 16, 128, 90
     iq, w, keys = _index_inputs(rng, T, ih, idim, n)
     clen = np.full(T, n)
-    with use_backend("avx512vnni"):
+    with use_backend(tier):
         cache = indexer_mod.IndexKeyCache(keys)
-        assert cache.vfolded is not None and cache.int8 is None and cache.blocks is None
-        assert cache.folded is None
+        held = cache.folded if tier == "amx" else cache.vfolded
+        assert held is not None and cache.int8 is None and cache.blocks is None
+        assert (cache.folded is None) == (tier != "amx") and (cache.vfolded is None) == (tier == "amx")
         assert np.array_equal(cache.scores(iq, w, clen, n), naive.tile_scores(iq, w, keys, clen))
         wide_q = _spread(iq, 3, [1], 2.0 ** 5)
-        assert indexer_mod._tile_scores_offset_folded(wide_q, w, cache.vfolded, cache.vfolded_range,
-                                                      clen, n) is None
+        declined = (amx_tile_scores(wide_q, w, keys, clen, n) if tier == "amx" else
+                    indexer_mod._tile_scores_offset_folded(wide_q, w, cache.vfolded,
+                                                           cache.vfolded_range, clen, n))
+        assert declined is None
         assert np.array_equal(cache.scores(wide_q, w, clen, n), naive.tile_scores(wide_q, w, keys, clen))
         assert cache.int8 is not None                            # packed once, on demand
         later = indexer_mod.IndexKeyCache.empty(n, idim)
         later.write(0, keys[:50])
         assert later.int8 is None and later._folds()
-        wide_k = _spread(keys[50:, None], 0, [2], 2.0 ** 5)[:, 0]
-        later.write(50, wide_k)
-        assert later.int8 is not None and not later._folds()
-        all_keys = np.concatenate([keys[:50], wide_k])
-        assert np.array_equal(later.scores(iq, w, clen, n), naive.tile_scores(iq, w, all_keys, clen))
-
-
-@needs_amx
-def test_amx_scores_fall_back_to_vnni_where_rows_do_not_fold():
-    """Keys or a query head whose block exponents lie more than FOLD_SPREAD apart: the AMX
-    kernel declines, the cache packs the VNNI layout once and scores there, bit for bit the
-    naive scores; keys written later that do not fold do the same for a cache that folded."""
-    rng = np.random.default_rng(17)
-    T, ih, idim, n = 4, 16, 128, 90
-    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
-    clen = np.full(T, n)
-    with use_backend("amx"):
-        cache = indexer_mod.IndexKeyCache(keys)
-        assert cache.folded is not None and cache.int8 is None and cache.blocks is None
-        assert np.array_equal(cache.scores(iq, w, clen, n), naive.tile_scores(iq, w, keys, clen))
-        wide_q = _spread(iq, 3, [1], 2.0 ** 5)
-        assert amx_tile_scores(wide_q, w, keys, clen, n) is None
-        assert np.array_equal(cache.scores(wide_q, w, clen, n), naive.tile_scores(wide_q, w, keys, clen))
-        assert cache.int8 is not None                            # packed once, on demand
-        later = indexer_mod.IndexKeyCache.empty(n, idim)
-        later.write(0, keys[:50])
-        assert later.int8 is None
         wide_k = _spread(keys[50:, None], 0, [2], 2.0 ** 5)[:, 0]
         later.write(50, wide_k)
         assert later.int8 is not None and not later._folds()
