@@ -33,7 +33,7 @@ from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_G
                        in_workers, int8_blocks_shape, int8_dot_enabled, int8_dot_exact,
                        int8_dot_into, int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
-                       split_range, to_bf16_rne, worth_parallel)
+                       split_range, to_bf16_rne, vnni_mix_tile, worth_parallel)
 from .rope import apply_rotary
 from .topk import partial_sort_set_hinted, topk_set_into
 
@@ -291,17 +291,38 @@ def _mixed_block(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, bl
 
 @overload(_mixed_on_tiles)
 def _mixed_on_tiles_impl(q, ih):
-    if len(q.types) != 2:
-        return lambda q, ih: False
-    return lambda q, ih: ih % AMX_ROWS == 0
+    if len(q.types) == 2:
+        return lambda q, ih: ih % AMX_ROWS == 0
+    if len(q.types) == 3:       # VNNI: folded rows only (one correction a row)
+        return lambda q, ih: ih % AMX_ROWS == 0 and q[1].shape[1] == 1
+    return lambda q, ih: False
+
+
+def _mix_tile(q, rows, w, keys, b, out, block_max, converts, maxima):
+    """The mixing tile kernel for ``q``'s layout: :func:`~ds41numba.numerics.amx_mix_tile` (AMX),
+    :func:`~ds41numba.numerics.vnni_mix_tile` (folded rows on VNNI)."""
+
+
+@overload(_mix_tile)
+def _mix_tile_impl(q, rows, w, keys, b, out, block_max, converts, maxima):
+    if len(q.types) == 2:
+        def amx(q, rows, w, keys, b, out, block_max, converts, maxima):
+            amx_mix_tile(q[0][rows], q[1][rows], w[rows], keys[0][b], keys[1][b], out, block_max,
+                         converts, maxima)
+        return amx
+
+    def vnni(q, rows, w, keys, b, out, block_max, converts, maxima):
+        vnni_mix_tile(q[0][rows], q[1][rows], q[2][rows], w[rows], keys[0][b], keys[1][b], out,
+                      block_max, converts, maxima)
+    return vnni
 
 
 @overload(_mixed_block)
 def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, block_max):
-    if len(q.types) != 2:
+    if len(q.types) not in (2, 3):
         return lambda q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, block_max: False
 
-    def amx_mixed(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, block_max):
+    def tile_mixed(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, block, block_max):
         T = out.shape[0]
         ih = w_rows.shape[0] // T
         rows = slice(s_lo * ih, T * ih)
@@ -316,16 +337,14 @@ def _mixed_block_impl(q, keys, w_rows, clen, b, s_lo, mixed, out, converts, bloc
             j = t0 // MAX_BLOCK if maxima else 0
             # This key block's columns of block_max (a placeholder, unwritten, unless maxima).
             bm = block_max[s_lo:T, j:j + DOT_LANES // MAX_BLOCK]
-            amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b],
-                         out[s_lo:T, t0:t0 + DOT_LANES], bm, converts, maxima)
+            _mix_tile(q, rows, w_rows, keys, b, out[s_lo:T, t0:t0 + DOT_LANES], bm, converts, maxima)
             return maxima
-        amx_mix_tile(q[0][rows], q[1][rows], w_rows[rows], keys[0][b], keys[1][b], mixed[:T - s_lo],
-                     block_max, converts, False)
+        _mix_tile(q, rows, w_rows, keys, b, mixed[:T - s_lo], block_max, converts, False)
         for s in range(s_lo, T):
             for j in range(min(DOT_LANES, clen[s] - t0)):
                 out[s, t0 + j] = mixed[s - s_lo, j]
         return False
-    return amx_mixed
+    return tile_mixed
 
 
 @overload(_key_block_dots)
@@ -556,7 +575,9 @@ def _tile_scores_offset_folded(iq: np.ndarray, w: np.ndarray, keys: tuple, key_r
     q, q_range = _query_offset_folded(iq, _query_buffer(qbuf, T, ih, idim))
     if not (foldable(q_range, key_range) and int8_dot_exact(q_range, key_range, idim)):
         return None
-    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, maxima=maxima)
+    converts = converted_mix_exact(q[2], key_range, w)
+    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, converts=converts,
+                               maxima=maxima)
 
 
 def _tile_scores_amx(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,

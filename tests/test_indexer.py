@@ -19,7 +19,8 @@ from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, lin
                        select_candidate_blocks, to_bf16_rne)
 from ds41numba.attention import layer_rope_table
 from ds41numba.numerics import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot_enabled,
-                                pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, use_backend,
+                                pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks,
+                                pack_offset_folded_blocks, use_backend,
                                 workers)
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
@@ -139,6 +140,19 @@ def amx_tile_scores(iq, w, keys, clen, n):
         return None
     quads, scales, rng = pack_folded_blocks(keys)
     return indexer_mod._tile_scores_amx(iq, w, (quads, scales), rng, clen, n)
+
+
+def vnni_folded_tile_scores(iq, w, keys, clen, n):
+    """The VNNI tier's folded kernel's scores (:func:`amx_tile_scores`' twin)."""
+    if keys.shape[1] % 64:
+        return None
+    quads, scales, rng = pack_offset_folded_blocks(keys)
+    return indexer_mod._tile_scores_offset_folded(iq, w, (quads, scales), rng, clen, n)
+
+
+# The kernels that mix folded rows' products as they form them: AMX's, and VNNI's.
+FOLDED_MIXERS = [pytest.param(amx_tile_scores, marks=needs_amx, id="amx"),
+                 pytest.param(vnni_folded_tile_scores, marks=needs_int8_dot, id="vnni")]
 
 
 def package_tile_scores(path, monkeypatch, iq, w, keys, clen, n):
@@ -321,13 +335,14 @@ def test_int8_scores_fall_back_to_bf16_where_integer_products_are_not_exact():
     assert np.array_equal(got, naive.tile_scores(narrow, w, keys, clen))
 
 
-@needs_amx
+@pytest.mark.parametrize("folded_scores", FOLDED_MIXERS)
 @pytest.mark.parametrize("T, ih", [(1, 16), (7, 16), (3, 32), (2, 48)])
-def test_amx_mixed_scores_with_every_kind_of_head_weight(T, ih):
-    """The scores mixed as they leave the tile multiplier (heads a multiple of its 16 rows, one
-    or several row tiles a query, odd and even numbers of row tiles): bit for bit the naive
-    scores, with head weights of zero, -0, inf, -inf and NaN (relu(0) * inf is NaN, as torch's),
-    whatever the thread count and the visible lengths."""
+def test_folded_mixed_scores_with_every_kind_of_head_weight(T, ih, folded_scores):
+    """The scores mixed as they are formed (AMX's tile multiplier, or VNNI's ``vpdpbusd`` on
+    folded rows; heads a multiple of 16 rows, one or several row tiles a query, odd and even
+    numbers of row tiles): bit for bit the naive scores, with head weights of zero, -0, inf,
+    -inf and NaN (relu(0) * inf is NaN, as torch's), whatever the thread count and the visible
+    lengths."""
     rng = np.random.default_rng(18)
     idim, n = 128, 200
     iq, w, keys = _index_inputs(rng, T, ih, idim, n)
@@ -341,15 +356,15 @@ def test_amx_mixed_scores_with_every_kind_of_head_weight(T, ih):
     try:
         for threads in (1, before):
             numba.set_num_threads(threads)
-            got = amx_tile_scores(iq, w, keys, clen, n)
+            got = folded_scores(iq, w, keys, clen, n)
             assert got is not None
             assert np.array_equal(got, want, equal_nan=True), f"{np.sum(got != want)} scores differ"
     finally:
         numba.set_num_threads(before)
 
 
-@needs_amx
-def test_amx_scores_round_on_the_conversion_where_the_guard_allows(monkeypatch):
+@pytest.mark.parametrize("folded_scores", FOLDED_MIXERS)
+def test_folded_scores_round_on_the_conversion_where_the_guard_allows(monkeypatch, folded_scores):
     """Queries and weights of ordinary size take the kernel's converted rounding (the guard
     says yes); the scores are the naive ones, and the same with the guard made to say no."""
     rng = np.random.default_rng(19)
@@ -360,10 +375,10 @@ def test_amx_scores_round_on_the_conversion_where_the_guard_allows(monkeypatch):
     asked = []
     guard = indexer_mod.converted_mix_exact
     monkeypatch.setattr(indexer_mod, "converted_mix_exact", lambda *a: asked.append(guard(*a)) or asked[-1])
-    assert np.array_equal(amx_tile_scores(iq, w, keys, clen, n), want)
+    assert np.array_equal(folded_scores(iq, w, keys, clen, n), want)
     assert asked == [True]
     monkeypatch.setattr(indexer_mod, "converted_mix_exact", lambda *a: False)
-    assert np.array_equal(amx_tile_scores(iq, w, keys, clen, n), want)
+    assert np.array_equal(folded_scores(iq, w, keys, clen, n), want)
 
 
 @pytest.mark.parametrize("tier", [pytest.param("amx", marks=needs_amx),

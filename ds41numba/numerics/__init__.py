@@ -18,7 +18,8 @@
 Every public name is re-exported here, so ``from ds41numba.numerics import linear_bf16`` works.
 """
 
-from .amx_dot import AMX_ROWS, MAX_BLOCK, amx_begin, amx_dot_tile, amx_end, amx_mix_tile, converted_mix_exact
+from .amx_dot import (AMX_ROWS, MAX_BLOCK, amx_begin, amx_dot_tile, amx_end, amx_mix_tile,
+                      converted_mix_exact, vnni_mix_tile)
 from .backend import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot_enabled,
                       use_backend)
 from .bf16_dot import (DOT_LANES, DOT_ROWS, bf16_dot_run, bf16_dot_tile, bf16_fma_run, bf16_fma_tile, bf16_pairs,
@@ -44,6 +45,7 @@ from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threa
 
 __all__ = [
     "AMX_K", "AMX_ROWS", "MAX_BLOCK", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "amx_mix_tile", "converted_mix_exact",
+    "vnni_mix_tile",
     "empty_folded_blocks", "foldable", "folded_blocks_shape", "folded_rows", "pack_folded_blocks",
     "FOLDED_KEY_OFFSET", "folded_corrections", "pack_offset_folded_blocks",
     "BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend",

@@ -19,6 +19,10 @@ cannot follow the reference's order. Integer sums have no order.
 
 Whether it runs is read from :func:`.backend.amx_enabled`; Linux hands a process the tile
 registers only on request (:func:`request_tile_state`).
+
+The head mix of those products (``amx_mix_tile``'s mixers) also serves the VNNI tier's folded
+rows: :func:`vnni_mix_tile` forms the same integers with ``vpdpbusd`` and mixes them the same
+way, without a tile register.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from numba.extending import intrinsic
 
 from .bf16_dot import DOT_LANES
 from .int8_dot import AMX_K
-from .vector_ir import F32, I32, I64, V16F, V16I, i64, row_operands, row_pointer, splat
+from .bf16_dot import DOT_ROWS
+from .vector_ir import (F32, I32, I64, V16F, V16I, close_loop, i64, open_loop, row_operands,
+                        row_pointer, splat)
 
 __all__ = ["AMX_ROWS", "MAX_BLOCK", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile",
-           "converted_mix_exact", "request_tile_state"]
+           "vnni_mix_tile", "converted_mix_exact", "request_tile_state"]
 
 #: Rows of A one tile product multiplies (a tile register's rows); A is padded to a multiple.
 AMX_ROWS = 16
@@ -275,6 +281,96 @@ def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, block_max, converts,
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def vnni_mix_tile(typingctx, a, a_corr, a_scale, w, b, b_scale, out, block_max, converts, maxima):
+    """:func:`amx_mix_tile` on AVX512-VNNI, for folded rows: the same scores, mixed the same way.
+
+    ``a`` (uint32 ``[rows, d / 4]``: a query head's folded signed bytes, :func:`.int8_dot.folded_rows`),
+    ``a_corr`` (int32 ``[rows, 1]``, :func:`.int8_dot.folded_corrections`), ``a_scale`` (float32
+    ``[rows, 1]``), ``b``, ``b_scale`` one block of :func:`.int8_dot.pack_offset_folded_blocks`
+    (unsigned bytes ``n + 128``, one scale a key); ``w``, ``out``, ``block_max``, ``converts``,
+    ``maxima`` as for :func:`amx_mix_tile`, ``rows`` a multiple of ``AMX_ROWS`` per query. Each
+    row tile's integers (``a_corr`` plus the byte products, :func:`.int8_dot.int8_dot_tile` in
+    one group: eight rows and 32 keys a pass, two passes a tile) go through an L1 buffer into
+    the mixer, never into a products array in memory. Exact where :func:`.int8_dot.int8_dot_exact`
+    and :func:`.int8_dot.foldable` hold.
+    """
+    sig = types.void(a, a_corr, a_scale, w, b, b_scale, out, block_max, converts, maxima)
+
+    def codegen(context, builder, signature, args):
+        (a_op, c_op, s_op, w_op, b_op, t_op, o_op, m_op), arrays = row_operands(
+            context, builder, signature, args[:8])
+        n_rows = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[0]
+        n_quads = cgutils.unpack_tuple(builder, arrays[4].shape, 2)[0]
+        n_queries = cgutils.unpack_tuple(builder, arrays[6].shape, 2)[0]
+        maxima_on = context.cast(builder, args[9], signature.args[9], types.boolean)
+        ops = (a_op, c_op, s_op, w_op, b_op, t_op, o_op, (m_op, maxima_on))
+        with builder.if_else(context.cast(builder, args[8], signature.args[8], types.boolean)) \
+                as (converted, exact_bits):
+            with converted:
+                _vnni_mix(builder, ops, (n_rows, n_quads, n_queries), _ConvertedMix)
+            with exact_bits:
+                _vnni_mix(builder, ops, (n_rows, n_quads, n_queries), _BitsMix)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _vnni_rows(builder, a_op, c_op, b_op, n_quads, row0, dst):
+    """The folded integers of rows ``row0 .. row0 + DOT_ROWS`` against the key block, stored as
+    rows of ``dst`` (int32, ``DOT_LANES`` a row)."""
+    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V16I, V16I]),
+                                         "llvm.x86.avx512.vpdpbusd.512")
+    start = [splat(builder, builder.load(row_pointer(builder, c_op, builder.add(row0, i64(m)), i64(0),
+                                                     I32)), V16I)
+             for m in range(DOT_ROWS)]
+    p, entry = open_loop(builder, "vnnimix")
+    acc = [[builder.phi(V16I) for _ in range(_HALVES)] for _ in range(DOT_ROWS)]
+    for m in range(DOT_ROWS):
+        for h in range(_HALVES):
+            acc[m][h].add_incoming(start[m], entry)
+    bv = [builder.load(row_pointer(builder, b_op, p, i64(64 * h), V16I), align=4) for h in range(_HALVES)]
+    p4 = builder.mul(p, i64(4))
+    new = []
+    for m in range(DOT_ROWS):
+        aq = splat(builder, builder.load(row_pointer(builder, a_op, builder.add(row0, i64(m)), p4, I32)), V16I)
+        # The queries' signed bytes against the keys' unsigned ones: vpdpbusd's unsigned
+        # operand is its second, the signed one its third.
+        new.append([builder.call(dot, [acc[m][h], bv[h], aq]) for h in range(_HALVES)])
+    body = builder.basic_block
+    for m in range(DOT_ROWS):
+        for h in range(_HALVES):
+            acc[m][h].add_incoming(new[m][h], body)
+    close_loop(builder, p, n_quads, "vnnimix")
+    for m in range(DOT_ROWS):
+        for h in range(_HALVES):
+            at = builder.inttoptr(builder.add(dst, i64(4 * (m * DOT_LANES + 16 * h))), V16I.as_pointer())
+            builder.store(new[m][h], at, align=64)
+
+
+def _vnni_mix(builder, operands, shape, mixer):
+    """:func:`vnni_mix_tile`'s loop: per row tile, two passes of :func:`_vnni_rows` into an L1
+    buffer, mixed (``mixer``'s rounding); each query's sums written out when its last tile is in."""
+    a_op, c_op, s_op, w_op, b_op, t_op, o_op, maxima = operands
+    n_rows, n_quads, n_queries = shape
+    n_tiles = builder.udiv(n_rows, i64(AMX_ROWS))
+    tiles_per_query = builder.udiv(n_tiles, n_queries)
+    sums = cgutils.alloca_once(builder, ir.ArrayType(I32, AMX_ROWS * DOT_LANES))
+    sums.align = 64
+    sums_at = builder.ptrtoint(sums, I64)
+    mix = mixer(builder, s_op, w_op, t_op, maxima)
+    with cgutils.for_range(builder, n_tiles) as loop:
+        rt = loop.index
+        for half in range(AMX_ROWS // DOT_ROWS):
+            row0 = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(half * DOT_ROWS))
+            _vnni_rows(builder, a_op, c_op, b_op, n_quads, row0,
+                       builder.add(sums_at, i64(4 * half * DOT_ROWS * DOT_LANES)))
+        mix.rows(sums_at, rt)
+        done = builder.add(rt, i64(1))
+        with builder.if_then(builder.icmp_unsigned("==", builder.urem(done, tiles_per_query), i64(0))):
+            mix.finish(o_op, builder.sub(builder.udiv(done, tiles_per_query), i64(1)))
 
 
 def _issue_resident(builder, a_op, rt, dst, halves=(0, 1)):
