@@ -28,8 +28,8 @@ from numba.extending import overload
 from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_GROUP, MAX_BLOCK,
                        aligned_empty, amx_begin, amx_dot_tile, amx_enabled, amx_end, amx_mix_tile,
                        bf16_dot_enabled, bf16_dot_tile, bf16_pairs, bf16_scalar, converted_mix_exact,
-                       FOLDED_KEY_OFFSET, empty_folded_blocks, foldable, folded_corrections, folded_rows,
-                       fp4_quant_e8m0_inplace, pack_offset_folded_blocks,
+                       FOLDED_KEY_OFFSET, empty_folded_blocks, foldable, folded_corrections,
+                       folded_rows, fp4_quant_e8m0_inplace, pack_offset_folded_blocks,
                        in_workers, int8_blocks_shape, int8_dot_enabled, int8_dot_exact,
                        int8_dot_into, int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
@@ -476,16 +476,12 @@ def _query_int8(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
 def _query_offset_folded(iq: np.ndarray, qbuf: np.ndarray) -> tuple:
     """A tile's query heads ``iq [T, ih, id]`` folded as the VNNI kernel's A operand against
     :func:`~ds41numba.numerics.pack_offset_folded_blocks`' keys, in ``qbuf``: ``((quads, corr,
-    scales), range)`` (one group a row: corr and scales ``[rows, 1]``), the padding rows zeros
-    of scale 1."""
+    scales), range)``, :func:`_query_folded`'s operand with each row's correction (``[rows,
+    1]``: one group a row) after it in the buffer."""
     T, ih, idim = iq.shape
     rows = _query_rows(T, ih)
-    quads = qbuf[:rows * idim // 4].reshape(rows, idim // 4)
-    corr = qbuf[rows * idim // 4:rows * (idim // 4 + 1)].view(np.int32).reshape(rows, 1)
-    scales = qbuf[rows * (idim // 4 + 1):rows * (idim // 4 + 2)].view(np.float32).reshape(rows, 1)
-    *_, rng = folded_rows(iq.reshape(T * ih, idim), out=(quads, scales))
-    quads[T * ih:] = 0
-    scales[T * ih:] = 1
+    (quads, scales), rng = _query_folded(iq, qbuf)
+    corr = qbuf[rows * (idim // 4 + 1):rows * (idim // 4 + 2)].view(np.int32).reshape(rows, 1)
     folded_corrections(quads, out=corr)
     return (quads, corr, scales), rng
 
@@ -560,43 +556,42 @@ def _tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.
     return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, maxima=maxima)
 
 
-def _tile_scores_offset_folded(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
-                               clen: np.ndarray, width: int, out: np.ndarray | None = None,
-                               qbuf: np.ndarray | None = None, dirty_to: int | None = None,
-                               maxima: tuple | None = None) -> np.ndarray | None:
-    """:func:`_tile_scores_int8` with both sides folded (one scale a row, one integer a dot
-    product: a quarter of the per-block work) against keys packed by
-    :func:`~ds41numba.numerics.pack_offset_folded_blocks`, or None when the queries or keys do
-    not fold or their products are not exact: the caller then runs the per-block layout."""
+def _tile_scores_folded(query, name: str, iq: np.ndarray, w: np.ndarray, keys: tuple,
+                        key_range: np.ndarray, clen: np.ndarray, width: int,
+                        out: np.ndarray | None = None, qbuf: np.ndarray | None = None,
+                        dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray | None:
+    """:func:`_tile_scores_packed` on folded rows, the queries folded by ``query``
+    (:func:`_query_folded`, :func:`_query_offset_folded`), or None when the queries or keys do
+    not fold or their products are not exact; the mix rounds on the conversion where
+    :func:`~ds41numba.numerics.converted_mix_exact` allows (the query scales are the operand's
+    last array)."""
     T, ih, idim = iq.shape
     if keys[0].shape[1] != idim // 4:
-        raise ValueError(f"_tile_scores_offset_folded: packed keys {keys[0].shape} are not of "
-                         f"{idim} dims")
-    q, q_range = _query_offset_folded(iq, _query_buffer(qbuf, T, ih, idim))
+        raise ValueError(f"{name}: packed keys {keys[0].shape} are not of {idim} dims")
+    q, q_range = query(iq, _query_buffer(qbuf, T, ih, idim))
     if not (foldable(q_range, key_range) and int8_dot_exact(q_range, key_range, idim)):
         return None
-    converts = converted_mix_exact(q[2], key_range, w)
+    converts = converted_mix_exact(q[-1], key_range, w)
     return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, converts=converts,
                                maxima=maxima)
 
 
-def _tile_scores_amx(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
-                     clen: np.ndarray, width: int, out: np.ndarray | None = None,
-                     qbuf: np.ndarray | None = None,
-                     dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray | None:
+def _tile_scores_offset_folded(iq, w, keys, key_range, clen, width, **kwargs):
+    """:func:`_tile_scores_int8` with both sides folded (one scale a row, one integer a dot
+    product, mixed as it is formed) against keys packed by
+    :func:`~ds41numba.numerics.pack_offset_folded_blocks`, or None where they do not fold or
+    are not exact: the caller then runs the per-block layout."""
+    return _tile_scores_folded(_query_offset_folded, "_tile_scores_offset_folded", iq, w, keys,
+                               key_range, clen, width, **kwargs)
+
+
+def _tile_scores_amx(iq, w, keys, key_range, clen, width, **kwargs):
     """:func:`_tile_scores_int8` on AMX against keys packed by
     :func:`~ds41numba.numerics.pack_folded_blocks`, or None when the queries or keys do not fold
     (:func:`~ds41numba.numerics.foldable`) or their products are not exact: the caller then
     runs the VNNI kernel (which any foldable rows also pass)."""
-    T, ih, idim = iq.shape
-    if keys[0].shape[1] != idim // 4:
-        raise ValueError(f"_tile_scores_amx: packed keys {keys[0].shape} are not of {idim} dims")
-    q, q_range = _query_folded(iq, _query_buffer(qbuf, T, ih, idim))
-    if not (foldable(q_range, key_range) and int8_dot_exact(q_range, key_range, idim)):
-        return None
-    converts = converted_mix_exact(q[1], key_range, w)
-    return _tile_scores_packed(q, keys, w, clen, width, out=out, dirty_to=dirty_to, converts=converts,
-                               maxima=maxima)
+    return _tile_scores_folded(_query_folded, "_tile_scores_amx", iq, w, keys, key_range, clen,
+                               width, **kwargs)
 
 
 def _int8_scored(head_dim: int) -> bool:

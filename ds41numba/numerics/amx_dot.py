@@ -36,11 +36,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .bf16_dot import DOT_LANES
-from .int8_dot import AMX_K
-from .bf16_dot import DOT_ROWS
-from .vector_ir import (F32, I32, I64, V16F, V16I, close_loop, i64, open_loop, row_operands,
-                        row_pointer, splat)
+from .bf16_dot import DOT_LANES, DOT_ROWS
+from .int8_dot import AMX_K, quad_sums
+from .vector_ir import F32, I32, I64, V16F, V16I, i64, row_operands, row_pointer, splat
 
 __all__ = ["AMX_ROWS", "MAX_BLOCK", "amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile",
            "vnni_mix_tile", "converted_mix_exact", "request_tile_state"]
@@ -321,33 +319,14 @@ def vnni_mix_tile(typingctx, a, a_corr, a_scale, w, b, b_scale, out, block_max, 
 def _vnni_rows(builder, a_op, c_op, b_op, n_quads, row0, dst):
     """The folded integers of rows ``row0 .. row0 + DOT_ROWS`` against the key block, stored as
     rows of ``dst`` (int32, ``DOT_LANES`` a row)."""
-    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V16I, V16I]),
-                                         "llvm.x86.avx512.vpdpbusd.512")
     start = [splat(builder, builder.load(row_pointer(builder, c_op, builder.add(row0, i64(m)), i64(0),
                                                      I32)), V16I)
              for m in range(DOT_ROWS)]
-    p, entry = open_loop(builder, "vnnimix")
-    acc = [[builder.phi(V16I) for _ in range(_HALVES)] for _ in range(DOT_ROWS)]
-    for m in range(DOT_ROWS):
-        for h in range(_HALVES):
-            acc[m][h].add_incoming(start[m], entry)
-    bv = [builder.load(row_pointer(builder, b_op, p, i64(64 * h), V16I), align=4) for h in range(_HALVES)]
-    p4 = builder.mul(p, i64(4))
-    new = []
-    for m in range(DOT_ROWS):
-        aq = splat(builder, builder.load(row_pointer(builder, a_op, builder.add(row0, i64(m)), p4, I32)), V16I)
-        # The queries' signed bytes against the keys' unsigned ones: vpdpbusd's unsigned
-        # operand is its second, the signed one its third.
-        new.append([builder.call(dot, [acc[m][h], bv[h], aq]) for h in range(_HALVES)])
-    body = builder.basic_block
-    for m in range(DOT_ROWS):
-        for h in range(_HALVES):
-            acc[m][h].add_incoming(new[m][h], body)
-    close_loop(builder, p, n_quads, "vnnimix")
+    sums = quad_sums(builder, a_op, b_op, start, i64(0), n_quads, row0, "vnnimix")
     for m in range(DOT_ROWS):
         for h in range(_HALVES):
             at = builder.inttoptr(builder.add(dst, i64(4 * (m * DOT_LANES + 16 * h))), V16I.as_pointer())
-            builder.store(new[m][h], at, align=64)
+            builder.store(sums[m][h], at, align=64)
 
 
 def _vnni_mix(builder, operands, shape, mixer):

@@ -304,10 +304,38 @@ def int8_dot_into(typingctx, a, a_corr, a_scale, b, b_scale, out):
     return types.void(a, a_corr, a_scale, b, b_scale, out), _int8_codegen(fresh=True)
 
 
+def quad_sums(builder, a_op, b_op, start, p0, n_quads, row0, name):
+    """The loop both VNNI kernels share: for the ``DOT_ROWS`` rows of A from ``row0`` against
+    the ``DOT_LANES`` keys of B, the int32 sums ``start[m]`` (a vector a row) plus the byte
+    products of quads ``p0 .. p0 + n_quads`` (``vpdpbusd``, the keys' unsigned bytes against
+    the queries' signed ones, broadcast); returns them, ``[row][half]`` vectors."""
+    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V16I, V16I]),
+                                         "llvm.x86.avx512.vpdpbusd.512")
+    nvec = DOT_LANES // 16
+    q, entry = open_loop(builder, name)
+    acc = [[builder.phi(V16I) for _ in range(nvec)] for _ in range(DOT_ROWS)]
+    for m in range(DOT_ROWS):
+        for v in range(nvec):
+            acc[m][v].add_incoming(start[m], entry)
+    p = builder.add(p0, q)
+    p4 = builder.mul(p, i64(4))
+    bv = [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4) for v in range(nvec)]
+    new = []
+    for m in range(DOT_ROWS):
+        row = builder.add(row0, i64(m))
+        aq = splat(builder, builder.load(row_pointer(builder, a_op, row, p4, I32), align=4), V16I)
+        # vpdpbusd's unsigned operand is its second (the keys), the signed one its third
+        new.append([builder.call(dot, [acc[m][v], bv[v], aq]) for v in range(nvec)])
+    body = builder.basic_block
+    for m in range(DOT_ROWS):
+        for v in range(nvec):
+            acc[m][v].add_incoming(new[m][v], body)
+    close_loop(builder, q, n_quads, name)
+    return new
+
+
 def _int8_codegen(fresh):
     def codegen(context, builder, signature, args):
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16I, [V16I, V16I, V16I]),
-                                             "llvm.x86.avx512.vpdpbusd.512")
         (a_op, c_op, s_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args)
         n_groups = cgutils.unpack_tuple(builder, arrays[4].shape, 2)[0]
         group_quads = builder.sdiv(cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0], n_groups)
@@ -321,24 +349,8 @@ def _int8_codegen(fresh):
         g4 = builder.mul(g, i64(4))
         first = builder.icmp_signed("==", g, i64(0))
         start = [splat(builder, load(c_op, i64(m), g4, I32), V16I) for m in range(DOT_ROWS)]
-        q, entry = open_loop(builder, "int8quads")
-        acc = [[builder.phi(V16I) for _ in range(nvec)] for _ in range(DOT_ROWS)]
-        for m in range(DOT_ROWS):
-            for v in range(nvec):
-                acc[m][v].add_incoming(start[m], entry)
-        p = builder.add(builder.mul(g, group_quads), q)
-        p4 = builder.mul(p, i64(4))
-        bv = [load(b_op, p, i64(64 * v), V16I) for v in range(nvec)]
-        new = []
-        for m in range(DOT_ROWS):
-            aq = splat(builder, load(a_op, i64(m), p4, I32), V16I)
-            # unsigned bytes (the keys) first, signed (the queries, broadcast) second
-            new.append([builder.call(dot, [acc[m][v], bv[v], aq]) for v in range(nvec)])
-        body = builder.basic_block
-        for m in range(DOT_ROWS):
-            for v in range(nvec):
-                acc[m][v].add_incoming(new[m][v], body)
-        close_loop(builder, q, group_quads, "int8quads")
+        new = quad_sums(builder, a_op, b_op, start, builder.mul(g, group_quads), group_quads, i64(0),
+                        "int8quads")
         sk = [load(t_op, g, i64(64 * v), V16F) for v in range(nvec)]
         for m in range(DOT_ROWS):
             sq = splat(builder, load(s_op, i64(m), g4, F32), V16F)
