@@ -19,8 +19,7 @@ from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, row_op
                         row_pointer, splat)
 
 __all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_dot_tile", "int8_dot_into",
-           "int8_rows",
-           "pack_int8_blocks", "int8_blocks_shape", "merge_ranges", "int8_dot_exact",
+           "int8_rows", "pack_int8_blocks", "int8_blocks_shape", "merge_ranges", "int8_dot_exact",
            "AMX_K", "FOLD_SPREAD", "folded_rows", "pack_folded_blocks", "folded_blocks_shape",
            "empty_folded_blocks", "foldable", "FOLDED_KEY_OFFSET", "pack_offset_folded_blocks",
            "folded_corrections"]
@@ -42,8 +41,6 @@ INT8_MAX = 12
 #: ``n + KEY_OFFSET`` in [0, 24], and the A operand's rows carry ``-KEY_OFFSET * sum(n)`` per
 #: group to take the offset's products back out.
 KEY_OFFSET = INT8_MAX
-# 4 bytes per int32 lane: the quads of one group.
-_GROUP_QUADS = INT8_GROUP // 4
 
 # A range summarises packed rows for :func:`int8_dot_exact`: int64 [bad rows, lowest exponent,
 # highest exponent, widest spread of one row's exponents], exponents over non-zero groups only.
@@ -487,11 +484,17 @@ def pack_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) 
     row ``first + i`` in lane ``(first + i) % DOT_LANES`` of block ``(first + i) // DOT_LANES``;
     into ``out`` when given (its other rows untouched), else fresh arrays (padding lanes zero,
     scale 1) with ``first = 0``. The range as in :func:`folded_rows`."""
-    x = _folded_input(x, "pack_folded_blocks")
+    return _pack_folded(x, out, first, 0, "pack_folded_blocks")
+
+
+def _pack_folded(x, out, first, offset, name):
+    """:func:`pack_folded_blocks` with each byte plus ``offset`` (0, or FOLDED_KEY_OFFSET for
+    :func:`pack_offset_folded_blocks`), the padding of fresh arrays bytes ``offset``."""
+    x = _folded_input(x, name)
     n, d = x.shape
-    shapes = folded_blocks_shape(n, d)
-    out = _blocks_out(out, shapes, n, first, "pack_folded_blocks", lambda: empty_folded_blocks(n, d))
-    return out[0], out[1], _fold_kernel(x, out[0].view(np.uint8), out[1], first, 0)
+    out = _blocks_out(out, folded_blocks_shape(n, d), n, first, name,
+                      lambda: empty_folded_blocks(n, d, offset))
+    return out[0], out[1], _fold_kernel(x, out[0].view(np.uint8), out[1], first, offset)
 
 
 def empty_folded_blocks(n: int, d: int, offset: int = 0) -> tuple:
@@ -517,12 +520,7 @@ def pack_offset_folded_blocks(x: np.ndarray, out: tuple | None = None, first: in
     uint32 [blocks, d / 4, DOT_LANES] of unsigned bytes n + FOLDED_KEY_OFFSET, scales float32
     [blocks, 1, DOT_LANES], range)``, laid out and ranged as :func:`pack_folded_blocks`; the A
     operand is :func:`folded_rows` with :func:`folded_corrections`."""
-    x = _folded_input(x, "pack_offset_folded_blocks")
-    n, d = x.shape
-    shapes = folded_blocks_shape(n, d)
-    out = _blocks_out(out, shapes, n, first, "pack_offset_folded_blocks",
-                      lambda: empty_folded_blocks(n, d, FOLDED_KEY_OFFSET))
-    return out[0], out[1], _fold_kernel(x, out[0].view(np.uint8), out[1], first, FOLDED_KEY_OFFSET)
+    return _pack_folded(x, out, first, FOLDED_KEY_OFFSET, "pack_offset_folded_blocks")
 
 
 @njit(parallel=True, cache=True)
