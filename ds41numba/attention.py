@@ -29,7 +29,7 @@ from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
 from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, bf16_scalar, fp4_quant_e4m3_inplace,
                        linear_bf16, nan_max, output_buffer, rms_norm, single_threaded_blas)
-from .numerics.vector_ir import prefetch as prefetch_line
+from .numerics.vector_ir import not_unrolled, prefetch as prefetch_line, wide_registers
 from .rope import apply_rotary, fma_f32, yarn_freqs_cis
 
 __all__ = ["CompAttnRun", "attention_any", "attention_rows", "sparse_attn", "window_index_rows",
@@ -145,21 +145,26 @@ def index_rows(start_pos: int, seqlen: int, window: int, compressed=None,
 _KC = 192
 #: Lanes of torch's Vectorized<float> on AVX512: the softmax's sum runs 16 lane accumulators.
 _LANES = 16
-#: q.k micro-kernel tile: 6 listed rows x 64 heads (4 vectors), 24 vector accumulators.
+# The tiles' sums stay in registers: AVX-512 has 32 of 16 floats, AVX2 16 of 8
+# (:func:`~.numerics.vector_ir.wide_registers`), where the AVX-512 tiles spilled at every step
+# (sparse attention at a quarter of the FMA rate, measured). The tile shape changes which sums
+# share a loop, never how one is summed.
+#: q.k micro-kernel tile: 6 listed rows x 64 heads (4 vectors), 24 vector accumulators; on AVX2
+#: 6 rows x 16 heads, 12 registers (its 2 rows of q and the broadcast make 15).
 _QK_ROWS = 6
-_QK_HEADS = 64
+_QK_HEADS = 64 if wide_registers() else 16
 #: P @ rows micro-kernel tile: 8 heads x 48 hd columns (3 vectors), 24 vector accumulators
 #: (measured faster than 6 x 64 here: a block's 48-column slice of the rows stays in L1 while
-#: the head tiles pass over it).
-_PV_HEADS = 8
-_PV_COLS = 48
+#: the head tiles pass over it); on AVX2 6 heads x 16 columns, 12 registers.
+_PV_HEADS = 8 if wide_registers() else 6
+_PV_COLS = 48 if wide_registers() else 16
 #: List rows ahead whose slice the P @ rows tile prefetches (the rows lie scattered in memory).
 _PV_PREFETCH = 4
 #: Entries of the address table past the list that the tiles may read.
 _LIST_SLACK = max(_QK_ROWS - 1, _PV_PREFETCH)
 
 
-def _fma_tile(rows, nvec, by_address, prefetch=0):
+def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
     """An intrinsic running MKL's blocked kernel inside one block on a tile of accumulators:
     for ``i < rows`` and the ``16 * nvec`` lanes ``c``, the FMA chain ``acc = fma(a[k, i],
     b[k, c], acc)`` over ``k = 0 .. K-1`` from +0, then ``out[i, c] = acc`` or, if
@@ -171,7 +176,9 @@ def _fma_tile(rows, nvec, by_address, prefetch=0):
       the float at ``addr[i] + 4 * (offset + k)``; K is ``b.shape[0]``.
     * ``by_address == "b"`` (P @ rows): ``tile(a, addr, offset, width, out, accumulate)``;
       ``b[k, c]`` is the float at ``addr[k] + 4 * (offset + c)`` for ``c < width`` (lanes from
-      ``width`` on read nothing and hold 0); K is ``a.shape[0]``.
+      ``width`` on read nothing and hold 0); K is ``a.shape[0]``. Only a ``masked`` tile reads
+      part of a row (masked loads, slower); an unmasked one reads all its lanes and ignores
+      ``width``.
     The array operands are float32 2-d views: ``a`` any strides, ``b`` and ``out`` contiguous
     rows; the caller checks the shapes. numba has no vector types, so the loop is written in
     LLVM IR: the accumulators stay in registers for the whole chain and each step is one vector
@@ -238,6 +245,8 @@ def _fma_tile(rows, nvec, by_address, prefetch=0):
                     ahead = builder.add(builder.load(at(addr, ahead, i64)), offset)
                     for line in range(0, 64 * nvec, 64):
                         prefetch_line(builder, at(ahead, const(line), i8))
+                if not masked:
+                    return [builder.load(at(row, const(64 * v), v16f), align=4) for v in range(nvec)]
                 return [builder.call(masked_load, [at(row, const(64 * v), v16f), ir.Constant(i32, 4),
                                                    masks[v], zero])
                         for v in range(nvec)]
@@ -268,7 +277,7 @@ def _fma_tile(rows, nvec, by_address, prefetch=0):
         for i in range(rows):
             for v in range(nvec):
                 acc[i][v].add_incoming(new[i][v], loop)
-        builder.cbranch(builder.icmp_signed("<", k_next, n_k), loop, done)
+        not_unrolled(builder.cbranch(builder.icmp_signed("<", k_next, n_k), loop, done))
 
         builder.position_at_end(done)
         result = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(rows)]
@@ -301,6 +310,7 @@ _qk_tile2 = _fma_tile(_QK_ROWS, 2, "a")
 _qk_tile3 = _fma_tile(_QK_ROWS, 3, "a")
 _qk_tile4 = _fma_tile(_QK_ROWS, _QK_HEADS // 16, "a")
 _pv_tile = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH)
+_pv_tile_masked = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH, masked=True)
 
 
 @njit(cache=True)
@@ -414,9 +424,9 @@ def _qk_blocked(qT, addr, n, x, lo, hi):
     of 16; up to a multiple of 16 are computed: qT's extra columns are zero), MKL's blocked
     order over hd."""
     hd = qT.shape[0]
-    for h0 in range(lo, hi, _QK_HEADS):
-        nv = min(_QK_HEADS // 16, (hi - h0 + 15) // 16)
-        for d0 in range(0, hd, _KC):
+    for d0 in range(0, hd, _KC):
+        for h0 in range(lo, hi, _QK_HEADS):
+            nv = min(_QK_HEADS // 16, (hi - h0 + 15) // 16)
             b = qT[d0:min(hd, d0 + _KC), h0:h0 + 16 * nv]
             for c0 in range(0, n, _QK_ROWS):
                 a = addr[c0:c0 + _QK_ROWS]
@@ -524,15 +534,18 @@ def _softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes):
 
 @njit(cache=True, nogil=True)
 def _pv_blocked(p, addr, edges, out, h_lo, h_hi, hd):
-    """``out[h] = sum_c p[c, h] row_c`` for the heads ``h_lo .. h_hi - 1`` (up to a multiple
-    of _PV_HEADS are computed), MKL's blocked order over the list: one FMA chain per block,
+    """``out[h] = sum_c p[c, h] row_c`` for the heads ``h_lo .. h_hi - 1`` (whole tiles of
+    _PV_HEADS heads from ``h_lo`` are computed), MKL's blocked order over the list: one FMA chain per block,
     blocks added in order."""
     for d0 in range(0, hd, _PV_COLS):
         for b in range(len(edges) - 1):
             lo, hi = edges[b], edges[b + 1]
             for h0 in range(h_lo, h_hi, _PV_HEADS):
-                _pv_tile(p[lo:hi, h0:h0 + _PV_HEADS], addr[lo:hi], d0, hd - d0,
-                         out[h0:h0 + _PV_HEADS, d0:d0 + _PV_COLS], b > 0)
+                pt, o = p[lo:hi, h0:h0 + _PV_HEADS], out[h0:h0 + _PV_HEADS, d0:d0 + _PV_COLS]
+                if hd - d0 >= _PV_COLS:
+                    _pv_tile(pt, addr[lo:hi], d0, _PV_COLS, o, b > 0)
+                else:       # the rows' last columns: the tile's lanes past them read nothing
+                    _pv_tile_masked(pt, addr[lo:hi], d0, hd - d0, o, b > 0)
 
 
 @njit(cache=True, nogil=True)
@@ -571,8 +584,9 @@ def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
     n_blocks = (W + _KC - 1) // _KC
     hq = (H + 15) // 16 * 16                   # qT's columns: q.k tiles read 16 heads at a time
     # P's columns (a multiple of 16: rows 64-byte aligned) and the output tile's rows: P @ rows
-    # tiles read and write 8 heads at a time.
-    hp = (max(hq, (H + _PV_HEADS - 1) // _PV_HEADS * _PV_HEADS) + 15) // 16 * 16
+    # tiles read and write _PV_HEADS heads at a time from a group's first head, the last up to
+    # _PV_HEADS - 1 past H where _PV_HEADS does not divide the group.
+    hp = (max(hq, H + _PV_HEADS - 1) + 15) // 16 * 16
     hd_pad = (hd + _PV_COLS - 1) // _PV_COLS * _PV_COLS
     cap = W + _LIST_SLACK
     for w in prange(workers):

@@ -17,7 +17,7 @@ from numba.extending import intrinsic, overload
 
 from .formats import as_f32_array, output_buffer
 from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, prefetch, row_operands,
-                        row_pointer, splat)
+                        row_pointer, splat, wide_registers)
 
 __all__ = ["DOT_ROWS", "DOT_LANES", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_dot_run", "bf16_fma_tile",
            "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16", "bf16_pairs", "pack_bf16_pairs", "values_range", "fma_safe",
@@ -41,38 +41,51 @@ DOT_LANES = 32
 GEMM_PREFETCH = 24
 
 
-def _b_rows(builder, b_op, p):
-    """Row ``p`` of a B block: its DOT_LANES pairs as 16-lane vectors."""
-    return [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4)
-            for v in range(DOT_LANES // 16)]
+def _b_rows(builder, b_op, p, vecs=range(DOT_LANES // 16)):
+    """Row ``p`` of a B block: its DOT_LANES pairs (or the 16-lane vectors ``vecs`` of them) as
+    16-lane vectors."""
+    return [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4) for v in vecs]
+
+
+def _sub_tiles():
+    """``(rows, vectors)`` of the output tile that one pass over the pairs keeps in registers.
+
+    AVX-512's 32 vector registers hold the whole ``[DOT_ROWS, DOT_LANES]`` tile's sums (16
+    registers) with room for B's pairs; on AVX2 the whole tile (32 of its registers) spilled to
+    memory at every step (a third of numpy's rate, measured), so it runs as four passes of four
+    rows by 16 lanes (8 registers of sums; at numpy's f32 rate). Each lane's sum runs over the
+    pairs in order either way: the passes change which sums share a loop, never how one is
+    summed."""
+    nvec = DOT_LANES // 16
+    if wide_registers():
+        return [(range(DOT_ROWS), range(nvec))]
+    return [(range(r, r + 4), range(v, v + 1)) for r in range(0, DOT_ROWS, 4) for v in range(nvec)]
 
 
 def _pairs_loop(builder, o_op, n_pairs, name, step, fresh):
-    """The frame both bf16 micro-kernels share: a loop over the pairs p whose ``step(p, acc)``
-    returns the ``[DOT_ROWS, DOT_LANES]`` output tile's new sums, in registers throughout. The
-    sums start from the output tile and are stored back; or (``fresh``) start from zero and are
-    added to the output tile at the end, one rounded addition each: a later run of the
+    """The frame both bf16 micro-kernels share: per sub-tile (:func:`_sub_tiles`) a loop over the
+    pairs p whose ``step(p, acc, rows, vecs)`` returns the new sums of the ``[DOT_ROWS,
+    DOT_LANES]`` output tile's ``rows`` by 16-lane vectors ``vecs``, in registers throughout.
+    The sums start from the output tile and are stored back; or (``fresh``) start from zero and
+    are added to the output tile at the end, one rounded addition each: a later run of the
     reference's order (:func:`~.linear.bf16_k_block`) without a tile of its own in memory."""
-    nvec = DOT_LANES // 16
-    out_ptrs = [[row_pointer(builder, o_op, i64(m), i64(64 * v), V16F) for v in range(nvec)]
-                for m in range(DOT_ROWS)]
     zero = ir.Constant(V16F, [0.0] * 16)
-    start = [[zero if fresh else builder.load(ptr, align=4) for ptr in row] for row in out_ptrs]
-    p, entry = open_loop(builder, name)
-    acc = [[builder.phi(V16F) for _ in range(nvec)] for _ in range(DOT_ROWS)]
-    for m in range(DOT_ROWS):
-        for v in range(nvec):
-            acc[m][v].add_incoming(start[m][v], entry)
-    new = step(p, acc)
-    loop = builder.basic_block
-    for m in range(DOT_ROWS):
-        for v in range(nvec):
-            acc[m][v].add_incoming(new[m][v], loop)
-    close_loop(builder, p, n_pairs, name)
-    for m in range(DOT_ROWS):
-        for v in range(nvec):
-            total = builder.fadd(builder.load(out_ptrs[m][v], align=4), new[m][v]) if fresh else new[m][v]
-            builder.store(total, out_ptrs[m][v], align=4)
+    for part, (rows, vecs) in enumerate(_sub_tiles()):
+        out_ptrs = {(m, v): row_pointer(builder, o_op, i64(m), i64(64 * v), V16F)
+                    for m in rows for v in vecs}
+        start = {mv: zero if fresh else builder.load(ptr, align=4) for mv, ptr in out_ptrs.items()}
+        p, entry = open_loop(builder, f"{name}{part}")
+        acc = {mv: builder.phi(V16F) for mv in out_ptrs}
+        for mv, a in acc.items():
+            a.add_incoming(start[mv], entry)
+        new = step(p, acc, rows, vecs)
+        loop = builder.basic_block
+        for mv, a in acc.items():
+            a.add_incoming(new[mv], loop)
+        close_loop(builder, p, n_pairs, f"{name}{part}")
+        for mv, ptr in out_ptrs.items():
+            total = builder.fadd(builder.load(ptr, align=4), new[mv]) if fresh else new[mv]
+            builder.store(total, ptr, align=4)
 
 
 def _dot_step(builder, a_op, b_op):
@@ -82,16 +95,17 @@ def _dot_step(builder, a_op, b_op):
     dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I, V16I]),
                                          "llvm.x86.avx512bf16.dpbf16ps.512")
 
-    def step(p, acc):
+    def step(p, acc, rows, vecs):
         ahead = builder.add(p, i64(GEMM_PREFETCH))
-        for v in range(DOT_LANES // 16):
+        for v in vecs:
             prefetch(builder, row_pointer(builder, b_op, ahead, i64(64 * v), F32))
-        bv = _b_rows(builder, b_op, p)
-        new = []
-        for m in range(DOT_ROWS):
+        bv = dict(zip(vecs, _b_rows(builder, b_op, p, vecs)))
+        new = {}
+        for m in rows:
             pair = builder.load(row_pointer(builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4)
             pairs = splat(builder, pair, V16I)
-            new.append([builder.call(dot, [acc[m][v], bv[v], pairs]) for v in range(len(bv))])
+            for v in vecs:
+                new[m, v] = builder.call(dot, [acc[m, v], bv[v], pairs])
         return new
 
     return step
@@ -104,17 +118,22 @@ def _fma_step(builder, a_op, b_op):
     high = ir.Constant(V16I, [0xFFFF0000 - (1 << 32)] * 16)
     sixteen = ir.Constant(V16I, [16] * 16)
 
-    def step(p, acc):
-        bv = _b_rows(builder, b_op, p)
-        b_even = [builder.bitcast(builder.shl(x, sixteen), V16F) for x in bv]
-        b_odd = [builder.bitcast(builder.and_(x, high), V16F) for x in bv]
+    def step(p, acc, rows, vecs):
+        ahead = builder.add(p, i64(GEMM_PREFETCH))
+        for v in vecs:
+            prefetch(builder, row_pointer(builder, b_op, ahead, i64(64 * v), F32))
+        bv = dict(zip(vecs, _b_rows(builder, b_op, p, vecs)))
+        b_even = {v: builder.bitcast(builder.shl(x, sixteen), V16F) for v, x in bv.items()}
+        b_odd = {v: builder.bitcast(builder.and_(x, high), V16F) for v, x in bv.items()}
         p8 = builder.mul(p, i64(8))
-        new = []
-        for m in range(DOT_ROWS):
-            a_even, a_odd = (splat(builder, builder.load(row_pointer(builder, a_op, i64(m), at, F32), align=4), V16F)
-                             for at in (p8, builder.add(p8, i64(4))))
-            new.append([builder.call(fma, [a_even, b_even[v], builder.call(fma, [a_odd, b_odd[v], acc[m][v]])])
-                        for v in range(len(bv))])
+        # Every row's odd products first, then the even ones: only half of B's pairs need a
+        # register at a time.
+        new = dict(acc)
+        for at, b_half in ((builder.add(p8, i64(4)), b_odd), (p8, b_even)):
+            for m in rows:
+                a = splat(builder, builder.load(row_pointer(builder, a_op, i64(m), at, F32), align=4), V16F)
+                for v in vecs:
+                    new[m, v] = builder.call(fma, [a, b_half[v], new[m, v]])
         return new
 
     return step

@@ -4,14 +4,26 @@ from: numba has no vector types, so those kernels address their 2-D operands by 
 
 from __future__ import annotations
 
+import llvmlite.binding as llb
 import llvmlite.ir as ir
+import numba
 from numba.core import cgutils
 
-__all__ = ["I32", "I64", "F32", "V16I", "V16F", "row_operands", "row_pointer", "i64", "splat", "open_loop",
-           "close_loop", "prefetch"]
+__all__ = ["I32", "I64", "F32", "V16I", "V16F", "wide_registers", "row_operands", "row_pointer", "i64",
+           "splat", "open_loop", "close_loop", "not_unrolled", "prefetch"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+
+
+def wide_registers() -> bool:
+    """Whether numba compiles for a CPU with AVX-512's 32 vector registers of 16 floats; else
+    (AVX2) there are 16 of 8. The micro-kernels size their tiles of sums by it, so the sums stay
+    in registers: a 16-lane vector of the IR takes two of AVX2's. Only which sums share a loop
+    changes with it, never how one is summed."""
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    return bool(llb.get_host_cpu_features().get("avx512f", False))
 
 
 def row_operands(context, builder, signature, args):
@@ -70,5 +82,35 @@ def close_loop(builder, i, n, name):
     done = builder.append_basic_block(f"{name}.done")
     i_next = builder.add(i, i64(1))
     i.add_incoming(i_next, latch)
-    builder.cbranch(builder.icmp_signed("<", i_next, n), i.parent, done)
+    back = builder.cbranch(builder.icmp_signed("<", i_next, n), i.parent, done)
+    not_unrolled(back)
     builder.position_at_end(done)
+
+
+class _LoopId(ir.values.MDValue):
+    """A loop's metadata node, ``!N = distinct !{!N, hints...}``: LLVM reads a loop's hints only
+    from a node whose first operand is itself."""
+
+    def descr(self, buf):
+        hints = ", ".join(op.get_reference() for op in self.operands)
+        buf += (f"distinct !{{ {self.get_reference()}, {hints} }}", "\n")
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+
+
+def not_unrolled(branch):
+    """On AVX2, mark ``branch``, a loop's branch back to its start, so LLVM does not unroll the
+    loop.
+
+    The micro-kernels' loops keep every sum in a register from one step to the next; unrolled
+    (LLVM does so at numba's optimisation level), two steps' operands no longer fit beside
+    them in AVX2's 16 registers and the sums spilled to the stack at every step (sparse
+    attention's q.k tile at a third of the FMA rate, measured). AVX-512's 32 registers have
+    room for both: its kernels stay as they were measured."""
+    if wide_registers():
+        return
+    module = branch.parent.parent.module
+    disable = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
+    branch.set_metadata("llvm.loop", _LoopId(module, [disable], name=str(len(module.metadata))))
