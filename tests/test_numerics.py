@@ -1104,6 +1104,22 @@ def test_bf16_fma_tile_is_vdpbf16ps_where_fma_safe_says_so():
         assert not nm.values_range(y)[0]
 
 
+@pytest.mark.parametrize("wide", [True, False], ids=["avx512", "avx2"])
+def test_the_bf16_micro_kernels_passes_cover_their_tile_once(monkeypatch, wide):
+    """Whatever this CPU is, both register widths' passes of a bf16 micro-kernel call
+    (``bf16_dot._sub_tiles``: AVX-512 one, AVX2 four of 4 rows x 16 lanes) sum every (row,
+    16-lane vector) of the output tile exactly once, each within AVX2's 16 registers or
+    AVX-512's 32 (a 16-lane vector of sums takes two AVX2 registers)."""
+    from ds41numba.numerics import bf16_dot
+
+    monkeypatch.setattr(bf16_dot, "wide_registers", lambda: wide)
+    passes = bf16_dot._sub_tiles()
+    cells = sorted((m, v) for rows, vecs in passes for m in rows for v in vecs)
+    assert cells == [(m, v) for m in range(nm.DOT_ROWS) for v in range(nm.DOT_LANES // 16)]
+    registers = max(len(rows) * len(vecs) for rows, vecs in passes) * (1 if wide else 2)
+    assert registers <= (16 if wide else 8)
+
+
 @numba.njit
 def _fma_all(a, b, out):
     for k in range(b.shape[0]):

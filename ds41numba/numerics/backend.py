@@ -10,7 +10,9 @@ instruction set, so a CPU is simply on the highest tier it supports:
   on AVX512-VNNI (:mod:`.int8_dot`);
 - ``"avx512bf16"``: the bf16 products of many rows (linears, index scores) on AVX512-BF16
   (:mod:`.bf16_dot`), in the reference's order;
-- ``"blas"``: numpy's f32 BLAS for all of them.
+- ``"blas"``: any x86-64 CPU: the bf16 products of many rows on f32 FMAs in the reference's
+  order (the FMA twin of ``vdpbf16ps``, :mod:`.bf16_dot`), the index scores on numpy's f32
+  BLAS (exact in any order).
 
 Every CPU with AVX512-BF16 so far (Cooper Lake, Sapphire Rapids, Zen 4) also has AVX512-VNNI, so
 nesting the tiers costs nothing there; a CPU with VNNI but no BF16 stays on ``"blas"``. Every
