@@ -535,8 +535,8 @@ def _softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes):
 @njit(cache=True, nogil=True)
 def _pv_blocked(p, addr, edges, out, h_lo, h_hi, hd):
     """``out[h] = sum_c p[c, h] row_c`` for the heads ``h_lo .. h_hi - 1`` (whole tiles of
-    _PV_HEADS heads from ``h_lo`` are computed), MKL's blocked order over the list: one FMA chain per block,
-    blocks added in order."""
+    _PV_HEADS heads from ``h_lo`` are computed), MKL's blocked order over the list: one FMA
+    chain per block, blocks added in order."""
     for d0 in range(0, hd, _PV_COLS):
         for b in range(len(edges) - 1):
             lo, hi = edges[b], edges[b + 1]
