@@ -223,16 +223,17 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
             offset = builder.mul(values[2], const(4))
             o_base, (o_i, _), _ = view(4)
             accumulate = values[5]
-            masked_load = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(v16f, [v16f.as_pointer(), i32, ir.VectorType(i1, 16), v16f]),
-                "llvm.masked.load.v16f32.p0v16f32")
-            lane = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
-            width = builder.insert_element(ir.Constant(ir.VectorType(i64, 16), ir.Undefined),
-                                           values[3], ir.Constant(i32, 0))
-            width = builder.shuffle_vector(width, width, ir.Constant(ir.VectorType(i32, 16), None))
-            masks = [builder.icmp_signed("<", builder.add(lane, ir.Constant(lane.type, [16 * v] * 16)),
-                                         width)
-                     for v in range(nvec)]
+            if masked:
+                masked_load = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(v16f, [v16f.as_pointer(), i32, ir.VectorType(i1, 16), v16f]),
+                    "llvm.masked.load.v16f32.p0v16f32")
+                lane = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
+                width = builder.insert_element(ir.Constant(ir.VectorType(i64, 16), ir.Undefined),
+                                               values[3], ir.Constant(i32, 0))
+                width = builder.shuffle_vector(width, width, ir.Constant(ir.VectorType(i32, 16), None))
+                masks = [builder.icmp_signed("<", builder.add(lane, ir.Constant(lane.type, [16 * v] * 16)),
+                                             width)
+                         for v in range(nvec)]
 
             def load_a(k, i):
                 row = builder.add(a_base, builder.mul(k, a_k))

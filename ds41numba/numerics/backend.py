@@ -24,8 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-import llvmlite.binding as llb
-import numba
+from .vector_ir import compiles_for
 
 __all__ = ["BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled",
            "use_backend"]
@@ -43,15 +42,7 @@ def _supported(name: str) -> bool:
     """True when this CPU has the features of tier ``name`` and numba compiles for them (the host
     CPU, features not overridden without them). The LLVM-IR kernels name their instructions
     outright, so compiling them for another target would fail or fault."""
-    needs = _NEEDS[name]
-    if not needs:
-        return True
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
-    overridden = numba.config.CPU_FEATURES
-    host = llb.get_host_cpu_features()
-    if not all((overridden is None or f"+{f}" in overridden.split(",")) and bool(host.get(f, False))
-               for f in needs):
+    if not all(compiles_for(f) for f in _NEEDS[name]):
         return False
     # The tile registers are the process's only once Linux has granted them.
     return name != "amx" or _tile_state_granted()

@@ -9,11 +9,22 @@ import llvmlite.ir as ir
 import numba
 from numba.core import cgutils
 
-__all__ = ["I32", "I64", "F32", "V16I", "V16F", "wide_registers", "row_operands", "row_pointer", "i64",
-           "splat", "open_loop", "close_loop", "not_unrolled", "prefetch"]
+__all__ = ["I32", "I64", "F32", "V16I", "V16F", "compiles_for", "wide_registers", "row_operands",
+           "row_pointer", "i64", "splat", "open_loop", "close_loop", "not_unrolled", "prefetch"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+
+
+def compiles_for(feature: str) -> bool:
+    """Whether numba compiles for a CPU with the LLVM feature ``feature`` (``"avx512bf16"``):
+    the host CPU has it and numba's target is the host, its features not overridden without it."""
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    overridden = numba.config.CPU_FEATURES
+    if overridden is not None and f"+{feature}" not in overridden.split(","):
+        return False
+    return bool(llb.get_host_cpu_features().get(feature, False))
 
 
 def wide_registers() -> bool:
@@ -21,9 +32,7 @@ def wide_registers() -> bool:
     (AVX2) there are 16 of 8. The micro-kernels size their tiles of sums by it, so the sums stay
     in registers: a 16-lane vector of the IR takes two of AVX2's. Only which sums share a loop
     changes with it, never how one is summed."""
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
-    return bool(llb.get_host_cpu_features().get("avx512f", False))
+    return compiles_for("avx512f")
 
 
 def row_operands(context, builder, signature, args):
