@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from . import golden
 from .config import AttnConfig, preset
+from .golden.files import ranges_text
 from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError, RunInterrupted
 
 __all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config"]
@@ -64,8 +65,14 @@ def _build_parser() -> argparse.ArgumentParser:
                    "(default: 40, or 48 for --preset mixed)")
     g.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")
     g.add_argument("--capture", choices=tuple(CAPTURE_MODES), default="all",
-                   help="io: out, idx and shared.topk_idxs; all (default): everything the "
-                   "reference goldens carry (both: the scores behind each selection)")
+                   help="io: out, idx and shared.topk_idxs; caches: io and the caches the "
+                   "prefill leaves (window ring, compressed KV, index keys, compressor state), "
+                   "for a decode kernel; all (default): everything the reference goldens carry "
+                   "(each: the scores behind each selection)")
+    g.add_argument("--rows", metavar="SPEC", help="with --capture io or caches, answer and "
+                   "store only these prefill query rows (every other row runs its key side "
+                   "only): none, last:N, first:N, every:N, random:N (drawn with --seed) or "
+                   "positions and ranges (0-127,1000); the decode steps run as usual")
     g.add_argument("--chunk", type=int, default=golden.DEFAULT_CHUNK, metavar="N",
                    help=f"with --capture io, run the prefill N rows at a time through every "
                    f"layer, streaming each chunk's rows to the file (default: "
@@ -182,8 +189,10 @@ def _sigterm_as_exit():
 def _progress(total: int, quiet: bool, desc: str):
     """A progress callback ``(n, where)`` drawing a tqdm bar with an ETA on stderr.
 
-    The bar shows itself only once a run has lasted two seconds, counts token-layers, and names
-    the step and layer in progress (a long prefill is a single forward call).
+    The bar shows itself only once a run has lasted two seconds, counts work in key-side
+    token-layers (a query row weighs what its projections and indexer width cost:
+    :func:`~ds41numba.golden.run.work_units`), and names the step and layer in progress (a long
+    prefill is a single forward call).
     """
     with tqdm(total=total, disable=quiet, delay=2.0, unit="tok", unit_scale=True, desc=desc,
               file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
@@ -206,21 +215,23 @@ def _golden(args) -> int:
     decode = decode if args.decode is None else args.decode
     rows = () if args.capture_rows is None else parse_rows(args.capture_rows, prefill + decode,
                                                            args.seed)
+    answered = (None if args.rows is None else
+                parse_rows(args.rows, prefill, args.seed, flag="--rows", what="prefill"))
     plan = golden.GoldenPlan(config=config, layers=layers, prefill=prefill, decode=decode,
                              seed=args.seed, capture=args.capture, preset=preset_name,
-                             profile=args.profile, capture_rows=rows)
+                             profile=args.profile, capture_rows=rows, rows=answered)
     if args.out is not None:
         out = args.out
     else:
         stem = preset_name or os.path.splitext(os.path.basename(args.config))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
     with _cluster(args, plan) as cluster, \
-            _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as progress:
+            _progress(plan.total_work, args.quiet, f"golden {preset_name or 'config'}") as progress:
         info = golden.write_golden(plan, out, force=args.force, progress=progress,
                                    chunk=args.chunk, resume=args.resume,
                                    checkpoint_every=args.checkpoint_every, cluster=cluster)
     what = preset_name or args.config
-    print(f"wrote {info['path']}  ({what}, layers {_ranges(plan.layers)}, prefill {plan.prefill} "
+    print(f"wrote {info['path']}  ({what}, layers {ranges_text(plan.layers)}, prefill {plan.prefill} "
           f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "
           f"{_size(info['bytes'])}, {info['seconds']:.1f} s)")
     return 0
@@ -241,7 +252,7 @@ def _cluster(args, plan):
 def _replay(args) -> int:
     with golden.GoldenFile(args.file) as f:
         info = f.run_info()
-    total = (info.prefill + info.decode) * len(info.layers)
+    total = golden.total_work(info.config, info.layers, info.prefill, info.decode)
     with _progress(total, args.quiet, "replay") as progress:
         report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
                                exact_index=args.exact_index)
@@ -307,21 +318,31 @@ def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
                         n_layers, f"layer {{i}} is not a layer of this config (0..{n_layers - 1})")
 
 
-def parse_rows(text: str, total: int, seed: int = 0) -> tuple[int, ...]:
-    """``--capture-rows``: ``"0,5,100-120"`` (positions, sorted, duplicates dropped) or
-    ``"random:N"``: N distinct positions of ``0 .. total - 1`` drawn with ``seed``
-    (numpy's ``default_rng(seed).choice``), sorted."""
+def parse_rows(text: str, total: int, seed: int = 0, flag: str = "--capture-rows",
+               what: str = "run's") -> tuple[int, ...]:
+    """Positions of ``0 .. total - 1``, sorted, duplicates dropped: ``"0,5,100-120"``,
+    ``"none"``, ``"first:N"``, ``"last:N"``, ``"every:N"`` (0, N, 2N, ...) or ``"random:N"``: N
+    distinct positions drawn with ``seed`` (numpy's ``default_rng(seed).choice``). ``flag`` and
+    ``what`` name the option and its positions in the one-line errors."""
     text = str(text).strip()
-    m = re.fullmatch(r"random:(\d+)", text)
+    if text == "none":
+        return ()
+    m = re.fullmatch(r"(random|first|last|every):(\d+)", text)
     if m:
-        n = int(m.group(1))
+        kind, n = m.group(1), int(m.group(2))
         if not 1 <= n <= total:
-            raise GoldenError(f"--capture-rows: random:{n} needs 1 .. {total} (the run's tokens)")
+            raise GoldenError(f"{flag}: {kind}:{n} needs 1 .. {total} (the {what} tokens)")
+        if kind == "first":
+            return tuple(range(n))
+        if kind == "last":
+            return tuple(range(total - n, total))
+        if kind == "every":
+            return tuple(range(0, total, n))
         import numpy as np
         return tuple(sorted(int(p) for p in np.random.default_rng(seed).choice(total, n, replace=False)))
-    return _number_list(text, "--capture-rows", "a position, a range or random:N (write e.g. "
-                        "0,5,100-120 or random:16)", total,
-                        f"position {{i}} is past the run's {total} tokens")
+    return _number_list(text, flag, "a position, a range, none, first:N, last:N, every:N or "
+                        "random:N (write e.g. 0,5,100-120 or random:16)", total,
+                        f"position {{i}} is past the {what} {total} tokens")
 
 
 def default_run(preset_name: str | None) -> tuple[int, int]:
@@ -339,19 +360,6 @@ def load_config(preset_name: str | None, config_path: str | None) -> tuple[AttnC
     except ValueError as e:
         msg = str(e)
         raise GoldenError(msg if msg.startswith(("config", "unknown preset")) else f"config: {msg}") from None
-
-
-def _ranges(ids) -> str:
-    """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
-    out, ids = [], list(ids)
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _size(n: int) -> str:

@@ -32,7 +32,7 @@ from ..attention import index_rows
 from ..config import AttnConfig
 from ..indexer import visible_lengths
 
-__all__ = ["CAPTURE_MODES", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
+__all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
            "WEIGHT_NAME", "CHUNK", "StepObserver", "forward_capture", "layer_captures",
            "storage_kind", "to_storage"]
 
@@ -52,14 +52,21 @@ SAMPLE_CAPTURES = ("sample.rows", "sample.q", "sample.kv", "sample.o", "sample.i
 #: What each capture mode records per step and layer (besides the input ``x``), in file order.
 CAPTURE_MODES = {
     "io": ("out", "idx", "shared.topk_idxs") + SCORE_CAPTURES,
+    "caches": ("out", "idx", "shared.topk_idxs") + SCORE_CAPTURES,
     "all": ("out", "q", "kv", "idx", "o", "index_score", "shared.compress_kv", "shared.index_k",
             "shared.topk_idxs", "shared.candidates", "state.window_kv", "state.kv_state",
             "state.score_state") + SCORE_CAPTURES,
 }
+#: What ``--capture caches`` adds, once, after each layer's prefill: the layer's own caches as
+#: its last prefill step leaves them (:func:`cache_captures`).
+CACHE_CAPTURES = ("state.window_kv", "state.compress_kv", "state.index_k", "state.kv_state",
+                  "state.score_state")
+#: The capture modes a golden streams to its file (laid out up front, resumable, on a cluster).
+STREAMED_MODES = ("io", "caches")
 #: Captures not stored as BF16 (the index tensors, and the compressor's f32 state).
 _CAPTURE_STORAGE = {"idx": "I32", "shared.topk_idxs": "I32", "shared.candidates": "U8",
                     "state.kv_state": "F32", "state.score_state": "F32", "runner_idxs": "I32",
-                    "sample.rows": "I32"}
+                    "sample.rows": "I32", "rows": "I32"}
 _STORAGE_DTYPES = {"BF16": BF16, "F32": np.float32, "I32": np.int32, "U8": np.uint8}
 STEP_NAME = re.compile(r"step(\d+)\.layers\.(\d+)\.(.+)")
 WEIGHT_NAME = re.compile(r"layers\.(\d+)\.attn\.(.+)")
@@ -126,6 +133,26 @@ def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str,
             if c.is_index_source(layer_id) and shared.index_k is not None:
                 got["sample.index_k"] = shared.index_k.keys[: end_pos // r]
     return {k: got[k] for k in wanted if k in got}
+
+
+def cache_captures(stack, layer_id: int, prefill: int) -> dict[str, np.ndarray]:
+    """Layer ``layer_id``'s own caches as its prefill of ``prefill`` tokens left them (what a
+    decode kernel starts from): ``state.window_kv`` (the ring, ``[window_size, hd]``: position
+    p in slot ``p % window_size``), for a kv source ``state.compress_kv`` (its compressed KV,
+    rows ``0 .. prefill // r - 1``) and, ratio > 1, ``state.kv_state`` / ``state.score_state``
+    (the compressor's partial group, ``[r, hd]`` f32), for a key owner ``state.index_k`` (its
+    index keys, the same rows). Views of the live state: convert them before the next step."""
+    state = stack.states[layer_id]
+    r = stack.config.ratio(layer_id)
+    got = {"state.window_kv": state.window_kv}
+    if state.compress_cache is not None:
+        got["state.compress_kv"] = state.compress_cache[:prefill // r]
+    if state.index_cache is not None:
+        got["state.index_k"] = state.index_cache.keys[:prefill // r]
+    if state.kv_state is not None:
+        got["state.kv_state"] = state.kv_state
+        got["state.score_state"] = state.score_state
+    return got
 
 
 @njit(cache=True)

@@ -17,6 +17,10 @@ has three parts:
    same tile, which stays on the workers;
 3. the decode steps, on the driver (one token each: nothing to spread).
 
+A ``--rows`` run answers only some prefill rows: its tiles are the runs of those rows (cut into
+``--chunk`` pieces), and without a cluster the same drive runs them in this process
+(:class:`InProcess`), so the key side, the tiles and the checkpoints are one machinery.
+
 The file is the one-process run's, byte for byte: every row is computed as the one-shot prefill
 computes it, on whichever worker and with whatever tiles. A killed worker costs only its
 tasks, which Dask reruns from what the others hold (the broadcast copies, the tasks' inputs).
@@ -44,12 +48,12 @@ from threadpoolctl import threadpool_limits
 from ..attention import attention_rows
 from ..indexer import IndexKeyCache
 from ..stack import AttnWeights, SharedRuntime
-from .captures import StepObserver, layer_captures, storage_kind, to_storage
+from .captures import StepObserver, cache_captures, layer_captures, storage_kind, to_storage
 from .errors import GoldenError, RunInterrupted
 from .generator import make_input
-from .run import drive_piece, golden_steps, prefill_chunks
+from .run import drive_piece, golden_steps, prefill_chunks, query_tiles, work_units
 
-__all__ = ["Cluster", "LayerWork", "CacheRows", "RunStats", "run_tile", "drive_tiles", "SCHEDULE"]
+__all__ = ["Cluster", "InProcess", "LayerWork", "CacheRows", "RunStats", "run_tile", "drive_tiles", "SCHEDULE"]
 
 #: The run identity's ``schedule`` of a run made this way: its checkpoints count other pieces
 #: than a one-process run's, so the two cannot resume each other.
@@ -167,6 +171,66 @@ class Cluster:
         self.close()
 
 
+class _Lazy:
+    """A task of :class:`InProcess`: run when its result is first asked for, then kept (a part
+    of a tile's result is handed over once and dropped from the tile)."""
+
+    def __init__(self, fn, args, key):
+        self.fn, self.args, self.key, self.status = fn, args, key, "pending"
+
+    def result(self):
+        if self.status == "pending":
+            args = [a.result() if isinstance(a, _Lazy) else a for a in self.args]
+            if self.fn is operator.getitem and isinstance(self.args[0], _Lazy):
+                tile, k = self.args[0], self.args[1]
+                self.value, tile.value = args[0][k], tuple(None if j == k else v
+                                                           for j, v in enumerate(tile.value))
+            else:
+                self.value = self.fn(*args)
+            self.fn = self.args = None
+            self.status = "finished"
+        return self.value
+
+
+class _LocalClient:
+    """What :class:`_Queries` asks of a Dask client, done in this process: scatter keeps the
+    object, submit defers the call to the first ``result()``."""
+
+    status = "running"
+
+    def scatter(self, obj, broadcast=True, hash=False):
+        task = _Lazy(None, (), None)
+        task.value, task.status = obj, "finished"
+        return task
+
+    def submit(self, fn, *args, key=None):
+        return _Lazy(fn, args, key or f"local-{os.urandom(4).hex()}")
+
+
+class _InOrder(list):
+    """``as_completed`` in this process: the tasks in submission order (each runs when asked)."""
+
+    add = list.append
+
+
+class InProcess:
+    """The cluster drive (:func:`drive_tiles`) with its tiles run in this process, in order:
+    a ``--rows`` run without ``--workers``. Nothing is copied: the tiles read the stack's own
+    weights and caches."""
+
+    schedule = SCHEDULE
+    threads = None
+    lost = ()
+    _distributed = types.SimpleNamespace(as_completed=_InOrder)
+
+    def __init__(self):
+        self.client = _LocalClient()
+        self.stats = RunStats()
+
+    def drive(self, plan, stack, ckpt, out, x_of, write, progress, chunk, observer) -> None:
+        drive_tiles(self, plan, stack, ckpt, out, x_of, write, progress, chunk, observer)
+
+
 def _probe() -> dict:
     """What a worker has (the connection check runs it on every worker)."""
     from .. import __version__
@@ -277,6 +341,7 @@ class _Queries:
         self.cluster, self.client, self.plan, self.stack = cluster, cluster.client, plan, stack
         self.seen, self.done, self.out, self.progress = seen, done, out, progress
         self.tiles, self.save = tiles, save
+        self.answered = None if plan.rows is None else np.asarray(plan.rows, np.int64)
         self.works = {}          # layer -> the scattered LayerWork (its turn only)
         self.cache_rows = {}     # (id of a cache, rows) -> (the cache, its scattered rows)
         self.keys_of = {}        # key of a tile's rows future -> its first row
@@ -372,7 +437,8 @@ class _Queries:
                 self.done.add((i, first_row))
                 n = rows_of[first_row]
                 if self.progress is not None:
-                    self.progress(n, f"step 0 rows {first_row}-{first_row + n - 1} layer {i}")
+                    self.progress(work_units(self.plan.config, i, first_row, n, keys=False),
+                                  f"step 0 rows {first_row}-{first_row + n - 1} layer {i}")
                 self.save()
             # Keep only the selections a later layer reads; each layer's work goes with its turn.
             keep = {s for k in layers[pos + 1:] for s in self.sources(k) if s is not None}
@@ -405,8 +471,10 @@ class _Queries:
 
     def _write_rows(self, i, first_row, rows, at, samples):
         prefix = f"step0.layers.{i}."
+        at_row = first_row if self.answered is None else int(np.searchsorted(self.answered,
+                                                                             first_row))
         for what, value in rows.items():
-            self.out.write_rows(prefix + what, first_row, value)
+            self.out.write_rows(prefix + what, at_row, value)
         if len(at):
             for what, value in samples.items():
                 self.out.write_rows(prefix + what, int(at[0]), value)
@@ -436,8 +504,9 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
     prefill chunk (``chunk`` rows), the queries (one piece, checkpointed tile by tile), the
     decode steps. ``x_of`` and ``write`` are the stream's input maker and writer (as for
     :func:`~.run.drive`); ``ckpt`` the run's checkpoint, already restored into ``stack``."""
-    P, L = plan.prefill, len(stack.layers)
+    P, L, c = plan.prefill, len(stack.layers), plan.config
     keys = prefill_chunks(P, chunk)
+    tiles = query_tiles(P, chunk, plan.rows)
     steps = [(s, p, 0, 1) for s, p, _ in golden_steps(P, plan.decode) if s]
     extra = ckpt.extra or {}
     seen = extra.get("seen", {})
@@ -450,15 +519,19 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
         done = done if piece is None else piece
         if done < len(keys) + 1 + len(steps) and (force or ckpt.due()):
             if where is None:
-                where = f"{len(done_tiles)} of {len(keys) * L} query tiles"
+                where = f"{len(done_tiles)} of {len(tiles) * L} query tiles"
             ckpt.save(done, where, stack, observer, out,
                       extra={"seen": seen, "tiles": sorted(done_tiles)})
             out.keep = True
 
     if progress is not None and ckpt.saved:
-        tiles_rows = sum(n for a, n in keys for i in stack.layers if (i, a) in done_tiles)
-        decoded = max(0, done - len(keys) - 1) * L
-        progress(tiles_rows + decoded, "resumed")
+        keyed = sum(work_units(c, i, a, n, queries=False) for a, n in keys[:done]
+                    for i in stack.layers)
+        answered = sum(work_units(c, i, a, n, keys=False) for a, n in tiles
+                       for i in stack.layers if (i, a) in done_tiles)
+        decoded = sum(work_units(c, i, p, 1, prefill=False) for _, p, _, _ in
+                      steps[:max(0, done - len(keys) - 1)] for i in stack.layers)
+        progress(keyed + answered + decoded, "resumed")
     if not ckpt.saved:
         save(0, "nothing", force=True)
     stack.shared.observer = observer
@@ -476,13 +549,18 @@ def drive_tiles(cluster: Cluster, plan, stack, ckpt, out, x_of, write, progress,
             stack.forward(i, x, a, prefill_len=P, queries=False)
             if k == len(keys) - 1:
                 seen[i] = (stack.shared.compress_kv, stack.shared.index_k)
+                if plan.capture == "caches":
+                    write(f"step0.layers.{i}.", cache_captures(stack, i, P), 0)
+            if progress is not None:
+                progress(work_units(c, i, a, n, queries=False), f"keys of rows {a}-{a + n - 1} "
+                         f"layer {i}")
         save(k + 1, f"the key side of rows 0-{a + n - 1}")
 
     stats.keys_seconds = time.perf_counter() - t0
     # 2. The queries, on the workers.
     t0 = time.perf_counter()
     if done == len(keys):
-        queries = _Queries(cluster, plan, stack, seen, done_tiles, out, progress, keys, save)
+        queries = _Queries(cluster, plan, stack, seen, done_tiles, out, progress, tiles, save)
         try:
             queries.run()
         except cluster.lost as e:

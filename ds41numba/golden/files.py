@@ -333,6 +333,7 @@ class RunInfo:
     preset: str = ""
     profile: str = "default"
     capture_rows: tuple[int, ...] = ()
+    rows: tuple[int, ...] | None = None      # the prefill rows answered (None: every one)
 
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing; what
@@ -352,7 +353,12 @@ class RunInfo:
             "capture_rows": json.dumps([int(p) for p in self.capture_rows]),
             "generator": GENERATOR,
             "generator_spec": GENERATOR_SPEC,
-        }
+        } | ({} if self.rows is None else {"rows": ranges_text(self.rows)})
+
+    def row_positions(self, step: int) -> np.ndarray | None:
+        """The positions of a step's rows the file holds when they are not all of them (a
+        ``--rows`` golden's prefill), else None."""
+        return None if step or self.rows is None else np.asarray(self.rows, np.int64)
 
 
 class GoldenFile:
@@ -423,7 +429,7 @@ class GoldenFile:
         try:
             cfg_dict = json.loads(meta["config"])
             config = AttnConfig.from_dict(cfg_dict)
-            profile, rows = "default", ()
+            profile, rows, answered = "default", (), None
             if self.kind == "npz":
                 layers = tuple(range(config.n_layers))
                 prefill, decode = int(cfg_dict["prefill"]), int(cfg_dict["decode"])
@@ -437,6 +443,7 @@ class GoldenFile:
                 capture, seed, name = meta["capture"], int(meta["seed"]), meta.get("preset", "")
                 profile = meta.get("profile", "default")
                 rows = tuple(int(p) for p in json.loads(meta.get("capture_rows", "[]")))
+                answered = None if "rows" not in meta else ranges_parsed(meta["rows"])
         except GoldenError:
             raise
         except (KeyError, ValueError, TypeError) as e:
@@ -445,7 +452,7 @@ class GoldenFile:
             raise GoldenError(f"{self.path!r}: unknown capture mode {capture!r}")
         if profile not in PROFILES:
             raise GoldenError(f"{self.path!r}: unknown generator profile {profile!r}")
-        return RunInfo(config, layers, prefill, decode, capture, seed, name, profile, rows)
+        return RunInfo(config, layers, prefill, decode, capture, seed, name, profile, rows, answered)
 
     def step_info(self) -> RunInfo | None:
         """The run as far as the file describes it, for judging index rows (which config, which
@@ -463,6 +470,25 @@ class GoldenFile:
             return RunInfo(cfg, layers, int(meta["prefill"]), int(meta["decode"]), "io")
         except (KeyError, ValueError, TypeError):
             return None
+
+
+def ranges_text(ids) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"`` (sorted ids; "" for none)."""
+    ids = np.asarray(ids, np.int64)
+    if not ids.size:
+        return ""
+    cut = np.flatnonzero(np.diff(ids) != 1) + 1
+    return ",".join(str(a) if a == b else f"{a}-{b}"
+                    for a, b in zip(ids[np.r_[0, cut]], ids[np.r_[cut - 1, ids.size - 1]]))
+
+
+def ranges_parsed(text: str) -> tuple[int, ...]:
+    """The ids :func:`ranges_text` wrote."""
+    out = []
+    for part in filter(None, text.split(",")):
+        a, _, b = part.partition("-")
+        out.extend(range(int(a), int(b or a) + 1))
+    return tuple(out)
 
 
 def _natural_key(name: str):

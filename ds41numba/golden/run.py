@@ -17,8 +17,9 @@ import numpy as np
 
 from ..config import AttnConfig
 from ..stack import AttentionStack, held_weight_bytes, weight_specs
-from .captures import (CAPTURE_MODES, RUNNERS_UP, WEIGHT_NAME, StepObserver, forward_capture,
-                       layer_captures, records_shared, storage_kind, to_storage)
+from .captures import (CAPTURE_MODES, RUNNERS_UP, STREAMED_MODES, WEIGHT_NAME, StepObserver,
+                       cache_captures, forward_capture, layer_captures, records_shared,
+                       storage_kind, to_storage)
 from .compare import CompareReport, Judge, TensorResult, compare_order, file_scores
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, run_identity
 from .errors import DiskError, GoldenError, RunInterrupted
@@ -27,7 +28,7 @@ from .generator import GeneratedWeights, checked_profile, checked_seed, make_inp
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
            "drive_piece", "run_golden", "write_golden", "stream_golden", "io_layout",
-           "check_cluster_capture",
+           "check_cluster_capture", "work_units", "total_work", "query_tiles",
            "DEFAULT_CHUNK", "minimum_bytes", "replay", "StoredWeights"]
 
 
@@ -51,6 +52,7 @@ class GoldenPlan:
     preset: str = ""
     profile: str = "default"
     capture_rows: tuple[int, ...] = ()     # positions whose kernel inputs and outputs are sampled
+    rows: tuple[int, ...] | None = None    # the prefill rows answered (None: every one)
 
     def __post_init__(self):
         c = self.config
@@ -73,6 +75,8 @@ class GoldenPlan:
             raise GoldenError(f"--capture-rows: positions must lie in 0..{total - 1} (the run's "
                               f"tokens), got {rows[0] if rows[0] < 0 else rows[-1]}")
         object.__setattr__(self, "capture_rows", rows)
+        if self.rows is not None:
+            self._check_rows()
         if self.capture not in CAPTURE_MODES:
             raise GoldenError(f"--capture must be one of {', '.join(CAPTURE_MODES)}, got {self.capture!r}")
         if not self.layers:
@@ -86,19 +90,98 @@ class GoldenPlan:
             raise GoldenError(f"--layers: {missing[0]}, which is not in the selection"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
+    def _check_rows(self):
+        """``rows``: prefill positions, answered only in a streamed run; the prefill's
+        ``capture_rows`` must be among them (a sample is a row's)."""
+        rows = tuple(sorted({int(p) for p in self.rows}))
+        if self.capture not in STREAMED_MODES:
+            raise GoldenError(f"--rows: only a streamed run (--capture {' or '.join(STREAMED_MODES)}) "
+                              f"answers some prefill rows, not --capture {self.capture}")
+        if rows and not 0 <= rows[0] <= rows[-1] < self.prefill:
+            raise GoldenError(f"--rows: positions must lie in 0..{self.prefill - 1} (the prefill), "
+                              f"got {rows[0] if rows[0] < 0 else rows[-1]}")
+        unanswered = sorted(set(p for p in self.capture_rows if p < self.prefill) - set(rows))
+        if unanswered:
+            raise GoldenError(f"--capture-rows: prefill position {unanswered[0]} is not among "
+                              f"--rows (only answered rows are sampled)")
+        object.__setattr__(self, "rows", rows)
+
     def steps(self):
         """``(step, start_pos, seqlen)``: the prefill, then one decode step per token."""
         return golden_steps(self.prefill, self.decode)
 
     @property
     def total_tokens(self) -> int:
-        """Token-layers the run processes (the progress bar's unit)."""
+        """Token-layers the run processes."""
         return (self.prefill + self.decode) * len(self.layers)
+
+    @property
+    def total_work(self) -> float:
+        """The run's work in the progress bar's unit (:func:`total_work`)."""
+        return total_work(self.config, self.layers, self.prefill, self.decode, self.rows)
 
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing."""
         return RunInfo(self.config, self.layers, self.prefill, self.decode, self.capture,
-                       self.seed, self.preset, self.profile, self.capture_rows).metadata()
+                       self.seed, self.preset, self.profile, self.capture_rows,
+                       self.rows).metadata()
+
+
+#: The progress bar's weights, in key sides of a token-layer (measured on v41-flash layer 20,
+#: AVX-512, about 55 us each): a query row's projections and attention, and each compressed
+#: position an index source's query row scores (about 15 ns; 16 ms a row at 1M positions).
+QUERY_WORK = 24.0
+INDEX_WORK = 2.8e-4
+
+
+def work_units(config: AttnConfig, layer: int, first: int, n: int, keys: bool = True,
+               queries: bool = True, prefill: bool = True) -> float:
+    """The work of rows ``first .. first + n - 1`` of one layer's step (``prefill``: of a
+    prefill, whose row at position p sees ``(p + 1) // r`` compressed positions; else a decode
+    step at ``first``, which sees ``(first + 1) // r``), its key side and/or its queries: what
+    the progress bar counts, so a run that answers a few rows of a long prefill advances by
+    what each part costs, not by tokens."""
+    work = n * 1.0 if keys else 0.0
+    if queries:
+        work += n * QUERY_WORK
+        r = config.ratio(layer)
+        if r and config.is_index_source(layer):
+            seen = (n * (2 * first + n + 1) / 2 if prefill else n * (first + 1)) / r
+            work += INDEX_WORK * seen
+    return work
+
+
+def total_work(config: AttnConfig, layers, prefill: int, decode: int, rows=None) -> float:
+    """A run's :func:`work_units`: every prefill row's key side, the queries of ``rows`` (None:
+    all) and the decode steps."""
+    total = 0.0
+    for i in layers:
+        if rows is None:
+            total += work_units(config, i, 0, prefill)
+        else:
+            total += work_units(config, i, 0, prefill, queries=False)
+            total += sum(work_units(config, i, a, n, keys=False) for a, n in _runs(rows))
+        total += sum(work_units(config, i, prefill + s, 1, prefill=False) for s in range(decode))
+    return total
+
+
+def _runs(rows) -> list[tuple[int, int]]:
+    """``(first, n)`` of each run of consecutive positions in sorted ``rows``."""
+    rows = np.asarray(rows, np.int64)
+    if not rows.size:
+        return []
+    cut = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts, ends = rows[np.r_[0, cut]], rows[np.r_[cut - 1, rows.size - 1]]
+    return [(int(a), int(b - a + 1)) for a, b in zip(starts, ends)]
+
+
+def query_tiles(prefill: int, chunk: int | None, rows=None) -> list[tuple[int, int]]:
+    """``(first_row, rows)`` of the prefill's query tiles: its chunks (``rows`` None), or the
+    runs of consecutive ``rows``, each cut into pieces of at most ``chunk``."""
+    if rows is None:
+        return prefill_chunks(prefill, chunk)
+    size = prefill if chunk is None else max(1, int(chunk))
+    return [(a + k, min(size, n - k)) for a, n in _runs(rows) for k in range(0, n, size)]
 
 
 def golden_steps(prefill: int, decode: int):
@@ -176,6 +259,7 @@ def drive_piece(stack, piece, prefill, capture, x_of, take, progress, observer, 
     a = start_pos + first
     chunked = s == 0 and split
     prefill_len = prefill if s == 0 else None
+    last = s == 0 and a + n == prefill          # the prefill's last piece: its caches are done
     for i in stack.layers:
         prefix = f"step{s}.layers.{i}."
         where = f"{piece_name(piece, split)} layer {i}"
@@ -192,9 +276,11 @@ def drive_piece(stack, piece, prefill, capture, x_of, take, progress, observer, 
                 take(prefix, samples, 0)
         else:
             take(prefix, got, first)
+        if last and capture == "caches":
+            take(prefix, cache_captures(stack, i, prefill), 0)
         del run, got
         if progress is not None:
-            progress(n, where)
+            progress(work_units(stack.config, i, a, n, prefill=s == 0), where)
 
 
 def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
@@ -241,7 +327,7 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
                  checkpoint_every: float = CHECKPOINT_EVERY, cluster=None) -> dict:
     """Run ``plan`` and write its golden to ``path`` atomically; returns a summary for printing.
 
-    With ``capture="io"`` the file is streamed (:func:`stream_golden`): the prefill runs in
+    With ``capture="io"`` or ``"caches"`` the file is streamed (:func:`stream_golden`): the prefill runs in
     chunks of ``chunk`` rows and each chunk's rows go into place as they are made, with
     checkpoints every ``checkpoint_every`` seconds that ``resume`` continues from. ``all``
     holds ``[seqlen, positions]`` captures per step and runs in memory, the prefill in one call.
@@ -251,13 +337,16 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     path = os.fspath(path)
     if cluster is not None:
         check_cluster_capture(plan.capture)
-    if resume and plan.capture != "io":
-        raise GoldenError("--resume: only a streamed run (--capture io) keeps a checkpoint to "
-                          "resume from")
+    if resume and plan.capture not in STREAMED_MODES:
+        raise GoldenError("--resume: only a streamed run (--capture io or caches) keeps a "
+                          "checkpoint to resume from")
     check_target(path, force)
     _check_memory(plan, chunk)
     t0 = time.perf_counter()
-    if plan.capture == "io":
+    if plan.rows is not None and cluster is None:
+        from .cluster import InProcess      # the cluster's drive, its tiles run here
+        cluster = InProcess()
+    if plan.capture in STREAMED_MODES:
         n = stream_golden(plan, path, force, progress, chunk, resume, checkpoint_every, cluster)
     else:
         tensors = run_golden(plan, progress)
@@ -269,9 +358,9 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
 
 def check_cluster_capture(capture: str) -> None:
     """A cluster runs streamed (``io``) goldens only: refuse any other before a cluster starts."""
-    if capture != "io":
-        raise GoldenError("--workers/--scheduler: only a streamed run (--capture io) runs on a "
-                          "cluster")
+    if capture not in STREAMED_MODES:
+        raise GoldenError("--workers/--scheduler: only a streamed run (--capture io or caches) "
+                          "runs on a cluster")
 
 
 def _topk_width(config: AttnConfig, j: int, prefill: int, start_pos: int, seqlen: int) -> int:
@@ -290,9 +379,14 @@ def io_layout(plan: GoldenPlan):
     Besides ``out``, ``idx`` and ``shared.topk_idxs``: at every index source the scores behind
     its selection (``topk_scores``, ``runner_idxs``, ``runner_scores``) and, for a step holding
     ``capture_rows`` positions, the ``sample.*`` captures (their rows are few: the drive hands
-    them over from memory once the step's last chunk ran)."""
-    if plan.capture != "io":
-        raise ValueError("io_layout: only an io golden is laid out up front")
+    them over from memory once the step's last chunk ran).
+
+    A ``rows`` plan holds of the prefill only its answered rows (``step0.layers.{i}.rows``, their
+    positions, then each per-row tensor with those rows, in that order); the first decode step's
+    copies of the prefill's whole selection are left out (``{name: None}``). ``caches`` adds,
+    after each layer's prefill tensors, its :func:`~.captures.cache_captures`."""
+    if plan.capture not in STREAMED_MODES:
+        raise ValueError("io_layout: only a streamed golden is laid out up front")
     c = plan.config
     layout, copies = [], {}
     for i in plan.layers:
@@ -305,30 +399,37 @@ def io_layout(plan: GoldenPlan):
         nwin = min(plan.prefill, c.window_size) if s == 0 else c.window_size
         end = start_pos + seqlen
         ns = int(((samples >= start_pos) & (samples < end)).sum())
+        held = seqlen if s or plan.rows is None else len(plan.rows)   # the rows the file holds
         for i in plan.layers:
             pre = f"step{s}.layers.{i}."
             r = c.ratio(i)
             if i in index_sources:
                 slot = (s, i)
-            layout.append((pre + "x", "BF16", (seqlen, c.dim)))
-            layout.append((pre + "out", "BF16", (seqlen, c.dim)))
+            if s == 0 and plan.rows is not None:
+                layout.append((pre + "rows", "I32", (held,)))
+            layout.append((pre + "x", "BF16", (held, c.dim)))
+            layout.append((pre + "out", "BF16", (held, c.dim)))
             ncomp = 0
             if r:
                 ncomp = _topk_width(c, slot[1], plan.prefill, start_pos, seqlen)
-            layout.append((pre + "idx", "I32", (seqlen, nwin + ncomp)))
+            layout.append((pre + "idx", "I32", (held, nwin + ncomp)))
             if records_shared(c, i) and slot is not None:
                 ss, j = slot
                 rows = plan.prefill if ss == 0 else 1
                 sp = 0 if ss == 0 else plan.prefill + ss - 1
-                layout.append((pre + "shared.topk_idxs", "I32",
-                               (rows, _topk_width(c, j, plan.prefill, sp, rows))))
-                if ss != s and ss == 0:
+                if ss != s and ss == 0 and plan.rows is not None:
+                    copies[pre + "shared.topk_idxs"] = None
+                else:
+                    layout.append((pre + "shared.topk_idxs", "I32",
+                                   (held if ss == s else rows,
+                                    _topk_width(c, j, plan.prefill, sp, rows))))
+                if ss != s and ss == 0 and plan.rows is None:
                     copies[pre + "shared.topk_idxs"] = f"step0.layers.{j}.shared.topk_idxs"
             if i in index_sources:
                 k = _topk_width(c, i, plan.prefill, start_pos, seqlen)
-                layout += [(pre + "topk_scores", "BF16", (seqlen, k)),
-                           (pre + "runner_idxs", "I32", (seqlen, RUNNERS_UP)),
-                           (pre + "runner_scores", "BF16", (seqlen, RUNNERS_UP))]
+                layout += [(pre + "topk_scores", "BF16", (held, k)),
+                           (pre + "runner_idxs", "I32", (held, RUNNERS_UP)),
+                           (pre + "runner_scores", "BF16", (held, RUNNERS_UP))]
             if ns:
                 hd, H = c.head_dim, c.n_heads
                 scored = i in index_sources and end // r > 0
@@ -344,10 +445,25 @@ def io_layout(plan: GoldenPlan):
                                (pre + "sample.index_k", "BF16", (width, idim))]
                 if r:
                     layout.append((pre + "sample.compress_kv", "BF16", (width, hd)))
+            if s == 0 and plan.capture == "caches":
+                layout += _cache_layout(c, i, plan.prefill)
     for n, kind, _ in layout:
         if not WEIGHT_NAME.fullmatch(n):
             assert kind == storage_kind(n), n
     return layout, copies
+
+
+def _cache_layout(c: AttnConfig, i: int, prefill: int) -> list:
+    """Layer i's :func:`~.captures.cache_captures` as io_layout entries."""
+    pre, r, hd = f"step0.layers.{i}.", c.ratio(i), c.head_dim
+    out = [(pre + "state.window_kv", "BF16", (c.window_size, hd))]
+    if c.is_kv_source(i):
+        out.append((pre + "state.compress_kv", "BF16", (prefill // r, hd)))
+        if c.is_index_source(i):
+            out.append((pre + "state.index_k", "BF16", (prefill // r, c.index_head_dim)))
+        if r > 1:
+            out += [(pre + "state.kv_state", "F32", (r, hd)), (pre + "state.score_state", "F32", (r, hd))]
+    return out
 
 
 def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
@@ -434,15 +550,26 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
                       stack, observer, out)
             out.keep = True
 
+    answered = None if plan.rows is None else np.asarray(plan.rows, np.int64)
+
     def streamed_input(name, first_row, rows, start_pos):
         x = to_storage(name, make_input(name, (rows, cfg.dim), plan.seed, plan.profile,
                                         first_row, start_pos), "BF16")
-        out.write_rows(name, first_row, x)
+        if answered is None or start_pos:
+            out.write_rows(name, first_row, x)
+        else:                              # the answered rows of a prefill chunk, in their place
+            lo, hi = np.searchsorted(answered, (first_row, first_row + rows))
+            if hi > lo:
+                out.write_rows(name, int(lo), x[answered[lo:hi] - first_row])
+            if first_row == 0:
+                out.write_rows(name[:-len("x")] + "rows", 0, answered.astype(np.int32))
         return x
 
     def write(prefix, captures, first_row):
         for what, value in captures.items():
             name = prefix + what
+            if name in copies and copies[name] is None:
+                continue                   # a rows golden leaves the copy out
             if name in copies and value.shape[0] != out.shape(name)[0]:
                 out.copy_tensor(copies[name], name)
             else:
@@ -460,7 +587,7 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
               plan.capture_rows, chunk=chunk, observer=observer, start=ckpt.done,
               boundary=boundary)
     for name, source in copies.items():     # a selection no layer of the step replaced
-        if out.missing_rows(name):
+        if source is not None and out.missing_rows(name):
             out.copy_tensor(source, name)
 
 
@@ -483,8 +610,9 @@ def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:
             caches += rows * c.head_dim * 4
             if c.is_index_source(i):
                 caches += rows * c.index_head_dim * 6      # f32 keys and the scorer's layout
-    kept = 0 if plan.capture == "io" else 2 * 2 * tokens * len(plan.layers) * c.dim + 4 * params
-    rows = plan.prefill if plan.capture != "io" or chunk is None else min(plan.prefill, chunk)
+    streamed = plan.capture in STREAMED_MODES
+    kept = 0 if streamed else 2 * 2 * tokens * len(plan.layers) * c.dim + 4 * params
+    rows = plan.prefill if not streamed or chunk is None else min(plan.prefill, chunk)
     tile = min(rows, 1024)
     working = (rows * (8 * c.dim + 4 * c.q_lora_rank + 4 * (c.window_size + c.index_topk))
                + tile * (3 * c.n_heads * c.head_dim * 4 + c.o_groups * c.o_lora_rank * 4)
