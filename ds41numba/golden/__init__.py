@@ -33,7 +33,7 @@ The command line (``ds41numba golden | replay | compare``, :mod:`ds41numba.cli`)
 arguments and calls these.
 """
 
-from .captures import (CAPTURE_MODES, RUNNERS_UP, SAMPLE_CAPTURES, SCORE_CAPTURES, StepObserver,
+from .captures import (CACHE_CAPTURES, CAPTURE_MODES, RUNNERS_UP, SAMPLE_CAPTURES, SCORE_CAPTURES, StepObserver,
                        layer_captures, storage_kind, to_storage)
 from .compare import (TOLERANCE, CompareReport, Judge, TensorResult, compare_files,
                       compare_tensor, file_scores)
@@ -46,8 +46,9 @@ from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden
 from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, make_input,
                         make_tensor, make_weight, make_weights, stream_key, weight_distribution)
 from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture, drive,
-                  io_layout, missing_sources, replay, run_golden, run_pieces, stream_golden,
-                  write_golden)
+                  io_layout, missing_sources, query_tiles, replay, run_golden, run_pieces,
+                  stream_golden, total_work, work_units, write_golden)
+from .rows import PER_ROW, held_positions, match_rows
 
 __all__ = [
     "GoldenError", "GENERATOR", "GENERATOR_SPEC", "CAPTURE_MODES", "FORMAT", "FORMAT_VERSION",
@@ -60,5 +61,6 @@ __all__ = [
     "DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_RANGE", "IndexJudgement", "RowBounds", "RowScores",
     "judge_index_rows", "DiskError", "RunInterrupted", "CHECKPOINT_EVERY", "Checkpoint",
     "checkpoint_dir", "partial_path", "GeneratedWeights", "make_weight", "StoredWeights",
-    "run_pieces", "check_cluster_capture",
+    "run_pieces", "check_cluster_capture", "total_work", "work_units", "query_tiles", "PER_ROW",
+    "held_positions", "match_rows", "CACHE_CAPTURES",
 ]

@@ -23,6 +23,7 @@ from ..indexer import visible_lengths
 from .captures import CHUNK, SCORE_CAPTURES, STEP_NAME, WEIGHT_NAME
 from .errors import GoldenError
 from .files import GoldenFile, RunInfo
+from .rows import match_rows
 from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, RowBounds, RowScores,
                    judge_index_rows)
 
@@ -176,6 +177,8 @@ def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
         res.size = int(want.size)
         if want.shape[0] == 0:
             return res
+    if want.size == 0:              # no rows (a --rows none golden's prefill): nothing differs
+        return res
     if index and index_tolerance is not None:
         return _judge_index(res, want, got, scores, bounds, index_tolerance)
     if index:
@@ -444,8 +447,9 @@ class Judge:
     """
 
     def __init__(self, run: RunInfo | None, scores=None, index_tolerance: float | None = None,
-                 exact_index: bool = False, strict_evidence: bool = False):
+                 exact_index: bool = False, strict_evidence: bool = False, positions=None):
         self.run = run
+        self.positions = positions or {}     # layer -> the prefill positions of its rows
         self.scores = scores or (lambda step, layer: None)
         self.exact = bool(exact_index)
         self.strict_evidence = bool(strict_evidence)
@@ -475,6 +479,9 @@ class Judge:
         src = self._source(layer)
         r = c.ratio(src if src is not None else layer)
         clen = visible_lengths(start_pos, rows, r) if r else np.zeros(rows, np.int64)
+        if step == 0 and layer in self.positions:      # some rows of the prefill, by position
+            offset, pos = run.prefill, self.positions[layer]
+            clen = (pos + 1) // r if r else np.zeros(rows, np.int64)
         return RowBounds(offset, clen, window=(what == "idx"))
 
     def _relaxed(self, step: int, layer: int, name: str, golden, candidate):
@@ -558,12 +565,26 @@ def compare_files(golden_path, candidate_path, subset: bool = False,
     some of the golden's tensors, e.g. a kernel's outputs); one only in the candidate is
     reported but does not fail. Index selections are judged tie-aware with the scores the
     golden records (or, when it has none, the candidate's), unless ``exact_index``.
+
+    A golden of some prefill rows (``--rows``) is compared at the positions both files hold
+    (:func:`~.rows.match_rows`); prefill rows of the golden the candidate lacks fail unless
+    ``subset``.
     """
-    with GoldenFile(golden_path) as golden, GoldenFile(candidate_path) as cand:
-        judge = Judge(golden.step_info(), file_scores(golden, cand), index_tolerance, exact_index)
+    with GoldenFile(golden_path) as golden_file, GoldenFile(candidate_path) as cand_file:
+        info = golden_file.step_info()
+        golden, cand, positions, lacking = match_rows(golden_file, cand_file,
+                                                      None if info is None else info.prefill)
+        judge = Judge(info, file_scores(golden, cand), index_tolerance, exact_index,
+                      positions=positions)
         report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)
+        for i, missing in lacking.items():
+            report.add(TensorResult(f"step0.layers.{i}.rows", "only-golden", ok=subset,
+                                    detail=f"{missing.size} prefill rows of the golden are not in "
+                                    f"{cand.path} (first: position {missing[0]})"))
         cand_names = set(cand.names)
         for name in sorted(golden.names, key=compare_order):
+            if name.endswith(".rows") and _step_layer(name)[2] == "rows" and name not in cand_names:
+                continue                 # the other file holds every row: matched by position
             if name in cand_names:
                 report.add(judge.compare(name, golden.get(name), cand.get(name), golden, cand))
             else:

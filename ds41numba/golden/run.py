@@ -24,6 +24,7 @@ from .compare import CompareReport, Judge, TensorResult, compare_order, file_sco
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, run_identity
 from .errors import DiskError, GoldenError, RunInterrupted
 from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
+from .rows import PER_ROW
 from .generator import GeneratedWeights, checked_profile, checked_seed, make_input, make_weights
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
@@ -668,6 +669,10 @@ def replay(path, progress=None, index_tolerance: float | None = None,
 
     Works on this tool's safetensors goldens and on the reference's ``.npz`` goldens (whose
     captures are then checked against ds41numba). ``progress(n, where)`` as in :func:`drive`.
+
+    A ``--rows`` golden holds the inputs of its answered prefill rows only: the replay makes
+    the prefill's inputs with the generator (the file's seed and profile), checks the stored
+    ones against them, runs every row and compares the file's rows (so it costs the full run).
     """
     with GoldenFile(path) as golden:
         info = golden.run_info()
@@ -677,22 +682,33 @@ def replay(path, progress=None, index_tolerance: float | None = None,
             stack = AttentionStack(cfg, StoredWeights(golden), layers=info.layers)
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
-        judge = Judge(info, file_scores(golden), index_tolerance, exact_index, strict_evidence=True)
+        answered = info.row_positions(0)
+        positions = {} if answered is None else dict.fromkeys(info.layers, answered)
+        judge = Judge(info, file_scores(golden), index_tolerance, exact_index, strict_evidence=True,
+                      positions=positions)
         report = CompareReport(golden.path, "replay", index_rule=judge.rule)
-        recomputed = set()
+        recomputed = set(f"step0.layers.{i}.rows" for i in positions)
 
         def recorded_input(name, first_row, seqlen, start_pos):
             if name not in names:
                 raise GoldenError(f"{golden.path!r}: input {name} is missing")
             recomputed.add(name)
-            return np.asarray(golden.get(name), dtype=np.float32)
+            if answered is None or start_pos:
+                return np.asarray(golden.get(name), dtype=np.float32)
+            x = to_storage(name, make_input(name, (seqlen, cfg.dim), info.seed, info.profile,
+                                            first_row, start_pos), "BF16")
+            report.add(judge.compare(name, golden.get(name), x[answered], golden))
+            return x
 
         def compare(prefix, captures, first_row):
             for what in sorted(captures, key=lambda w: compare_order(prefix + w)):
                 name = prefix + what
                 recomputed.add(name)
                 if name in names:
-                    report.add(judge.compare(name, golden.get(name), captures[what], golden))
+                    got = captures[what]
+                    if answered is not None and prefix.startswith("step0.") and what in PER_ROW:
+                        got = got[answered]
+                    report.add(judge.compare(name, golden.get(name), got, golden))
 
         drive(stack, info.prefill, info.decode, info.capture, recorded_input, compare, progress,
               info.capture_rows)
