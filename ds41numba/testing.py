@@ -28,6 +28,8 @@ import numpy as np
 
 from .golden import GoldenFile, compare_files
 from .golden.compare import Judge, TensorResult, compare_tensor, file_scores
+from .golden.captures import STEP_NAME
+from .golden.rows import held_positions
 from .golden.ties import DEFAULT_INDEX_TOLERANCE, RowBounds, RowScores
 
 __all__ = ["from_bf16_bits", "golden_scores", "assert_close", "assert_index_rows",
@@ -98,7 +100,11 @@ def assert_golden_tensor(golden, name: str, got, index_tolerance: float | None =
         want = f.get(name)
         if after_swaps is not None:
             return _check(compare_tensor(name, want, got, relaxed_rows=after_swaps))
-        judge = Judge(f.step_info(), file_scores(f), index_tolerance, exact_index)
+        m = STEP_NAME.fullmatch(name)
+        held = None if m is None else held_positions(f, int(m.group(2)))
+        positions = {} if held is None else {int(m.group(2)): held}   # a --rows golden's rows
+        judge = Judge(f.step_info(), file_scores(f), index_tolerance, exact_index,
+                      positions=positions)
         return _check(judge.compare(name, want, np.asarray(got), f))
 
 

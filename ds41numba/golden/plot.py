@@ -23,6 +23,7 @@ from .captures import STEP_NAME
 from .compare import CompareReport, group_of
 from .errors import GoldenError
 from .files import GoldenFile
+from .rows import match_rows
 
 __all__ = ["plot_report", "check_plot_target"]
 
@@ -48,8 +49,12 @@ def check_plot_target(path):
         raise GoldenError(f"--plot: directory {directory!r} does not exist")
 
 
-def _position(step: int, row: int, prefill: int) -> int:
-    return row if step == 0 else prefill + step - 1
+def _position(step: int, row: int, prefill: int, held=None) -> int:
+    """A row's position: a prefill row's own (``held``: the positions a ``--rows`` golden's
+    rows stand for), a decode step's token."""
+    if step:
+        return prefill + step - 1
+    return row if held is None else int(held[row])
 
 
 def _binned(values: np.ndarray, positions: np.ndarray, total: int) -> np.ndarray:
@@ -77,9 +82,10 @@ def plot_report(report: CompareReport, golden_path, candidate_path, out_path) ->
         if not r.ok or r.rows_differ or r.swap_rows:
             drawn.add(group_of(r.name))
     groups = {g: rs for g, rs in groups.items() if g in drawn}
-    with GoldenFile(golden_path) as golden, GoldenFile(candidate_path) as cand:
-        info = golden.step_info() or cand.step_info()
+    with GoldenFile(golden_path) as golden_file, GoldenFile(candidate_path) as cand_file:
+        info = golden_file.step_info() or cand_file.step_info()
         prefill = info.prefill if info is not None else 0
+        golden, cand, held, _ = match_rows(golden_file, cand_file, prefill)
         steps = max((s for rs in groups.values() for s, _, _ in rs), default=0)
         total = max(prefill + steps, 1)
         panels = [(g, rs) for g, rs in groups.items()]
@@ -89,9 +95,9 @@ def plot_report(report: CompareReport, golden_path, candidate_path, out_path) ->
             axes[0, 0].text(0.5, 0.5, "no differences", ha="center", va="center")
         for (group, rs), ax in zip(panels, axes):
             if rs[0][2].kind == "index":
-                _index_panel(ax, group, rs, prefill, total)
+                _index_panel(ax, group, rs, prefill, total, held)
             else:
-                _float_panel(ax, group, rs, golden, cand, prefill, total)
+                _float_panel(ax, group, rs, golden, cand, prefill, total, held)
         fig.suptitle(f"{os.path.basename(str(candidate_path))} against "
                      f"{os.path.basename(str(golden_path))}: {report.summary_line()[:150]}",
                      fontsize=8)
@@ -101,7 +107,7 @@ def plot_report(report: CompareReport, golden_path, candidate_path, out_path) ->
     return os.fspath(out_path)
 
 
-def _index_panel(ax, group, rs, prefill, total):
+def _index_panel(ax, group, rs, prefill, total, held):
     layers = sorted({layer for _, layer, _ in rs})
     kinds = (("boundary swap", "orange", -0.15, lambda r: getattr(r, "swap_list", [])),
              ("wrong", "red", 0.15, lambda r: getattr(r, "wrong_list", [])
@@ -110,7 +116,7 @@ def _index_panel(ax, group, rs, prefill, total):
         xs, ys = [], []
         for step, layer, r in rs:
             rows = rows_of(r)
-            xs += [_position(step, row, prefill) for row in rows]
+            xs += [_position(step, row, prefill, held.get(layer)) for row in rows]
             ys += [layer + dy] * len(rows)
         if xs:
             ax[0].scatter(xs, ys, s=6, c=color, label=f"{kind} ({len(xs)} rows)")
@@ -126,7 +132,7 @@ def _index_panel(ax, group, rs, prefill, total):
     ax[1].legend(fontsize=7)
 
 
-def _float_panel(ax, group, rs, golden, cand, prefill, total):
+def _float_panel(ax, group, rs, golden, cand, prefill, total, held):
     layers = sorted({layer for _, layer, _ in rs})
     heat = np.full((len(layers), min(_COLUMNS, total)), np.nan)
     worst, worst_val = None, -1.0
@@ -139,7 +145,8 @@ def _float_panel(ax, group, rs, golden, cand, prefill, total):
             err = np.abs(got - want) / r.tolerance
         err = np.where(np.isnan(want) & np.isnan(got), 0.0, err)
         per_row = np.nanmax(err.reshape(err.shape[0], -1), axis=1)
-        pos = np.array([_position(step, i, prefill) for i in range(want.shape[0])])
+        pos = np.array([_position(step, i, prefill, held.get(layer)) for i in range(want.shape[0])],
+                       np.int64)
         line = _binned(per_row, pos, total)
         row = layers.index(layer)
         heat[row] = np.fmax(heat[row], line)
