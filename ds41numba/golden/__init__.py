@@ -47,7 +47,8 @@ from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, m
                         make_tensor, make_weight, make_weights, stream_key, weight_distribution)
 from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture, drive,
                   io_layout, missing_sources, query_tiles, replay, run_golden, run_pieces,
-                  stream_golden, total_work, work_units, write_golden)
+                  stream_golden, write_golden)
+from .work import total_work, work_units
 from .rows import PER_ROW, held_positions, match_rows
 
 __all__ = [

@@ -32,7 +32,7 @@ from ..attention import index_rows
 from ..config import AttnConfig
 from ..indexer import visible_lengths
 
-__all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
+__all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "cache_layout", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
            "WEIGHT_NAME", "CHUNK", "StepObserver", "forward_capture", "layer_captures",
            "storage_kind", "to_storage"]
 
@@ -153,6 +153,20 @@ def cache_captures(stack, layer_id: int, prefill: int) -> dict[str, np.ndarray]:
         got["state.kv_state"] = state.kv_state
         got["state.score_state"] = state.score_state
     return got
+
+
+def cache_layout(c: AttnConfig, i: int, prefill: int) -> list:
+    """Layer i's :func:`cache_captures` as a streamed file's layout entries ``(name, dtype,
+    shape)``."""
+    pre, r, hd = f"step0.layers.{i}.", c.ratio(i), c.head_dim
+    out = [(pre + "state.window_kv", "BF16", (c.window_size, hd))]
+    if c.is_kv_source(i):
+        out.append((pre + "state.compress_kv", "BF16", (prefill // r, hd)))
+        if c.is_index_source(i):
+            out.append((pre + "state.index_k", "BF16", (prefill // r, c.index_head_dim)))
+        if r > 1:
+            out += [(pre + "state.kv_state", "F32", (r, hd)), (pre + "state.score_state", "F32", (r, hd))]
+    return out
 
 
 @njit(cache=True)

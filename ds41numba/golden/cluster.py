@@ -51,7 +51,8 @@ from ..stack import AttnWeights, SharedRuntime
 from .captures import StepObserver, cache_captures, layer_captures, storage_kind, to_storage
 from .errors import GoldenError, RunInterrupted
 from .generator import make_input
-from .run import drive_piece, golden_steps, prefill_chunks, query_tiles, work_units
+from .run import drive_piece, golden_steps, prefill_chunks, query_tiles
+from .work import work_units
 
 __all__ = ["Cluster", "InProcess", "LayerWork", "CacheRows", "RunStats", "run_tile", "drive_tiles", "SCHEDULE"]
 

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from .. import __version__
 from ..config import AttnConfig
 from .captures import CAPTURE_MODES
+from .rows import runs
 from .errors import GoldenError, disk_errors
 from .generator import GENERATOR, GENERATOR_SPEC, PROFILES
 
@@ -474,12 +475,7 @@ class GoldenFile:
 
 def ranges_text(ids) -> str:
     """``(0, 1, 2, 5)`` -> ``"0-2,5"`` (sorted ids; "" for none)."""
-    ids = np.asarray(ids, np.int64)
-    if not ids.size:
-        return ""
-    cut = np.flatnonzero(np.diff(ids) != 1) + 1
-    return ",".join(str(a) if a == b else f"{a}-{b}"
-                    for a, b in zip(ids[np.r_[0, cut]], ids[np.r_[cut - 1, ids.size - 1]]))
+    return ",".join(str(a) if n == 1 else f"{a}-{a + n - 1}" for a, n in runs(ids))
 
 
 def ranges_parsed(text: str) -> tuple[int, ...]:

@@ -12,13 +12,41 @@ from __future__ import annotations
 
 import numpy as np
 
-from .captures import SCORE_CAPTURES, STEP_NAME
+from .captures import SCORE_CAPTURES, STEP_NAME, STREAMED_MODES
+from .errors import GoldenError
 
-__all__ = ["PER_ROW", "held_positions", "RowsOf", "match_rows"]
+__all__ = ["PER_ROW", "runs", "checked_rows", "held_positions", "RowsOf", "match_rows"]
 
 #: The step-0 tensors with one row per query row (the ones a ``--rows`` golden cuts).
 PER_ROW = ("x", "out", "q", "o", "idx", "index_score", "shared.topk_idxs",
            "shared.candidates") + SCORE_CAPTURES
+
+
+def runs(rows) -> list[tuple[int, int]]:
+    """``(first, n)`` of each run of consecutive positions in sorted ``rows``."""
+    rows = np.asarray(rows, np.int64)
+    if not rows.size:
+        return []
+    cut = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts, ends = rows[np.r_[0, cut]], rows[np.r_[cut - 1, rows.size - 1]]
+    return [(int(a), int(b - a + 1)) for a, b in zip(starts, ends)]
+
+
+def checked_rows(rows, prefill: int, capture: str, capture_rows) -> tuple[int, ...]:
+    """A run's ``--rows``, sorted: prefill positions, answered only in a streamed run; the
+    prefill's ``capture_rows`` must be among them (a sample is an answered row's)."""
+    rows = tuple(sorted({int(p) for p in rows}))
+    if capture not in STREAMED_MODES:
+        raise GoldenError(f"--rows: only a streamed run (--capture {' or '.join(STREAMED_MODES)}) "
+                          f"answers some prefill rows, not --capture {capture}")
+    if rows and not 0 <= rows[0] <= rows[-1] < prefill:
+        raise GoldenError(f"--rows: positions must lie in 0..{prefill - 1} (the prefill), "
+                          f"got {rows[0] if rows[0] < 0 else rows[-1]}")
+    unanswered = sorted(set(p for p in capture_rows if p < prefill) - set(rows))
+    if unanswered:
+        raise GoldenError(f"--capture-rows: prefill position {unanswered[0]} is not among "
+                          f"--rows (only answered rows are sampled)")
+    return rows
 
 
 def held_positions(f, layer: int) -> np.ndarray | None:

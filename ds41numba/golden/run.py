@@ -18,18 +18,19 @@ import numpy as np
 from ..config import AttnConfig
 from ..stack import AttentionStack, held_weight_bytes, weight_specs
 from .captures import (CAPTURE_MODES, RUNNERS_UP, STREAMED_MODES, WEIGHT_NAME, StepObserver,
-                       cache_captures, forward_capture, layer_captures, records_shared,
+                       cache_captures, cache_layout, forward_capture, layer_captures, records_shared,
                        storage_kind, to_storage)
 from .compare import CompareReport, Judge, TensorResult, compare_order, file_scores
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, run_identity
 from .errors import DiskError, GoldenError, RunInterrupted
 from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
-from .rows import PER_ROW
+from .rows import PER_ROW, checked_rows, runs
+from .work import total_work, work_units
 from .generator import GeneratedWeights, checked_profile, checked_seed, make_input, make_weights
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
            "drive_piece", "run_golden", "write_golden", "stream_golden", "io_layout",
-           "check_cluster_capture", "work_units", "total_work", "query_tiles",
+           "check_cluster_capture", "query_tiles",
            "DEFAULT_CHUNK", "minimum_bytes", "replay", "StoredWeights"]
 
 
@@ -77,7 +78,8 @@ class GoldenPlan:
                               f"tokens), got {rows[0] if rows[0] < 0 else rows[-1]}")
         object.__setattr__(self, "capture_rows", rows)
         if self.rows is not None:
-            self._check_rows()
+            object.__setattr__(self, "rows", checked_rows(self.rows, self.prefill, self.capture,
+                                                          self.capture_rows))
         if self.capture not in CAPTURE_MODES:
             raise GoldenError(f"--capture must be one of {', '.join(CAPTURE_MODES)}, got {self.capture!r}")
         if not self.layers:
@@ -90,22 +92,6 @@ class GoldenPlan:
         if missing:
             raise GoldenError(f"--layers: {missing[0]}, which is not in the selection"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-
-    def _check_rows(self):
-        """``rows``: prefill positions, answered only in a streamed run; the prefill's
-        ``capture_rows`` must be among them (a sample is a row's)."""
-        rows = tuple(sorted({int(p) for p in self.rows}))
-        if self.capture not in STREAMED_MODES:
-            raise GoldenError(f"--rows: only a streamed run (--capture {' or '.join(STREAMED_MODES)}) "
-                              f"answers some prefill rows, not --capture {self.capture}")
-        if rows and not 0 <= rows[0] <= rows[-1] < self.prefill:
-            raise GoldenError(f"--rows: positions must lie in 0..{self.prefill - 1} (the prefill), "
-                              f"got {rows[0] if rows[0] < 0 else rows[-1]}")
-        unanswered = sorted(set(p for p in self.capture_rows if p < self.prefill) - set(rows))
-        if unanswered:
-            raise GoldenError(f"--capture-rows: prefill position {unanswered[0]} is not among "
-                              f"--rows (only answered rows are sampled)")
-        object.__setattr__(self, "rows", rows)
 
     def steps(self):
         """``(step, start_pos, seqlen)``: the prefill, then one decode step per token."""
@@ -128,63 +114,6 @@ class GoldenPlan:
                        self.rows).metadata()
 
 
-#: The progress bar's weights, in key sides of a token-layer (measured on v41-flash layer 20,
-#: AVX-512, about 55 us each): a query row's projections and attention, and each compressed
-#: position an index source's query row scores (about 15 ns; 16 ms a row at 1M positions).
-QUERY_WORK = 24.0
-INDEX_WORK = 2.8e-4
-
-
-def work_units(config: AttnConfig, layer: int, first: int, n: int, keys: bool = True,
-               queries: bool = True, prefill: bool = True) -> float:
-    """The work of rows ``first .. first + n - 1`` of one layer's step (``prefill``: of a
-    prefill, whose row at position p sees ``(p + 1) // r`` compressed positions; else a decode
-    step at ``first``, which sees ``(first + 1) // r``), its key side and/or its queries: what
-    the progress bar counts, so a run that answers a few rows of a long prefill advances by
-    what each part costs, not by tokens."""
-    work = n * 1.0 if keys else 0.0
-    if queries:
-        work += n * QUERY_WORK
-        r = config.ratio(layer)
-        if r and config.is_index_source(layer):
-            seen = (n * (2 * first + n + 1) / 2 if prefill else n * (first + 1)) / r
-            work += INDEX_WORK * seen
-    return work
-
-
-def total_work(config: AttnConfig, layers, prefill: int, decode: int, rows=None) -> float:
-    """A run's :func:`work_units`: every prefill row's key side, the queries of ``rows`` (None:
-    all) and the decode steps."""
-    total = 0.0
-    for i in layers:
-        if rows is None:
-            total += work_units(config, i, 0, prefill)
-        else:
-            total += work_units(config, i, 0, prefill, queries=False)
-            total += sum(work_units(config, i, a, n, keys=False) for a, n in _runs(rows))
-        total += sum(work_units(config, i, prefill + s, 1, prefill=False) for s in range(decode))
-    return total
-
-
-def _runs(rows) -> list[tuple[int, int]]:
-    """``(first, n)`` of each run of consecutive positions in sorted ``rows``."""
-    rows = np.asarray(rows, np.int64)
-    if not rows.size:
-        return []
-    cut = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts, ends = rows[np.r_[0, cut]], rows[np.r_[cut - 1, rows.size - 1]]
-    return [(int(a), int(b - a + 1)) for a, b in zip(starts, ends)]
-
-
-def query_tiles(prefill: int, chunk: int | None, rows=None) -> list[tuple[int, int]]:
-    """``(first_row, rows)`` of the prefill's query tiles: its chunks (``rows`` None), or the
-    runs of consecutive ``rows``, each cut into pieces of at most ``chunk``."""
-    if rows is None:
-        return prefill_chunks(prefill, chunk)
-    size = prefill if chunk is None else max(1, int(chunk))
-    return [(a + k, min(size, n - k)) for a, n in _runs(rows) for k in range(0, n, size)]
-
-
 def golden_steps(prefill: int, decode: int):
     """``(step, start_pos, seqlen)``: the prefill, then one decode step per token."""
     yield 0, 0, prefill
@@ -196,6 +125,15 @@ def prefill_chunks(prefill: int, chunk: int | None):
     """``(first_row, rows)`` of each chunk of a prefill (one chunk when ``chunk`` is None)."""
     size = prefill if chunk is None else max(1, int(chunk))
     return [(a, min(prefill, a + size) - a) for a in range(0, prefill, size)]
+
+
+def query_tiles(prefill: int, chunk: int | None, rows=None) -> list[tuple[int, int]]:
+    """``(first_row, rows)`` of the prefill's query tiles: its chunks (``rows`` None), or the
+    runs of consecutive ``rows``, each cut into pieces of at most ``chunk``."""
+    if rows is None:
+        return prefill_chunks(prefill, chunk)
+    size = prefill if chunk is None else max(1, int(chunk))
+    return [(a + k, min(size, n - k)) for a, n in runs(rows) for k in range(0, n, size)]
 
 
 def run_pieces(prefill: int, decode: int, chunk: int | None):
@@ -447,24 +385,11 @@ def io_layout(plan: GoldenPlan):
                 if r:
                     layout.append((pre + "sample.compress_kv", "BF16", (width, hd)))
             if s == 0 and plan.capture == "caches":
-                layout += _cache_layout(c, i, plan.prefill)
+                layout += cache_layout(c, i, plan.prefill)
     for n, kind, _ in layout:
         if not WEIGHT_NAME.fullmatch(n):
             assert kind == storage_kind(n), n
     return layout, copies
-
-
-def _cache_layout(c: AttnConfig, i: int, prefill: int) -> list:
-    """Layer i's :func:`~.captures.cache_captures` as io_layout entries."""
-    pre, r, hd = f"step0.layers.{i}.", c.ratio(i), c.head_dim
-    out = [(pre + "state.window_kv", "BF16", (c.window_size, hd))]
-    if c.is_kv_source(i):
-        out.append((pre + "state.compress_kv", "BF16", (prefill // r, hd)))
-        if c.is_index_source(i):
-            out.append((pre + "state.index_k", "BF16", (prefill // r, c.index_head_dim)))
-        if r > 1:
-            out += [(pre + "state.kv_state", "F32", (r, hd)), (pre + "state.score_state", "F32", (r, hd))]
-    return out
 
 
 def stream_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
