@@ -156,8 +156,28 @@ def test_interrupted_rows_run_resumes_to_the_same_bytes(tmp_path):
     with pytest.raises(RunInterrupted):
         write_golden(plan, path, chunk=16, progress=progress, checkpoint_every=0)
     assert not path.exists()
-    write_golden(plan, path, chunk=16, resume=True, checkpoint_every=0)
+    got = []
+    write_golden(plan, path, chunk=16, resume=True, checkpoint_every=0,
+                 progress=lambda n, where: got.append(n))
     assert sha(path) == sha(tmp_path / "one.safetensors")
+    assert sum(got) == pytest.approx(plan.total_work)      # what was done, then the rest
+
+
+def test_a_resumed_full_runs_progress_counts_the_plans_work(tmp_path):
+    plan = _plan("tiny")
+    path = tmp_path / "f.safetensors"
+    calls = {"n": 0}
+
+    def stop(n, where):
+        calls["n"] += bool(n)
+        if calls["n"] == 20:
+            raise KeyboardInterrupt
+
+    with pytest.raises(RunInterrupted):
+        write_golden(plan, path, chunk=5, progress=stop, checkpoint_every=0)
+    got = []
+    write_golden(plan, path, chunk=5, resume=True, progress=lambda n, where: got.append(n))
+    assert sum(got) == pytest.approx(plan.total_work)
 
 
 def test_rows_on_two_workers_are_the_in_process_file(tmp_path):

@@ -468,7 +468,8 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
     pieces = run_pieces(plan.prefill, plan.decode, chunk)
     split = len(pieces) - plan.decode > 1
     if ckpt.saved and progress is not None and cluster is None:
-        progress(sum(p[3] for p in pieces[:ckpt.done]) * len(plan.layers), "resumed")
+        progress(sum(work_units(cfg, i, p + a, n, prefill=s == 0) for s, p, a, n in
+                     pieces[:ckpt.done] for i in plan.layers), "resumed")
 
     def boundary(done, observer):
         if done < len(pieces) and (done == 0 or ckpt.due()):
