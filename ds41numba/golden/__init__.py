@@ -33,7 +33,8 @@ The command line (``ds41numba golden | replay | compare``, :mod:`ds41numba.cli`)
 arguments and calls these.
 """
 
-from .captures import (CACHE_CAPTURES, CAPTURE_MODES, RUNNERS_UP, SAMPLE_CAPTURES, SCORE_CAPTURES, StepObserver,
+from .captures import (CACHE_CAPTURES, CAPTURE_MODES, RUNNERS_UP, SAMPLE_CAPTURES, SCORE_CAPTURES,
+                       StepObserver,
                        layer_captures, storage_kind, to_storage)
 from .compare import (TOLERANCE, CompareReport, Judge, TensorResult, compare_files,
                       compare_tensor, file_scores)

@@ -165,7 +165,8 @@ def cache_layout(c: AttnConfig, i: int, prefill: int) -> list:
         if c.is_index_source(i):
             out.append((pre + "state.index_k", "BF16", (prefill // r, c.index_head_dim)))
         if r > 1:
-            out += [(pre + "state.kv_state", "F32", (r, hd)), (pre + "state.score_state", "F32", (r, hd))]
+            out += [(pre + "state.kv_state", "F32", (r, hd)),
+                    (pre + "state.score_state", "F32", (r, hd))]
     return out
 
 

@@ -51,10 +51,11 @@ from ..stack import AttnWeights, SharedRuntime
 from .captures import StepObserver, cache_captures, layer_captures, storage_kind, to_storage
 from .errors import GoldenError, RunInterrupted
 from .generator import make_input
-from .run import drive_piece, golden_steps, prefill_chunks, query_tiles
+from .drive import drive_piece, golden_steps, prefill_chunks, query_tiles
 from .work import work_units
 
-__all__ = ["Cluster", "InProcess", "LayerWork", "CacheRows", "RunStats", "run_tile", "drive_tiles", "SCHEDULE"]
+__all__ = ["Cluster", "InProcess", "LayerWork", "CacheRows", "RunStats", "run_tile", "drive_tiles",
+           "SCHEDULE"]
 
 #: The run identity's ``schedule`` of a run made this way: its checkpoints count other pieces
 #: than a one-process run's, so the two cannot resume each other.
