@@ -156,12 +156,13 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     """Run ``plan`` and write its golden to ``path`` atomically; returns a summary for printing.
 
     With ``capture="io"`` or ``"caches"`` the file is streamed (:func:`stream_golden`): the
-    prefill runs in
-    chunks of ``chunk`` rows and each chunk's rows go into place as they are made, with
-    checkpoints every ``checkpoint_every`` seconds that ``resume`` continues from. ``all``
-    holds ``[seqlen, positions]`` captures per step and runs in memory, the prefill in one call.
-    ``cluster`` (a :class:`~.cluster.Cluster`, ``io`` only) runs the prefill's queries on its
-    workers, tile by tile; the file is the same.
+    prefill runs in chunks of ``chunk`` rows and each chunk's rows go into place as they are
+    made, with checkpoints every ``checkpoint_every`` seconds that ``resume`` continues from.
+    ``all`` holds ``[seqlen, positions]`` captures per step and runs in memory, the prefill in
+    one call. ``cluster`` (a :class:`~.cluster.Cluster`, streamed only) runs the prefill's
+    queries on its workers, tile by tile; the file is the same. A plan of some ``rows`` runs
+    the same drive with its tiles in this process when no cluster is given
+    (:class:`~.cluster.InProcess`).
     """
     path = os.fspath(path)
     if cluster is not None:
