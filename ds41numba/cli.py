@@ -42,9 +42,17 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message}")
 
 
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: ``golden``, ``replay`` and ``compare`` (the CLI reference of
+    the documentation is generated from it)."""
     p = _Parser(prog=PROG, description="A CPU reference for DeepSeek-V4.1 compressed attention: "
                 "write, replay and compare golden files.", epilog=_EPILOG)
+    p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare}")
 
     g = sub.add_parser("golden", help="run a layer stack on generated weights and inputs and "
@@ -178,20 +186,47 @@ def _sigterm_as_exit():
         signal.signal(signal.SIGTERM, old)
 
 
+#: The bar while numba compiles: no rate or ETA (a rate from those steps promised hours).
+_COMPILING_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}, compiling{postfix}]"
+
+
 @contextlib.contextmanager
 def _progress(total: int, quiet: bool, desc: str):
     """A progress callback ``(n, where)`` drawing a tqdm bar with an ETA on stderr.
 
     The bar shows itself only once a run has lasted two seconds, counts token-layers, and names
-    the step and layer in progress (a long prefill is a single forward call).
+    the step and layer in progress (a long prefill is a single forward call). ``where`` is
+    ``"<piece> layer <i>"`` (:func:`golden.run.piece_name`). The first piece of a run (the
+    prefill, or its first chunk) and the first decode step run numba compiling (on a first run)
+    or loading the kernels they need: while they run the bar says "compiling" and their tokens
+    are counted without entering the rate, so the ETA comes from the steps after them. The bar
+    is drawn once more when the run is complete, so it ends at 100%.
     """
     with tqdm(total=total, disable=quiet, delay=2.0, unit="tok", unit_scale=True, desc=desc,
-              file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
+              file=sys.stderr, dynamic_ncols=True, leave=False,
+              bar_format=_COMPILING_FORMAT) as bar:
+        warming, seen = set(), set()
+
         def report(n: int, where: str):
-            if n:
-                bar.update(n)
-            else:
+            if bar.disable:
+                return
+            piece = where.rsplit(" layer ", 1)[0]
+            if piece not in seen:
+                seen.add(piece)
+                if len(seen) == 1 or piece == "step 1" or piece == "resumed":
+                    warming.add(piece)
+                bar.bar_format = _COMPILING_FORMAT if piece in warming else None
+            if not n:
                 bar.set_postfix_str(where, refresh=False)
+            elif piece in warming:   # counted, but not a sample of the rate
+                bar.n += n
+                bar.last_print_n, bar.last_print_t = bar.n, bar._time()
+                if bar.last_print_t >= bar.start_t + bar.delay:
+                    bar.refresh()
+            else:
+                bar.update(n)
+            if bar.n >= total and bar._time() >= bar.start_t + bar.delay:
+                bar.refresh()
         yield report
 
 
@@ -260,10 +295,14 @@ def _compare(args) -> int:
     if bad:
         raise GoldenError(f"{args.candidate!r} cannot be compared: {bad[0].line()}"
                           + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
+    wrote = None
     if args.plot is not None:
         from .golden.plot import plot_report
-        plot_report(report, args.golden, args.candidate, args.plot)
+        wrote = plot_report(report, args.golden, args.candidate, args.plot)
     _print(report.to_json() if args.json else report.text())
+    if wrote is not None:   # stderr under --json, whose stdout is the JSON alone
+        print(f"wrote {wrote}  (where {args.candidate} differs from {args.golden})",
+              file=sys.stderr if args.json else sys.stdout)
     return 0 if report.ok else 1
 
 

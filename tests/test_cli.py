@@ -165,6 +165,30 @@ def test_parse_layers():
             parse_layers(bad, 43)
 
 
+def test_version(capsys):
+    from ds41numba import __version__
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"ds41numba {__version__}\n"
+
+
+def test_progress_says_compiling_until_the_first_pieces_end_and_ends_at_100(capsys):
+    """The first piece (the prefill) and the first decode step: no rate, "compiling"; the ETA
+    comes from the steps after them; the last drawing is 100%."""
+    import time
+    from ds41numba.cli import _progress
+    with _progress(40, False, "golden") as report:
+        report(0, "step 0 layer 0")
+        time.sleep(2.1)                       # past the bar's delay: the first piece is slow
+        report(10, "step 0 layer 0")
+        for s in (1, 2, 3):
+            report(0, f"step {s} layer 0")
+            report(10, f"step {s} layer 0")
+    frames = [f for f in capsys.readouterr().err.split("\r") if "golden" in f]
+    assert "compiling, step 0 layer 0" in frames[0] and "<" not in frames[0]
+    assert "compiling, step 1 layer 0" in frames[1]
+    assert "compiling" not in frames[-1] and " 100%|" in frames[-1]
+
+
 # --------------------------------------------------------------------------- errors: exit 2, one line
 
 
@@ -179,8 +203,12 @@ def test_parse_layers():
     (["golden", "--config", "does-not-exist.json"], "cannot read"),
     (["golden", "--capture", "some"], "invalid choice"),
     (["golden", "--layers", "1-x"], "--layers"),
-    (["golden", "--layers", "5"], "layer 5 needs layer 4"),
-    (["golden", "--preset", "v41-flash", "--layers", "24"], "layer 24 needs layer 20"),
+    (["golden", "--layers", "5"], "lacks layer 4 (layer 5's kv source"),
+    (["golden", "--preset", "v41-flash", "--layers", "24"], "lacks layer 20 (layer 24's kv source"),
+    (["golden", "--preset", "v41-flash", "--layers", "5"],
+     "lacks layer 2 (layer 5's kv source, layer 5's index source); layer 8 (layer 2's key owner "
+     "it may score against); layer 14 (layer 2's key owner it may score against); layer 20 "
+     "(layer 2's key owner it may score against); every source is needed, e.g. --layers 2,5,8,14,20"),
     (["golden", "--prefill", "60", "--decode", "10"], "max_seq_len"),
     (["golden", "--out", "no/such/dir/g.safetensors"], "does not exist"),
     (["replay", "missing.safetensors"], "cannot read"),
@@ -401,7 +429,10 @@ def test_compare_plot_writes_a_png(tmp_path, capsys):
     bad = tmp_path / "bad.safetensors"
     _rewrite(path, bad, perturb)
     png = tmp_path / "where.png"
+    capsys.readouterr()
     assert main(["compare", str(path), str(bad), "--plot", str(png)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("FAIL") and out[-1] == f"wrote {png}  (where {bad} differs from {path})"
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     from PIL import Image

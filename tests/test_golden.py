@@ -129,8 +129,15 @@ def test_missing_sources_are_named():
     assert golden.missing_sources(cfg, [0, 1, 41]) == []
     msgs = golden.missing_sources(cfg, [24])
     assert msgs and "layer 24 needs layer 20" in msgs[0]
-    with pytest.raises(GoldenError, match="layer 24 needs layer 20"):
+    with pytest.raises(GoldenError, match=r"lacks layer 20 \(layer 24's kv source"):
         GoldenPlan(cfg, (24,), prefill=4, decode=0)
+    # Every missing layer at once, the sources' own sources too, and a selection that runs.
+    assert golden.closed_selection(cfg, [5]) == ((2, 5, 8, 14, 20), {
+        2: ["layer 5's kv source", "layer 5's index source"],
+        8: ["layer 2's key owner it may score against"],
+        14: ["layer 2's key owner it may score against"],
+        20: ["layer 2's key owner it may score against"]})
+    assert golden.missing_sources(cfg, golden.closed_selection(cfg, [5])[0]) == []
 
 
 @pytest.mark.parametrize("kw, msg", [(dict(prefill=0), "--prefill"), (dict(decode=-1), "--decode"),

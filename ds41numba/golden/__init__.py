@@ -45,14 +45,15 @@ from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden
                     write_tensors_atomic)
 from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, make_input,
                         make_tensor, make_weight, make_weights, stream_key, weight_distribution)
-from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture, drive,
-                  io_layout, missing_sources, replay, run_golden, run_pieces, stream_golden,
-                  write_golden)
+from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture,
+                  closed_selection, drive, io_layout, missing_sources, replay, run_golden,
+                  run_pieces, stream_golden, write_golden)
 
 __all__ = [
     "GoldenError", "GENERATOR", "GENERATOR_SPEC", "CAPTURE_MODES", "FORMAT", "FORMAT_VERSION",
     "TOLERANCE", "make_tensor", "make_weights", "make_input", "weight_distribution", "stream_key",
-    "missing_sources", "GoldenPlan", "layer_captures", "storage_kind", "to_storage", "drive",
+    "missing_sources", "closed_selection", "GoldenPlan", "layer_captures", "storage_kind",
+    "to_storage", "drive",
     "run_golden", "write_golden", "write_tensors_atomic", "GoldenFile", "RunInfo", "load_golden",
     "TensorResult", "CompareReport", "compare_tensor", "compare_files", "replay", "PROFILES",
     "StreamingGolden", "stream_golden", "io_layout", "DEFAULT_CHUNK",

@@ -25,7 +25,7 @@ from .errors import DiskError, GoldenError, RunInterrupted
 from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
 from .generator import GeneratedWeights, checked_profile, checked_seed, make_input, make_weights
 
-__all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
+__all__ = ["GoldenPlan", "missing_sources", "closed_selection", "golden_steps", "prefill_chunks", "run_pieces", "drive",
            "drive_piece", "run_golden", "write_golden", "stream_golden", "io_layout",
            "check_cluster_capture",
            "DEFAULT_CHUNK", "minimum_bytes", "replay", "StoredWeights"]
@@ -36,6 +36,18 @@ def missing_sources(config: AttnConfig, layers) -> list[str]:
     (:meth:`AttnConfig.missing_sources`)."""
     return list(dict.fromkeys(f"layer {i} needs layer {src} (its {role})"
                               for i, src, role in config.missing_sources(layers)))
+
+
+def closed_selection(config: AttnConfig, layers) -> tuple[tuple[int, ...], dict[int, list[str]]]:
+    """The smallest selection holding ``layers`` and every source its members read, theirs
+    included (what ``--layers`` must name for ``layers`` to run), and why each added layer is
+    needed: ``{source: ["layer 5's kv source", ...]}``."""
+    closed, why = set(layers), {}
+    while missing := config.missing_sources(closed):
+        for i, src, role in missing:
+            why.setdefault(src, []).append(f"layer {i}'s {role}")
+        closed |= {src for _, src, _ in missing}
+    return tuple(sorted(closed)), why
 
 
 @dataclass(frozen=True)
@@ -83,8 +95,11 @@ class GoldenPlan:
         object.__setattr__(self, "layers", tuple(sorted(set(int(i) for i in self.layers))))
         missing = missing_sources(c, self.layers)
         if missing:
-            raise GoldenError(f"--layers: {missing[0]}, which is not in the selection"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            closed, why = closed_selection(c, self.layers)
+            lacking = "; ".join(f"layer {src} ({', '.join(dict.fromkeys(w))})"
+                                for src, w in sorted(why.items()))
+            raise GoldenError(f"--layers: the selection lacks {lacking}; every source is needed, "
+                              f"e.g. --layers {','.join(map(str, closed))}")
 
     def steps(self):
         """``(step, start_pos, seqlen)``: the prefill, then one decode step per token."""
