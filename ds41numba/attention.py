@@ -121,7 +121,7 @@ def index_rows(start_pos: int, seqlen: int, window: int, compressed=None,
 # sgemm, T layout), torch's AVX512 softmax over [H, W + 1] (the sink the last column), and
 # P [H, W] @ rows (MKL sgemm, NN layout) over every list position, -1 entries included (their
 # probability is exactly 0). MKL picks its kernel by the row count M = H
-# (../shared/orders/README.md, Q1):
+# (docs/exactness.md, "f32 linears"):
 # * blocked (M >= 4): the inner dimension in blocks of 192 from its start, a fused multiply-add
 #   chain from zero inside each block, block results added in order. q.k blocks hd; P @ rows
 #   blocks the W list positions, so its block edges fall at list positions 192, 384, ...

@@ -123,7 +123,7 @@ def _build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="compare a candidate's tensors with a golden's",
                        epilog=_EPILOG, description="Index rows must be identical or differ by "
                        "boundary swaps (tie-aware, with the scores the golden records); float "
-                       f"tensors within the SPEC tolerance ({golden.TOLERANCE}). Either file may "
+                       f"tensors within the bf16 tolerance ({golden.TOLERANCE}). Either file may "
                        "be a ds41numba .safetensors golden or a reference .npz golden.")
     c.add_argument("golden", metavar="GOLDEN")
     c.add_argument("candidate", metavar="CANDIDATE")

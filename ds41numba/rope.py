@@ -107,7 +107,7 @@ def _table_kernel(freqs, cos, sin, chunk):
 
 def yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow):
     """The rotary table ``(cos, sin)``, each float32 ``[seqlen, dim // 2]``, for positions
-    ``0 .. seqlen - 1`` (SPEC "RoPE"). ``original_seq_len == 0`` gives the plain table (no YaRN;
+    ``0 .. seqlen - 1``. ``original_seq_len == 0`` gives the plain table (no YaRN;
     factor and betas are then unused). Row p depends only on p, so a longer table serves shorter needs.
     """
     dim = _check_int(dim, "dim", 2)

@@ -9,7 +9,7 @@ when it passes::
     testing.assert_golden_tensor("g.safetensors", "step0.layers.20.shared.topk_idxs", my_topk)
     testing.assert_candidate_file("g.safetensors", "mine.safetensors")
 
-* :func:`assert_close`: a float tensor within SPEC's tolerance
+* :func:`assert_close`: a float tensor within the bf16 tolerance
   (``|got - want| <= 2 * 2^-8 * max|want| + 1e-6``), NaN matching NaN, infinities exactly;
 * :func:`assert_index_rows`: index rows, tie-aware (identical or boundary swaps, judged by the
   golden's scores; :mod:`ds41numba.golden.ties`) or exact;
@@ -49,7 +49,7 @@ def _check(res: TensorResult) -> TensorResult:
 
 
 def assert_close(got, want, name: str = "tensor", after_swaps=None) -> TensorResult:
-    """``got`` within SPEC's float tolerance of ``want`` (the tolerance of ``max|want|``);
+    """``got`` within the bf16 float tolerance of ``want`` (the tolerance of ``max|want|``);
     rows ``after_swaps`` (first-axis rows downstream of a differing index row) at
     the golden tensor's range (``SWAP_FLOAT_RANGE``)."""
     return _check(compare_tensor(name, want, got, relaxed_rows=after_swaps))

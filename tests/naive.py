@@ -340,7 +340,7 @@ def linear_bf16(x, w):
 
 
 def bf16_k_block(ref_rows, k):
-    """numerics.bf16_k_block: the reference's run length over K (../shared/orders/README.md, Q2)."""
+    """numerics.bf16_k_block: the reference's run length over K (docs/exactness.md, "bf16 linears")."""
     if k <= 512:
         return k
     return 512 if ref_rows == 1 or k <= 1024 else 1024
@@ -457,7 +457,7 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
 
 # --- f32 products ---
 # The reference's f32 linears and NN matmuls in the summation order measured for its MKL sgemm
-# (shared/orders/README.md, Q1), written out row by row: numpy f32 arithmetic over all output
+# (docs/exactness.md, "f32 linears"), written out row by row: numpy f32 arithmetic over all output
 # columns at once, the fused multiply-add through fma_f32 above.
 
 
@@ -764,7 +764,7 @@ def output_projection(o, wo_a, wo_b, groups):
 
 
 # --- sparse attention in the reference's order ---
-# The reference's per-query order (../shared/orders/README.md, Q1; torch 2.13's AVX512 softmax):
+# The reference's per-query order (docs/exactness.md, "f32 linears"; torch 2.13's AVX512 softmax):
 # scores = q [H, hd] . rows^T and o = P [H, W] @ rows by MKL sgemm over the FULL index list (a -1
 # entry's row taken as zeros), the kernel of each head row chosen by the row count H; between
 # them torch's _vec_softmax_lastdim over [scores * scale with -inf at -1 entries, sink]. Literal and

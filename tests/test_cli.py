@@ -510,7 +510,7 @@ def test_python_dash_m_smoke(tmp_path):
 
 
 PRODUCTION = [
-    # (reference file, the run that made it (../shared/golden/README.md), index rows and float
+    # (reference file, the run that made it (as the reference recorded it), index rows and float
     # elements the comparison covers)
     ("v41flash_L20_ref.safetensors",
      ["--layers", "20", "--prefill", "2048", "--decode", "3", "--seed", "11"], 4102, 10_501_120),

@@ -3,7 +3,7 @@ every capture), its results independent of thread counts, the structural invaria
 and the rules of its step order (StepOrder), layer subsets, inputs and weights: a bad call gets
 a ValueError/TypeError that names the problem and changes nothing.
 
-The goldens are the reference's own outputs (tests/data, copied unchanged from shared/golden).
+The goldens are the reference's own outputs (tests/data, copied unchanged from the reference's goldens).
 Index tensors must be identical; float tensors within the SPEC's bf16 bar, and at least 99% of
 all float elements bit-identical.
 

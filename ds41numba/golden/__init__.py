@@ -2,7 +2,7 @@
 
 A golden is one self-contained safetensors file: every weight of the layers that ran, every
 layer input ``x`` of every step, and what the stack computed from them (the *captures*), named
-exactly as in the reference goldens (``../shared/golden/README.md``):
+exactly as in the reference goldens (docs/golden-files.md, "Layout"):
 
 * ``layers.{i}.attn.NAME`` -- layer i's parameters (BF16, or F32 for the f32 parameters);
 * ``step{s}.layers.{i}.WHAT`` -- step 0 is the prefill (``prefill`` tokens at start_pos 0),

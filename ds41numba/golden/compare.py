@@ -1,6 +1,6 @@
 """Comparing a candidate's tensors with a golden's, and the reports.
 
-Floats: SPEC's tolerance, ``|got - want| <= 2 * 2^-8 * max|want| + 1e-6`` per tensor. Index
+Floats: the bf16 tolerance (docs/testing.md), ``|got - want| <= 2 * 2^-8 * max|want| + 1e-6`` per tensor. Index
 selections (``idx``, ``shared.topk_idxs``): row by row, tie-aware (:mod:`.ties`): identical rows
 and boundary swaps pass, wrong rows fail; with ``exact_index`` every row must be identical (the
 rule before goldens carried scores). Rows of ``o``/``out`` (and ``sample.o``) downstream of a
@@ -153,7 +153,7 @@ def _candidate_problem(want: np.ndarray, got: np.ndarray) -> str:
 def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
                    bounds: RowBounds | None = None, index_tolerance: float | None = None,
                    relaxed_rows=None, rows=None) -> TensorResult:
-    """Compare ``got`` with ``want``: the SPEC tolerance for floats; for index tensors exact
+    """Compare ``got`` with ``want``: the bf16 tolerance for floats; for index tensors exact
     rows, or tie-aware rows when ``index_tolerance`` is given (:func:`.ties.judge_index_rows`,
     with the golden's ``scores`` and the rows' ``bounds``). ``relaxed_rows`` (first-axis rows)
     of a float tensor are held to the tensor's range (``SWAP_FLOAT_RANGE``); ``rows``, a boolean mask
@@ -233,7 +233,7 @@ def _abs_max(a: np.ndarray) -> float:
 
 def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
                    relaxed_rows=None, factor: float = 1.0, amax: float | None = None) -> TensorResult:
-    """Float agreement at ``factor`` x the SPEC tolerance of ``max|want|`` (``amax``, default
+    """Float agreement at ``factor`` x the bf16 tolerance of ``max|want|`` (``amax``, default
     this tensor's); ``relaxed_rows`` are judged apart (:func:`_compare_float_relaxed`)."""
     if relaxed_rows is not None and len(relaxed_rows) and want.ndim:
         return _compare_float_relaxed(res, want, got, np.asarray(relaxed_rows, np.int64))

@@ -110,7 +110,7 @@ def e4m3_scalar(v):
 @njit(cache=True)
 def e2m1_scalar(v):
     """f32 -> float4_e2m1fn (RNE) -> f32: |v| onto {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Binary RNE is the
-    SPEC's even-3-bit-code tie rule, since the codes 0..7 are the format's bit patterns in order.
+    reference's even-3-bit-code tie rule, since the codes 0..7 are the format's bit patterns in order.
     The sign is kept (-0.2 -> -0.0). Beyond 6 it saturates to +-6 (inf included), as ml_dtypes does.
     NaN -> NaN (ml_dtypes turns NaN into a zero; e2m1 has no NaN, but an f32 result can keep it)."""
     bits = np.int64(np.float32(v).view(np.uint32))
@@ -131,7 +131,7 @@ def pow2ceil_scalar(v):
     """The smallest power of two >= v, exactly: 2^e for v = 1.m * 2^e, times 2 when m != 0. Defined
     for v > 0: a subnormal v gives its exact (possibly subnormal) power of two, v > 2^127 and +inf give
     +inf. Outside the domain (v <= 0, -0.0, NaN) the result is NaN. The quantisers' amax floors keep
-    their arguments positive normal, where this is the SPEC's bit rule."""
+    their arguments positive normal, where this is the reference's bit rule."""
     bits = np.int64(np.float32(v).view(np.uint32))
     if bits == 0 or bits >= 0x7F800001:  # +0, NaN, or any negative (incl. -0.0, -inf)
         return np.float32(np.nan)

@@ -1,4 +1,4 @@
-"""The reference's three quantise-then-dequantise schemes (SPEC "Quantisers"), in place.
+"""The reference's three quantise-then-dequantise schemes, in place.
 
 fp8 with power-of-two scales (``act_quant``: the window KV), fp4 with power-of-two (e8m0) scales
 (``fp4_act_quant``: the indexer's queries and keys) and fp4 with e4m3 scales (the compressed KV
