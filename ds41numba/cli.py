@@ -137,7 +137,23 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    """Run the ``ds41numba`` command line.
+
+    Args:
+        argv: the arguments after the program name (default ``sys.argv[1:]``), e.g.
+            ``["golden", "--preset", "mixed"]``.
+
+    Returns:
+        The exit status: 0 success; 1 a replay or comparison that disagrees; 2 a bad argument,
+        an unreadable input, an existing output without ``--force``, a failing disk or a lost
+        Dask scheduler (one line on stderr); 130 interrupted (143 by SIGTERM). Nothing is
+        raised for those.
+
+    Example:
+        >>> main(["--version"])
+        ds41numba 0.1.0
+        0
+    """
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
@@ -341,15 +357,38 @@ def _number_list(text: str, flag: str, noun: str, limit: int, past: str) -> tupl
 
 
 def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
-    """``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``; sorted, duplicates dropped."""
+    """The layers ``--layers`` names.
+
+    Args:
+        text: numbers and ranges, e.g. ``"2,3,20-24"``.
+        n_layers: the config's layer count (every layer must be below it).
+
+    Returns:
+        The layers, sorted, duplicates dropped: ``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``.
+
+    Raises:
+        GoldenError: a part is not a number or range, a range runs backwards, or a layer is
+            not one of the config's.
+    """
     return _number_list(text, "--layers", "a layer number or range (write e.g. 20 or 2,3,20-24)",
                         n_layers, f"layer {{i}} is not a layer of this config (0..{n_layers - 1})")
 
 
 def parse_rows(text: str, total: int, seed: int = 0) -> tuple[int, ...]:
-    """``--capture-rows``: ``"0,5,100-120"`` (positions, sorted, duplicates dropped) or
-    ``"random:N"``: N distinct positions of ``0 .. total - 1`` drawn with ``seed``
-    (numpy's ``default_rng(seed).choice``), sorted."""
+    """The positions ``--capture-rows`` names.
+
+    Args:
+        text: ``"0,5,100-120"`` (positions and ranges) or ``"random:N"``.
+        total: the run's tokens (prefill + decode); every position must be below it.
+        seed: for ``random:N``, the seed of numpy's ``default_rng(seed).choice``.
+
+    Returns:
+        The positions, sorted, duplicates dropped (``random:N``: N distinct ones).
+
+    Raises:
+        GoldenError: a malformed part, a backward range, a position past the run, or
+            ``random:N`` with N outside ``1 .. total``.
+    """
     text = str(text).strip()
     m = re.fullmatch(r"random:(\d+)", text)
     if m:
@@ -364,12 +403,32 @@ def parse_rows(text: str, total: int, seed: int = 0) -> tuple[int, ...]:
 
 
 def default_run(preset_name: str | None) -> tuple[int, int]:
-    """``(prefill, decode)`` when not given: the reference goldens' runs for their presets."""
+    """The run's length when ``--prefill`` / ``--decode`` are not given.
+
+    Args:
+        preset_name: a preset's name, or None / "" for a config file.
+
+    Returns:
+        ``(prefill, decode)``: the reference goldens' runs for their presets (``mixed``: 203 and
+        48), else 12 and 40.
+    """
     return {"tiny": (12, 40), "mixed": (203, 48)}.get(preset_name or "", (12, 40))
 
 
 def load_config(preset_name: str | None, config_path: str | None) -> tuple[AttnConfig, str]:
-    """The config of a run and the preset name for the metadata ("" for a config file)."""
+    """The config of a run.
+
+    Args:
+        preset_name: ``--preset`` (None: ``tiny`` unless a config file is given).
+        config_path: ``--config``, a JSON file in the reference's ``ModelArgs`` names or a
+            Hugging Face ``config.json``; wins over ``preset_name``.
+
+    Returns:
+        ``(config, preset name)``; the name is "" for a config file (the file's metadata says so).
+
+    Raises:
+        GoldenError: an unknown preset, an unreadable file, or an invalid config (one line).
+    """
     try:
         if config_path is not None:
             return AttnConfig.from_json(config_path), ""

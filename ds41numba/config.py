@@ -408,7 +408,23 @@ PRESETS: dict[str, dict] = {"tiny": _TINY, "mixed": _MIXED, "v41-flash": _V41_FL
 
 
 def preset(name: str, **overrides) -> AttnConfig:
-    """The named preset as an :class:`AttnConfig`, with any field overridden."""
+    """The named preset as an :class:`AttnConfig`, with any field overridden.
+
+    Args:
+        name: ``"tiny"`` and ``"mixed"`` (the reference goldens' stacks) or ``"v41-flash"``
+            (V4.1-Flash's 43 production layers).
+        **overrides: fields to replace, e.g. ``max_seq_len=65536``.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ValueError: an unknown preset, or an override that makes the config invalid.
+
+    Example:
+        >>> preset("v41-flash").n_layers
+        43
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return AttnConfig.from_dict({**PRESETS[name], **overrides})

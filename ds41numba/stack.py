@@ -230,6 +230,26 @@ class AttentionStack:
     ``weights`` maps ``layers.{i}.attn.NAME`` to arrays (see :func:`weight_specs`). ``layers``
     restricts the stack to a subset of the config's layers (default: all); a layer outside it
     cannot be run, and every source a member needs must be a member too.
+
+    Args:
+        config: the stack's :class:`~ds41numba.AttnConfig` (:func:`~ds41numba.preset`).
+        weights: ``{"layers.{i}.attn.NAME": array}`` for every member layer (bf16 values where
+            the parameter is bf16), e.g. :func:`ds41numba.golden.make_weights`.
+        layers: the member layers (default: all); closed under the layers' sources
+            (:meth:`AttnConfig.missing_sources` lists what a subset lacks).
+        tile: query rows per tile of the prefill's attention (default: the stack's own).
+
+    Raises:
+        TypeError: ``config`` or ``weights`` of the wrong kind.
+        ValueError: a missing, misshapen or non-bf16 weight, a layer out of range, or a subset
+            that lacks a source of its members.
+
+    Example:
+        >>> cfg = preset("tiny")
+        >>> stack = AttentionStack(cfg, make_weights(cfg))
+        >>> run = stack.forward(0, make_input("x", (12, cfg.dim)), start_pos=0, capture=True)
+        >>> run.out.shape
+        (12, 64)
     """
 
     def __init__(self, config: AttnConfig, weights, layers=None, tile: int | None = None):
@@ -294,6 +314,25 @@ class AttentionStack:
         None: the rows' outputs and selection are then :func:`~ds41numba.attention.attention_rows`'
         to compute, wherever they run. Only a chunk of a prefill (``prefill_len``) may skip
         its queries: a decode step's selection is read by the layers after it.
+
+        Args:
+            layer_id: a member layer.
+            x: ``[seqlen, dim]``, bf16 values (any float dtype holding them).
+            start_pos: the position of ``x``'s first row.
+            capture: also keep the intermediates (``q``, ``kv_rows``, ``idx``, ``o``,
+                ``index_score``) in the result.
+            prefill_len: the whole prefill's length when ``x`` is a chunk of it.
+            queries: False runs only the key side (see above).
+
+        Returns:
+            The layer's :class:`~ds41numba.CompAttnRun` (``.out [seqlen, dim]``, ``.idx``, and
+            with ``capture`` the intermediates), or None with ``queries=False``.
+
+        Raises:
+            ValueError: a bad shape or non-bf16 input, or a step out of the order the reference
+                could run (a decode before the prefill is complete, a chunk that does not
+                start where the layer's last one ended, several rows at ``start_pos > 0``
+                without ``prefill_len``, ...).
         """
         c = self.config
         layer_id = _checked_int("layer_id", layer_id)

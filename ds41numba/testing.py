@@ -35,7 +35,21 @@ __all__ = ["from_bf16_bits", "golden_scores", "assert_close", "assert_index_rows
 
 
 def from_bf16_bits(bits) -> np.ndarray:
-    """float32 values of bf16 bit patterns (int16 or uint16, e.g. ``t.view(torch.int16).numpy()``)."""
+    """float32 values of bf16 bit patterns: how a torch bf16 tensor crosses without torch here.
+
+    Args:
+        bits: int16 or uint16 array of bf16 bit patterns, e.g. ``t.view(torch.int16).numpy()``.
+
+    Returns:
+        A float32 array of the same shape holding the same values (bf16 -> f32 is exact).
+
+    Raises:
+        TypeError: ``bits`` is not int16 or uint16.
+
+    Example:
+        >>> from_bf16_bits(np.array([0x3F80, 0xC000], np.uint16))
+        array([ 1., -2.], dtype=float32)
+    """
     b = np.asarray(bits)
     if b.dtype not in (np.int16, np.uint16):
         raise TypeError(f"from_bf16_bits: expected int16 or uint16 bit patterns, got {b.dtype}")
@@ -49,15 +63,40 @@ def _check(res: TensorResult) -> TensorResult:
 
 
 def assert_close(got, want, name: str = "tensor", after_swaps=None) -> TensorResult:
-    """``got`` within the bf16 float tolerance of ``want`` (the tolerance of ``max|want|``);
-    rows ``after_swaps`` (first-axis rows downstream of a differing index row) at
-    the golden tensor's range (``SWAP_FLOAT_RANGE``)."""
+    """``got`` within the bf16 float tolerance of ``want``, as ``compare`` judges a float tensor.
+
+    The tolerance is ``2 * 2^-8 * max|want| + 1e-6`` for every element; NaN matches NaN and
+    infinities must match exactly.
+
+    Args:
+        got: your tensor (any numeric dtype, ``ml_dtypes.bfloat16`` included).
+        want: the golden's tensor, of the same shape.
+        name: what the failure message calls the tensor.
+        after_swaps: first-axis rows downstream of a differing index row (they attended other
+            rows), held only to the golden tensor's range (``SWAP_FLOAT_RANGE``).
+
+    Returns:
+        The comparison (:class:`~ds41numba.golden.TensorResult`: largest difference, bf16
+        steps, share bit-identical, ...).
+
+    Raises:
+        AssertionError: an element is out of tolerance; the message is ``compare``'s line.
+    """
     return _check(compare_tensor(name, want, got, relaxed_rows=after_swaps))
 
 
 def golden_scores(golden, step: int, layer: int) -> RowScores | None:
-    """The scores a golden file records behind layer ``layer``'s selection at ``step`` (None if
-    it has none): what :func:`assert_index_rows` takes as ``scores``."""
+    """The scores a golden file records behind a layer's index selection at a step.
+
+    Args:
+        golden: a path or an open :class:`~ds41numba.golden.GoldenFile`.
+        step: 0 for the prefill, s for the s-th decode step.
+        layer: an index source of the run.
+
+    Returns:
+        A :class:`~ds41numba.golden.RowScores` (what :func:`assert_index_rows` takes as
+        ``scores``; ``.take(rows)`` picks rows), or None when the file records none there.
+    """
     with _open(golden) as f:
         return file_scores(f)(step, layer)
 
@@ -66,14 +105,32 @@ def assert_index_rows(got, want, scores: RowScores | dict | None = None, offset:
                       visible=None, window: bool = False,
                       tolerance: float = DEFAULT_INDEX_TOLERANCE, exact: bool = False,
                       name: str = "index rows") -> TensorResult:
-    """Index rows ``got [rows, width]`` against the golden's ``want``.
+    """Index rows ``got [rows, width]`` against the golden's ``want``, tie-aware.
 
-    Tie-aware unless ``exact``: rows may differ only by boundary swaps, judged by ``scores``
-    (a :class:`RowScores`, or a dict with the golden's ``topk_idxs``, ``topk_scores``,
-    ``runner_idxs``, ``runner_scores``); without scores any difference is wrong. ``offset``
-    (the window rows before the compressed entries) and ``visible`` (per row, the compressed
-    positions the query sees) bound the entries; ``window``: the rows list window entries first
-    (``idx``)."""
+    A row passes when it holds the golden's entries (order is not compared) or differs only by
+    boundary swaps: every dropped and added position scores within ``tolerance`` x the row's
+    largest |selected score| of the row's k-th score. Without ``scores`` any difference fails.
+
+    Args:
+        got: your rows, integer, ``-1`` for an empty entry.
+        want: the golden's rows (e.g. ``shared.topk_idxs`` at the rows you test).
+        scores: the golden's scores behind the rows (:func:`golden_scores`, or a dict with
+            ``topk_idxs``, ``topk_scores``, ``runner_idxs``, ``runner_scores``).
+        offset: the window rows before the compressed entries (an entry ``e`` is compressed
+            position ``e - offset``); with ``visible``, entries past a query's view are wrong.
+        visible: per row, how many compressed positions the query sees.
+        window: the rows list window entries first (``idx`` rows) rather than only compressed
+            ones (``shared.topk_idxs``).
+        tolerance: the boundary band, relative to the row's scale (default 1/16).
+        exact: rows must be identical (no swaps).
+        name: what the failure message calls the tensor.
+
+    Returns:
+        The comparison (:class:`~ds41numba.golden.TensorResult`), with the swaps it accepted.
+
+    Raises:
+        AssertionError: a row is wrong; the message names the first row and its reason.
+    """
     if isinstance(scores, dict):
         scores = RowScores(np.asarray(scores["topk_idxs"]), scores["topk_scores"],
                            np.asarray(scores["runner_idxs"]), scores["runner_scores"])
@@ -88,10 +145,30 @@ def assert_index_rows(got, want, scores: RowScores | dict | None = None, offset:
 
 def assert_golden_tensor(golden, name: str, got, index_tolerance: float | None = None,
                          exact_index: bool = False, after_swaps=None) -> TensorResult:
-    """Tensor ``name`` of a golden file (path or open :class:`GoldenFile`) against ``got``, by
-    the rule ``compare`` applies to it: an index selection (``idx``, ``shared.topk_idxs``)
-    tie-aware with the file's scores and its run's visibility; a float within tolerance
-    (``after_swaps`` rows relaxed, as :func:`assert_close`)."""
+    """A tensor of a golden file against ``got``, by the rule ``compare`` applies to its name.
+
+    An index selection (``idx``, ``shared.topk_idxs``) is judged tie-aware with the file's
+    recorded scores and the run's visibility; a float tensor within the bf16 tolerance.
+
+    Args:
+        golden: a path or an open :class:`~ds41numba.golden.GoldenFile`.
+        name: the tensor, e.g. ``"step0.layers.20.sample.index_score"``.
+        got: your tensor, of the golden tensor's shape.
+        index_tolerance: the boundary band (default 1/16 of the row's scale).
+        exact_index: index rows must be identical.
+        after_swaps: rows held only to the golden tensor's range, as in :func:`assert_close`.
+
+    Returns:
+        The comparison (:class:`~ds41numba.golden.TensorResult`).
+
+    Raises:
+        KeyError: the file holds no tensor ``name``.
+        AssertionError: the tensor disagrees; the message is ``compare``'s line.
+
+    Example:
+        >>> with GoldenFile("golden.safetensors") as g:
+        ...     assert_golden_tensor(g, "step0.layers.20.out", my_layer(g))
+    """
     with _open(golden) as f:
         if name not in f:
             raise KeyError(f"{f.path!r} holds no tensor {name!r}")
@@ -104,8 +181,22 @@ def assert_golden_tensor(golden, name: str, got, index_tolerance: float | None =
 
 def assert_candidate_file(golden, candidate, subset: bool = True,
                           index_tolerance: float | None = None, exact_index: bool = False):
-    """A whole candidate file against a golden, as ``ds41numba compare [--subset]`` judges it;
-    the message is the report (failing tensors, then the summary)."""
+    """A whole candidate file against a golden, as ``ds41numba compare [--subset]`` judges it.
+
+    Args:
+        golden: the golden file (a ds41numba ``.safetensors`` or a reference ``.npz``).
+        candidate: your file (safetensors or ``.npz``) under the golden's tensor names.
+        subset: the candidate may leave out tensors of the golden (``--subset``).
+        index_tolerance: the boundary band (default 1/16 of the row's scale).
+        exact_index: index rows must be identical.
+
+    Returns:
+        The :class:`~ds41numba.golden.CompareReport`.
+
+    Raises:
+        AssertionError: a tensor disagrees; the message is the report (failing tensors, then
+            the summary line).
+    """
     report = compare_files(golden, candidate, subset=subset, index_tolerance=index_tolerance,
                            exact_index=exact_index)
     if not report.ok:

@@ -558,6 +558,20 @@ def compare_files(golden_path, candidate_path, subset: bool = False,
     some of the golden's tensors, e.g. a kernel's outputs); one only in the candidate is
     reported but does not fail. Index selections are judged tie-aware with the scores the
     golden records (or, when it has none, the candidate's), unless ``exact_index``.
+
+    Args:
+        golden_path: the golden (ds41numba ``.safetensors`` or reference ``.npz``).
+        candidate_path: the file to judge (safetensors or ``.npz``, the golden's tensor names).
+        subset: the candidate may leave out tensors of the golden.
+        index_tolerance: the boundary band of tie-aware index rows (default 1/16).
+        exact_index: index rows must be identical.
+
+    Returns:
+        A :class:`CompareReport`: ``.ok``, ``.results`` (one :class:`TensorResult` a tensor),
+        ``.text()`` (what ``compare`` prints), ``.to_json()``.
+
+    Raises:
+        GoldenError: either file cannot be read.
     """
     with GoldenFile(golden_path) as golden, GoldenFile(candidate_path) as cand:
         judge = Judge(golden.step_info(), file_scores(golden, cand), index_tolerance, exact_index)

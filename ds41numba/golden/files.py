@@ -472,6 +472,22 @@ def _natural_key(name: str):
 def load_golden(path) -> tuple[RunInfo, dict[str, np.ndarray]]:
     """A whole golden at once (a ds41numba safetensors file or a reference ``.npz``): how it
     was made and every tensor, ``{name: array}`` as stored. For files that fit in memory; use
-    :class:`GoldenFile` to read a large one a tensor at a time."""
+    :class:`GoldenFile` to read a large one a tensor at a time.
+
+    Args:
+        path: a ds41numba ``.safetensors`` golden or a reference ``.npz`` golden.
+
+    Returns:
+        ``(RunInfo, {name: array})``: the config, layers, prefill, decode, seed and capture of
+        the run, and every tensor (BF16 as ``ml_dtypes.bfloat16``, I32 as int32, ...).
+
+    Raises:
+        GoldenError: the file cannot be read, or is not a golden.
+
+    Example:
+        >>> info, t = load_golden("ds41numba-golden-tiny.safetensors")
+        >>> info.prefill, t["step0.layers.2.out"].shape
+        (12, (12, 64))
+    """
     with GoldenFile(path) as f:
         return f.run_info(), {name: f.get(name) for name in f.names}

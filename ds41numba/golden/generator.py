@@ -193,7 +193,21 @@ def checked_profile(profile) -> str:
 
 def make_weights(config: AttnConfig, layers=None, seed: int = 0,
                  profile: str = "default") -> dict[str, np.ndarray]:
-    """Every parameter of ``layers`` (default: all) as float32 arrays, bf16 values where bf16."""
+    """Every parameter of ``layers`` (default: all) as float32 arrays, bf16 values where bf16.
+
+    Args:
+        config: the stack's :class:`~ds41numba.AttnConfig`.
+        layers: the layers whose parameters to make (default: all).
+        seed: the generator seed, 0 .. 2^64 - 1.
+        profile: ``"default"`` or ``"ties"`` (tie-heavy index scores).
+
+    Returns:
+        ``{"layers.{i}.attn.NAME": float32 array}``, the shapes of
+        :func:`~ds41numba.weight_specs`; the same values on any machine.
+
+    Raises:
+        ValueError: an unknown profile or a seed out of range.
+    """
     checked_profile(profile)
     layers = range(config.n_layers) if layers is None else layers
     return {name: make_weight(config, name, shape, kind, seed, profile)
@@ -272,7 +286,22 @@ def make_input(name: str, shape, seed: int = 0, profile: str = "default", first_
     ``first_row`` makes ``shape`` a block of rows of the whole input: rows ``first_row ..``,
     bit-identical to that slice of the whole (a chunked prefill makes its input a chunk at a
     time), for either profile. ``start_pos`` is the position of the step's first row (a decode
-    step's token), so row j of the block stands for position ``start_pos + first_row + j``."""
+    step's token), so row j of the block stands for position ``start_pos + first_row + j``.
+
+    Args:
+        name: the tensor's name, which seeds it with ``seed`` (e.g. ``"step0.layers.2.x"``).
+        shape: ``(rows, dim)``.
+        seed: the generator seed.
+        profile: ``"default"`` or ``"ties"``.
+        first_row: the block's first row within the whole input.
+        start_pos: the position of the step's first row.
+
+    Returns:
+        A float32 array of bf16 values.
+
+    Raises:
+        ValueError: an unknown profile or a seed out of range.
+    """
     row = math.prod(int(d) for d in tuple(shape)[1:])
     x = make_tensor(name, shape, seed, 0.0, math.sqrt(3.0), bf16=True, start=int(first_row) * row)
     if checked_profile(profile) == "ties":

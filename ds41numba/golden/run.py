@@ -262,6 +262,32 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     holds ``[seqlen, positions]`` captures per step and runs in memory, the prefill in one call.
     ``cluster`` (a :class:`~.cluster.Cluster`, ``io`` only) runs the prefill's queries on its
     workers, tile by tile; the file is the same.
+
+    Args:
+        plan: the run (:class:`GoldenPlan`: config, layers, prefill, decode, seed, capture).
+        path: the file to write; it appears under this name only when complete.
+        force: replace an existing file (without ``resume``: also discard an earlier run's
+            partial file and checkpoint).
+        progress: ``progress(n, where)``, called before (``n == 0``) and after each forward.
+        chunk: prefill rows per forward for a streamed run (the file is the same for any).
+        resume: continue a streamed run from its checkpoint.
+        checkpoint_every: seconds of work between checkpoints (0: at every piece).
+        cluster: a Dask cluster for the prefill's query tiles, or None.
+
+    Returns:
+        ``{"path", "tensors", "bytes", "seconds"}`` of the written file.
+
+    Raises:
+        GoldenError: the target exists without ``force``, a partial run is in the way, nothing
+            to resume, the run would not fit in memory, or the disk fails (one line each).
+        RunInterrupted: a streamed run stopped by Ctrl-C or SIGTERM after a checkpoint (its
+            partial file and checkpoint are kept for ``resume``).
+
+    Example:
+        >>> plan = GoldenPlan(config=preset("tiny"), layers=tuple(range(6)), prefill=12,
+        ...                   decode=40, seed=0, capture="all")
+        >>> write_golden(plan, "tiny.safetensors")["tensors"]
+        2850
     """
     path = os.fspath(path)
     if cluster is not None:
@@ -555,6 +581,18 @@ def replay(path, progress=None, index_tolerance: float | None = None,
 
     Works on this tool's safetensors goldens and on the reference's ``.npz`` goldens (whose
     captures are then checked against ds41numba). ``progress(n, where)`` as in :func:`drive`.
+
+    Args:
+        path: the golden to replay.
+        progress: ``progress(n, where)`` or None.
+        index_tolerance: the boundary band of tie-aware index rows (default 1/16).
+        exact_index: index rows must be identical.
+
+    Returns:
+        The :class:`~ds41numba.golden.CompareReport` (``.ok``, ``.table()``, ``.text()``).
+
+    Raises:
+        GoldenError: the file cannot be read or is not a golden.
     """
     with GoldenFile(path) as golden:
         info = golden.run_info()
