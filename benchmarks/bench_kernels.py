@@ -16,14 +16,13 @@ class Kernels:
     Why these settings (measured on the shared 2-core machine, docs/performance.md): a process's
     speed differs from the next one's by more than a sample's spread, so a comparison needs
     several processes a commit (``rounds``, interleaved with ``--interleave-rounds``) and several
-    samples each (``repeat``), each sample the mean of ``number`` calls (asv re-runs the set-up
-before each call and times the calls alone, so in-place kernels still get fresh data: a
-millisecond kernel's single call swung 3-27 ms under load), for asv's rank test to have
-something to rank; ``--quick`` (one
-    sample, one process) only shows that the suite runs. Set-up runs each kernel twice untimed
-    (numba loads it from its cache; numba's threads start; the first pass's page faults), and
-    then resets the peak RSS, so ``peakmem_kernel`` is the case's data and the call, not numba
-    compiling or loading in the same process.
+    samples each (``repeat``), each the mean of ``number`` calls (asv re-runs the set-up before
+    each call and times the calls alone, so in-place kernels still get fresh data; a millisecond
+    kernel's single call swung 3-27 ms under load), for asv's rank test to have something to
+    rank; ``--quick`` (one sample, one process) only shows that the suite runs. Set-up runs each
+    kernel twice untimed (numba loads it from its cache; numba's threads start; the first pass's
+    page faults), and then resets the peak RSS, so ``peakmem_kernel`` is the case's data and the
+    call, not numba compiling or loading in the same process.
     """
 
     params = list(common.kernel_cases())
