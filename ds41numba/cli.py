@@ -384,7 +384,7 @@ def run_config(preset_name: str | None, config_path: str | None,
         key = differ[0]
         given = f"--preset {name}" if name else f"--config {config_path}"
         raise GoldenError(f"--weights: {os.path.join(weights_dir, 'config.json')} has {key} "
-                          f"{json.dumps(found.to_dict()[key])}, {given} has "
+                          f"{json.dumps(found.to_dict()[key])}, {given} has {key} "
                           f"{json.dumps(config.to_dict()[key])}")
     return config, name
 
