@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from .numerics import FP4_BLOCK, LATENT_BLOCK
 
-__all__ = ["AttnConfig", "PRESETS", "preset", "IGNORED_KEYS", "IGNORED_PREFIXES", "FALLBACK_KEY_OWNER"]
+__all__ = ["AttnConfig", "PRESETS", "preset", "IGNORED_KEYS", "IGNORED_PREFIXES",
+           "FALLBACK_KEY_OWNER"]
 
 _INT_MAX = 2**31 - 1
 

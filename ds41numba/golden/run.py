@@ -23,7 +23,8 @@ from .compare import CompareReport, Judge, TensorResult, compare_order, file_sco
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, run_identity
 from .errors import DiskError, GoldenError, RunInterrupted
 from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
-from .generator import GeneratedWeights, checked_profile, checked_seed, make_input, make_weights
+from .generator import (GeneratedWeights, LazyWeights, checked_profile, checked_seed, make_input,
+                        make_weights)
 from .weights_dir import WeightsDir
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
@@ -157,28 +158,15 @@ class GoldenPlan:
         return {"source": "given to the Python API", "stored": True}
 
 
-class _GivenWeights:
+class _GivenWeights(LazyWeights):
     """A mapping of weights given to a plan, calling ``made`` as the stack takes each."""
 
     def __init__(self, weights, config, layers, made):
         self.weights, self.made = weights, made
-        self.kinds = {n: k for i in layers for n, (_, k) in weight_specs(config, i).items()}
+        self.specs = {n: v for i in layers for n, v in weight_specs(config, i).items()}
 
-    def __contains__(self, name) -> bool:
-        return name in self.kinds
-
-    def get(self, name: str, default=None):
-        if name not in self.kinds:
-            return default
-        w = self.weights[name]
-        if self.made is not None:
-            self.made(name, w, self.kinds[name])
-        return w
-
-    def __getitem__(self, name: str):
-        if name not in self.kinds:
-            raise KeyError(name)
-        return self.get(name)
+    def make(self, name: str, shape, kind: str):
+        return self.weights[name]
 
 
 def golden_steps(prefill: int, decode: int):

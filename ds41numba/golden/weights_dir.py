@@ -1,4 +1,4 @@
-"""A model checkpoint directory in the released layout, read as a golden's weights (``--weights DIR``).
+"""A model checkpoint directory in the released layout, as a golden's weights (``--weights DIR``).
 
 Not to be confused with :mod:`.checkpoint`, the *resume* checkpoints a streamed run keeps beside
 its output: this module reads the model's published weights, as DeepSeek releases them:
@@ -45,6 +45,7 @@ from ..numerics import FP8_BLOCK, is_bf16_valued
 from ..numerics.formats import bf16_scalar
 from ..stack import weight_specs
 from .errors import GoldenError
+from .generator import LazyWeights
 from .tensor_files import StoredTensor, read_header
 
 __all__ = ["WeightsDir", "INDEX_FILE", "SINGLE_FILE", "dequantize_fp8", "load_dir_config",
@@ -120,7 +121,7 @@ class _Source:
     scale: StoredTensor | None = None
 
 
-class WeightsDir:
+class WeightsDir(LazyWeights):
     """The attention parameters of ``layers`` in the checkpoint directory ``path``, as the
     weights mapping an :class:`~ds41numba.AttentionStack` takes (``get(name)`` reads one,
     nothing is kept): 2-D bf16 parameters as ``ml_dtypes`` bfloat16 arrays, the others as
@@ -231,27 +232,8 @@ class WeightsDir:
         return _Source(t, kind, s)
 
     # ------------------------------------------------------------------ the mapping
-    def __contains__(self, name) -> bool:
-        return name in self.specs
-
-    def __iter__(self):
-        return iter(self.specs)
-
-    def __len__(self) -> int:
-        return len(self.specs)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self.specs:
-            raise KeyError(name)
-        return self.get(name)
-
-    def get(self, name: str, default=None):
-        if name not in self.sources:
-            return default
-        w = self.read(name)
-        if self.made is not None:
-            self.made(name, w, self.sources[name].kind)
-        return w
+    def make(self, name: str, shape, kind: str) -> np.ndarray:
+        return self.read(name)
 
     def read(self, name: str) -> np.ndarray:
         """Parameter ``name`` as the stack takes it (see the class docstring)."""
