@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,15 +64,22 @@ _E8M0 = np.array([2.0 ** (e - 127) for e in range(255)] + [np.nan], np.float32) 
 
 
 @njit(parallel=True, cache=True)
-def _dequantize_rows(q, scale, lut, out_bits, block):
+def _dequantize_blocks(q, scale, lut, out_bits, block):
     """``out_bits[r, c]``: the bf16 pattern of ``lut[q[r, c]] * scale[r // block, c // block]``
-    (a float32 product, then RNE)."""
+    (a float32 product, then RNE). Each block rounds its 256 possible products once, into a
+    table its elements then look up."""
     rows, cols = q.shape
-    for r in prange(rows):
-        s_row = r // block
-        for c in range(cols):
-            v = lut[q[r, c]] * scale[s_row, c // block]
-            out_bits[r, c] = np.uint16(np.float32(bf16_scalar(v)).view(np.uint32) >> np.uint32(16))
+    table = np.empty((scale.shape[0], lut.size), np.uint16)
+    for rb in prange(scale.shape[0]):
+        tab = table[rb]
+        for b in range(scale.shape[1]):
+            s = scale[rb, b]
+            for k in range(lut.size):
+                v = np.float32(bf16_scalar(lut[k] * s))
+                tab[k] = np.uint16(v.view(np.uint32) >> np.uint32(16))
+            for r in range(rb * block, min(rows, (rb + 1) * block)):
+                for c in range(b * block, min(cols, (b + 1) * block)):
+                    out_bits[r, c] = tab[q[r, c]]
 
 
 def dequantize_fp8(q, scale) -> np.ndarray:
@@ -87,7 +95,7 @@ def dequantize_fp8(q, scale) -> np.ndarray:
     if scale.shape != want:
         raise ValueError(f"dequantize_fp8: scale has shape {list(scale.shape)}, expected {list(want)}")
     out = np.empty(q.shape, np.uint16)
-    _dequantize_rows(q, scale, _E4M3, out, FP8_BLOCK)
+    _dequantize_blocks(q, scale, _E4M3, out, FP8_BLOCK)
     return out.view(bfloat16)
 
 
@@ -243,7 +251,7 @@ class WeightsDir(LazyWeights):
             return dequantize_fp8(t.array(), _scales(src.scale))
         a = t.array()
         if src.kind == "bf16" and a.ndim == 2 and t.dtype == "BF16":
-            return np.array(a)
+            return a                # mapped: the stack packs its own copy, a block at a time
         a = np.array(a, dtype=np.float32)
         if src.kind == "bf16" and not is_bf16_valued(a):
             raise GoldenError(f"--weights: {t.name} in {t.file} is F32 with values that are not "
@@ -257,11 +265,15 @@ class WeightsDir(LazyWeights):
         scale's), and whether the golden keeps the weights themselves (``stored``). The
         checksums are taken once."""
         if self._provenance is None:
+            stored = [t for src in self.sources.values() for t in (src.tensor, src.scale) if t]
+            # hashlib lets go of the GIL: the tensors are hashed on every core at once
+            with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+                sums = dict(zip(stored, pool.map(StoredTensor.sha256, stored)))
             tensors = {}
             for name, src in self.sources.items():
-                entry = _describe(src.tensor)
+                entry = _describe(src.tensor, sums)
                 if src.scale is not None:
-                    entry["scale"] = _describe(src.scale)
+                    entry["scale"] = _describe(src.scale, sums)
                 tensors[name] = entry
             self._provenance = {"source": "checkpoint directory",
                                 "directory": os.path.basename(os.path.abspath(self.path)),
@@ -296,9 +308,9 @@ def _scales(s: StoredTensor) -> np.ndarray:
     return _E8M0[a] if s.dtype == "F8_E8M0" else np.array(a, dtype=np.float32)
 
 
-def _describe(t: StoredTensor) -> dict:
+def _describe(t: StoredTensor, sums: dict) -> dict:
     return {"tensor": t.name, "file": t.file, "dtype": t.dtype, "shape": list(t.shape),
-            "sha256": t.sha256()}
+            "sha256": sums[t]}
 
 
 def dir_config_differences(a: AttnConfig, b: AttnConfig) -> list[str]:
