@@ -21,7 +21,7 @@ from safetensors import safe_open
 from helpers import DATA
 from ds41numba import AttnConfig, preset, weight_specs
 from ds41numba.cli import main
-from ds41numba.golden import GoldenPlan, make_weights, write_golden
+from ds41numba.golden import GoldenPlan, dequantize_fp8, make_weights, write_golden
 
 CKPT = DATA / "ckpt_mixed_s5"
 REF = DATA / "ckpt_mixed_s5_ref.safetensors"
@@ -256,6 +256,42 @@ def test_v41_flash_layer_20_checkpoint_at_real_shapes(tmp_path):
     given = tmp_path / "given.safetensors"
     write_golden(GoldenPlan(cfg, (20,), 40, 2, capture="io", weights=weights), given)
     assert_same_tensors(mine, given)
+
+
+def test_draft_layers_named_as_mtp_blocks(tmp_path):
+    """Layers n_layers .. n_layers + n_mtp_layers - 1 may be stored as ``mtp.{k}.attn.*``."""
+    cfg = preset("tiny")
+    tensors, weights = checkpoint_tensors(cfg, range(cfg.n_layers))
+    for key in list(tensors):
+        for k, i in enumerate((4, 5)):
+            if key.startswith(f"layers.{i}.attn."):
+                tensors[f"model.mtp.{k}.attn." + key.split(".attn.", 1)[1]] = tensors.pop(key)
+    ckpt = write_checkpoint(tmp_path / "ckpt", cfg, tensors, n_layers=4, n_mtp_layers=2)
+    mine = tmp_path / "mine.safetensors"
+    assert main(["golden", "--weights", str(ckpt), "--prefill", "12", "--decode", "3",
+                 "--capture", "io", "--out", str(mine), "--quiet"]) == 0
+    given = tmp_path / "given.safetensors"
+    write_golden(GoldenPlan(cfg, tuple(range(6)), 12, 3, capture="io", weights=weights), given)
+    assert_same_tensors(mine, given)
+    recorded = json.loads(metadata(mine)["weights"])["tensors"]
+    assert recorded["layers.5.attn.wq_a.weight"]["tensor"] == "model.mtp.1.attn.wq_a.weight"
+
+
+def test_dequantize_fp8_is_the_cast_of_every_byte_and_scale():
+    """Every e4m3 byte (NaN, subnormals, both zeros) times e8m0 scales at both ends and f32
+    scales that round, against numpy's float32 product and ml_dtypes' rounding to bf16."""
+    rng = np.random.default_rng(0)
+    q = np.concatenate([np.arange(256, dtype=np.uint8)] * 16).reshape(64, 64)
+    q = np.concatenate([q, rng.integers(0, 256, (33, 64), dtype=np.uint8)])[:, :45]
+    for scale in (np.ldexp(np.float32(1.0), rng.integers(-127, 128, (4, 2))).astype(np.float32),
+                  rng.random((4, 2)).astype(np.float32) * np.float32(1e-3)):
+        full = np.repeat(np.repeat(scale, 32, 0), 32, 1)[:q.shape[0], :q.shape[1]]
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = (q.view(float8_e4m3fn).astype(np.float32) * full).astype(bfloat16)
+        got = dequantize_fp8(q, scale)
+        assert got.dtype == bfloat16 and got.shape == q.shape
+        same = got.view(np.uint16) == want.view(np.uint16)
+        assert (same | (np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32)))).all()
 
 
 # =============================================================================== refusals
