@@ -404,6 +404,9 @@ def libm_cosf_sinf():
     return libm.cosf, libm.sinf
 
 
+# NaN and infinities propagate through this reference as IEEE arithmetic says (the kernels'
+# behaviour under test), so numpy's warnings about them are expected here.
+@np.errstate(invalid="ignore", over="ignore")
 def fma_f32(a, b, c):
     """rope's ``_fma_f32``: exact a * b + c rounded once to f32. The f32 product is exact in float64; the float64 sum's
     rounding error is recovered with TwoSum and decides the one case where rounding that sum to f32
@@ -425,6 +428,9 @@ def fma_f32(a, b, c):
     return r
 
 
+# NaN and infinities propagate through this reference as IEEE arithmetic says (the kernels'
+# behaviour under test), so numpy's warnings about them are expected here.
+@np.errstate(invalid="ignore", over="ignore")
 def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
     """Pair by pair, as torch's complex64 multiply (AVX2 build) runs the reference's broadcast
     product: inner loops of rd/2 pairs per vector (one loop over all n * rd/2 pairs when x has one
@@ -615,6 +621,9 @@ def visible_lengths(start_pos, seqlen, r):
     return np.full(seqlen, (start_pos + seqlen) // r, np.int64)
 
 
+# NaN and infinities propagate through this reference as IEEE arithmetic says (the kernels'
+# behaviour under test), so numpy's warnings about them are expected here.
+@np.errstate(invalid="ignore", over="ignore")
 def tile_scores(iq, w, keys, clen):
     """The indexer's scores (its ``_tile_scores`` kernels): SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
     ``keys [n, id]``: ``bf16(sum_h bf16(relu(bf16(iq[s,h] . keys[t])) * w[s,h]))``, the head sum

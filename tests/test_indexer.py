@@ -263,6 +263,8 @@ def test_a_reused_score_buffer_is_masked_only_where_it_was_written(tier):
 
 
 @pytest.mark.parametrize("path", SCORE_PATHS)
+# The keys hold NaN and infinities on purpose; numpy's BLAS path warns as it multiplies them.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
     """Small chunks, split across the workers: every chunk boundary, a NaN and an inf key."""
     monkeypatch.setattr(indexer_mod, "_SCORE_CHUNK_ELEMS", 64)
