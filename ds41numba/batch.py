@@ -4,7 +4,7 @@ The reference runs a batch of ``B`` sequences in lockstep: one ``start_pos`` for
 batch, ``x`` of shape ``[B, seqlen, dim]``. Every projection (``F.linear`` on ``[B, seqlen,
 ...]``) multiplies the ``B * seqlen`` rows as one matrix, row ``b * seqlen + s`` being
 sequence b's row s, and its oneDNN (bf16) and MKL (f32) kernels choose their summation order by
-that row count and, for MKL's f32 rule, by the row's place in it (SPEC.md "How exact is exact"):
+that row count and, for MKL's f32 rule, by the row's place in it (README, "How exact"):
 
 * bf16 linears: one row (M = 1) sums K in runs of 512, two or more rows in runs of 1024 above
   K = 1024. A batched decode step of B >= 2 is M = B: the many-row order, unlike a single

@@ -569,7 +569,8 @@ def compare_files(golden_path, candidate_path, subset: bool = False,
         report = None
         cand_names = set(cand.names)
         for b in range(batch):
-            g, c = (golden, cand) if batch == 1 else (BatchRowFile(golden, b), BatchRowFile(cand, b))
+            g, c = ((golden, cand) if batch == 1 else
+                    (BatchRowFile(golden, b), BatchRowFile(cand, b)))
             judge = Judge(g.step_info(), file_scores(g, c), index_tolerance, exact_index)
             if report is None:
                 report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)

@@ -186,8 +186,9 @@ class StreamingGolden:
 
     ``layout`` lists every tensor, ``(name, dtype, shape)`` in file order (dtype a safetensors
     name: ``BF16``, ``F32``, ``I32``, ``U8``; a fourth element 2 makes the first two axes the
-    rows, as for a batch's ``[batch, seqlen, ...]`` tensors); the header (metadata keys sorted, entries in
-    layout order, padded with spaces to 8 bytes) and every byte offset follow from it alone, so
+    rows, as for a batch's ``[batch, seqlen, ...]`` tensors); the header (metadata keys
+    sorted, entries in layout order, padded with spaces to 8 bytes) and every byte offset
+    follow from it alone, so
     the file is byte-identical whatever order or block sizes its rows are written in. It is
     made under a hidden temporary name beside ``path`` (``.NAME.*.tmp``), sized at once,
     :meth:`write_rows` puts rows in place, and :meth:`commit` checks every row was written,

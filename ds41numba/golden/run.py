@@ -614,7 +614,8 @@ def replay(path, progress=None, index_tolerance: float | None = None,
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
         # A batch's sequences are judged one by one (BatchRowFile), as compare does.
-        files = [golden] if info.batch == 1 else [BatchRowFile(golden, b) for b in range(info.batch)]
+        files = ([golden] if info.batch == 1 else
+                 [BatchRowFile(golden, b) for b in range(info.batch)])
         judges = [Judge(info, file_scores(f), index_tolerance, exact_index, strict_evidence=True)
                   for f in files]
         report = CompareReport(golden.path, "replay", index_rule=judges[0].rule)
