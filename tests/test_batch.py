@@ -280,3 +280,44 @@ def test_batched_compressor_rows_take_their_place_in_the_batch(B):
     assert np.array_equal(got, want)
     alone = np.stack([naive.linear_f32_ordered(x[b:b + 1], wkv)[0] for b in range(B)])
     assert not np.array_equal(got, alone)
+
+
+# ------------------------------------------------------------------ --inputs FILE with a batch
+
+
+def test_batch_inputs_file_gives_the_generators_batch(tmp_path, capsys):
+    """``--inputs`` with ``--batch 2``: ``x.layers.{i}`` as ``[2, tokens, dim]`` holding the
+    generator's inputs of each batch row gives the generator's batch golden, every tensor byte
+    for byte (chunked, with sampled rows); a ``[tokens, dim]`` file is refused in one line."""
+    from ml_dtypes import bfloat16
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    cfg, B, P, D = preset("tiny"), 2, 12, 3
+    tensors = {}
+    for i in range(cfg.n_layers):
+        seqs = []
+        for b in range(B):
+            rows = [make_input(batch_input_name(f"step0.layers.{i}.x", b), (P, cfg.dim), 0)]
+            rows += [make_input(batch_input_name(f"step{s}.layers.{i}.x", b), (1, cfg.dim), 0,
+                                start_pos=P + s - 1) for s in range(1, D + 1)]
+            seqs.append(np.concatenate(rows))
+        tensors[f"x.layers.{i}"] = np.stack(seqs).astype(bfloat16)
+    inputs = tmp_path / "inputs.safetensors"
+    save_file(tensors, str(inputs))
+    run = ["--preset", "tiny", "--prefill", str(P), "--decode", str(D), "--batch", str(B),
+           "--capture", "io", "--chunk", "5", "--capture-rows", "3,13"]
+    gen = golden(tmp_path, "gen.safetensors", *run)
+    given = golden(tmp_path, "given.safetensors", *run, "--inputs", str(inputs))
+    with safe_open(str(gen), "np") as a, safe_open(str(given), "np") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for n in a.keys():
+            assert a.get_tensor(n).tobytes() == b.get_tensor(n).tobytes(), n
+        assert "[b, t]" in b.metadata()["inputs"] and b.metadata()["batch"] == "2"
+    assert main(["replay", "--quiet", str(given)]) == 0
+    flat = tmp_path / "flat.safetensors"
+    save_file({"x": tensors["x.layers.0"][0]}, str(flat))
+    capsys.readouterr()
+    assert main(["golden", "--quiet", *run, "--inputs", str(flat),
+                 "--out", str(tmp_path / "no.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[2, tokens, dim]" in err[0]
