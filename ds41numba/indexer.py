@@ -34,6 +34,7 @@ from .numerics import (AMX_K, AMX_ROWS, DOT_LANES, DOT_ROWS, EMPTY_RANGE, INT8_G
                        int8_dot_into, int8_rows, linear_bf16, merge_ranges, nan_max, output_buffer,
                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks, rms_norm,
                        split_range, to_bf16_rne, vnni_mix_tile, worth_parallel)
+from .batch import SINGLE, BatchRow, checked_batch
 from .rope import apply_rotary
 from .topk import partial_sort_set_hinted, topk_set_into
 
@@ -985,7 +986,8 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             weights: IndexerWeights, table, index_k, offset: int,
             candidate_blocks: np.ndarray | None = None, tile: int | None = None,
-            capture: bool = False, prefill_len: int | None = None, observer=None):
+            capture: bool = False, prefill_len: int | None = None, observer=None,
+            batch: BatchRow = SINGLE):
     """Select each query's compressed positions.
 
     ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows): an
@@ -1001,6 +1003,9 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     chunk): each query sees ``(s + 1) // r`` positions as in the one-shot prefill, and the rows
     (scores of the one-shot's width ``prefill_len // r``, selection, candidates, every sum) are
     that prefill's rows. ``index_k`` then needs the keys up to the chunk's end only.
+    ``batch``: one sequence of a batch in lockstep; the projections (``weights_proj``,
+    ``wq_b``) sum as the batch's products of B times the step's rows do
+    (:mod:`ds41numba.batch`); the scores and the selection are per query.
 
     ``observer`` (the golden captures' hook, :mod:`ds41numba.golden.captures`), if given, sees
     every tile of queries (``s0`` counts from this call's first row, a chunk's too) while its
@@ -1012,12 +1017,13 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     """
     _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile,
                         prefill_len)
+    batch = checked_batch(batch, "indexer")
     seqlen = x.shape[0]
     end_pos = start_pos + seqlen
     r = cfg.ratio
     chunk = prefill_len is not None
     width = (prefill_len if chunk else end_pos) // r
-    ref_rows = prefill_len if chunk else seqlen
+    ref_rows = batch.rows(prefill_len if chunk else seqlen)
     k = min(cfg.topk, width)
     clen = visible_lengths(start_pos, seqlen, r, prefill=chunk or start_pos == 0)
     positions = np.arange(start_pos, end_pos, dtype=np.int64)

@@ -525,7 +525,7 @@ def test_production_references_through_the_cli(tmp_path, capsys, ref, run, rows,
     """The reference at V4.1-Flash's real dimensions (inner dimensions 1280 to 8192), run on this
     package's generator (the golden README's commands): every index row identical and every
     float bit-identical (`out` of the prefill and of each decode step, the caches and window
-    ring the file records), with the reference's own product orders (README, "How exact").
+    ring the file records), with the reference's own product orders (docs/exactness.md).
     Nothing here is statistical any more; before those orders: 84.9% / 48.7% and 98.4% / 67.0%.
     The files' ``sample.*`` tensors (q, o, index scores of a few rows) are not in an io capture
     and are checked stage by stage in test_attention / test_indexer."""

@@ -40,7 +40,7 @@ BF16 = ml_dtypes.bfloat16
 CHUNK = 1 << 22          # elements per piece when converting or comparing large tensors
 
 #: Runners-up recorded per index row: the measured swaps of the reference against itself reach
-#: rank 56 below the boundary (README, "Testing your kernel").
+#: rank 56 below the boundary (docs/testing.md).
 RUNNERS_UP = 64
 #: The scores behind an index source's selection (both modes).
 SCORE_CAPTURES = ("topk_scores", "runner_idxs", "runner_scores")

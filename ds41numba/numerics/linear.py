@@ -98,7 +98,7 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     through the kernel that reads the held bf16 pairs a row at a time, more rows of bf16 values
     through :meth:`Bf16Matrix.dot_bf16` (AVX512-BF16, or its FMA twin on any CPU). For a plain
     float32 ``w``, or x not bf16-valued, numpy's f32 BLAS sums in its own order: approximate
-    (README, "How exact"). So do products of at most ``TINY_BF16_LINEAR``
+    (docs/exactness.md). So do products of at most ``TINY_BF16_LINEAR``
     multiply-adds per group, which torch does not hand to oneDNN but sums in a kernel of its
     own (an order not pinned down; they occur only at toy shapes, where BLAS reproduces the
     reference's goldens).
