@@ -76,6 +76,12 @@ class TensorResult:
     swap_over_range: int = 0
     rows_not_compared: int = 0      # score captures: rows whose selection differs
     informational: bool = False     # the golden's evidence (score captures): never fails
+    # float tensors: engines' per-tensor figures (finite elements; relative where want != 0),
+    # and, aligned with first_rows (the first rows holding an element over tolerance), each
+    # row's worst element: {"row", "position", "got", "want", "steps"}
+    max_rel_diff: float = 0.0
+    cosine: float = 1.0
+    row_worst: list = field(default_factory=list)
 
     def line(self) -> str:
         """One human-readable line."""
@@ -112,18 +118,43 @@ class TensorResult:
                             if self.swap_over_range else ", all within the tensor's range)"))
             if self.rows_not_compared:
                 line += f"; {self.rows_not_compared} rows not compared (their selection differs)"
+            if self.row_worst:
+                line += "\n" + _worst_lines(self.rows_differ, self.row_worst)
             return line
         return f"{self.name}: {self.detail}"
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        for k in ("differ_rows", "swap_list", "wrong_list"):
+        for k in ("differ_rows", "swap_list", "wrong_list", "_dots"):
             d.pop(k, None)
         for k in ("max_abs_diff", "max_bf16_steps", "tolerance", "max_score_gap",
-                  "max_relative_gap", "swap_max_abs_diff"):
-            if not math.isfinite(d[k]):
-                d[k] = str(d[k])   # JSON has no inf/nan
+                  "max_relative_gap", "swap_max_abs_diff", "max_rel_diff", "cosine"):
+            d[k] = _json_float(d[k])
+        d["row_worst"] = [{k: _json_float(v) if isinstance(v, float) else v for k, v in w.items()}
+                          for w in self.row_worst]
         return d
+
+
+def _json_float(v: float):
+    return v if math.isfinite(v) else str(v)   # JSON has no inf/nan
+
+
+#: Rows of a float tensor over tolerance the text names (--json lists up to ROWS_LISTED).
+ROWS_SHOWN = 8
+
+
+def _worst_lines(rows_over: int, worst: list) -> str:
+    """The text form of a float tensor's rows over tolerance: each with its worst element."""
+    lines = [f"  {_count(rows_over, 'row')} over tolerance; worst element of each "
+             f"(row: position got want steps):"]
+    for w in worst[:ROWS_SHOWN]:
+        pos = "[" + ", ".join(str(i) for i in w["position"]) + "]"
+        lines.append(f"    row {w['row']}: {pos} got {w['got']:.6g} want {w['want']:.6g} "
+                     f"({_fmt_steps(w['steps'])} steps)")
+    if rows_over > ROWS_SHOWN:
+        lines.append(f"    ... and {rows_over - ROWS_SHOWN} more rows (--json lists the first "
+                     f"{min(rows_over, ROWS_LISTED)})")
+    return "\n".join(lines)
 
 
 def _fmt_steps(v: float) -> str:
@@ -170,8 +201,10 @@ def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
     if problem:
         res.kind, res.ok, res.detail = "unusable", False, problem
         return res
+    row_ids = None
     if rows is not None and want.ndim and not rows.all():
         res.rows_not_compared = int(np.count_nonzero(~rows))
+        row_ids = np.flatnonzero(rows)
         want, got = want[rows], got[rows]
         res.size = int(want.size)
         if want.shape[0] == 0:
@@ -180,7 +213,7 @@ def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
         return _judge_index(res, want, got, scores, bounds, index_tolerance)
     if index:
         return _compare_index(res, want, got)
-    return _compare_float(res, want, got, relaxed_rows)
+    return _compare_float(res, want, got, relaxed_rows, row_ids=row_ids)
 
 
 def _judge_index(res, want, got, scores, bounds, tolerance) -> TensorResult:
@@ -232,14 +265,22 @@ def _abs_max(a: np.ndarray) -> float:
 
 
 def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
-                   relaxed_rows=None, factor: float = 1.0, amax: float | None = None) -> TensorResult:
+                   relaxed_rows=None, factor: float = 1.0, amax: float | None = None,
+                   row_ids=None) -> TensorResult:
     """Float agreement at ``factor`` x the SPEC tolerance of ``max|want|`` (``amax``, default
-    this tensor's); ``relaxed_rows`` are judged apart (:func:`_compare_float_relaxed`)."""
+    this tensor's); ``relaxed_rows`` are judged apart (:func:`_compare_float_relaxed`).
+
+    A chunk at a time (a memory-mapped tensor is never read whole); besides the counts it notes
+    which first-axis rows hold an element over the bound and each row's worst element
+    (``row_ids``: the tensor's row numbers of ``want``'s rows, when it is a selection of them).
+    """
     if relaxed_rows is not None and len(relaxed_rows) and want.ndim:
         return _compare_float_relaxed(res, want, got, np.asarray(relaxed_rows, np.int64))
     w_all, g_all = want.reshape(-1), got.reshape(-1)
     res.tolerance = 2 * 2.0 ** -8 * (_abs_max(want) if amax is None else amax) + 1e-6
     bound = factor * res.tolerance
+    rows = _RowsOver(want.shape if want.ndim else (1,), row_ids)
+    dots = np.zeros(3)      # sum g*w, g*g, w*w over the finite elements: the cosine
     for lo in range(0, w_all.size, CHUNK):
         w = np.ascontiguousarray(w_all[lo:lo + CHUNK], dtype=np.float32)
         g = np.ascontiguousarray(g_all[lo:lo + CHUNK], dtype=np.float32)
@@ -252,6 +293,12 @@ def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
         res.over_tolerance += int(ok.size - np.count_nonzero(ok))
         if finite.any():
             res.max_abs_diff = max(res.max_abs_diff, float(diff[finite].max()))
+            g64, w64 = g[finite].astype(np.float64), w[finite].astype(np.float64)
+            dots += (g64 @ w64, g64 @ g64, w64 @ w64)
+            nonzero = w64 != 0
+            if nonzero.any():
+                rel = diff[finite][nonzero] / np.abs(w64[nonzero])
+                res.max_rel_diff = max(res.max_rel_diff, float(rel.max()))
         if (~finite & ~ok).any():
             res.max_abs_diff = math.inf
         steps = np.abs(_ordered(g.view(np.uint32)) - _ordered(w.view(np.uint32))) / 65536.0
@@ -259,29 +306,93 @@ def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
         res.within_one_step += int(np.count_nonzero(steps <= 1.0))
         if steps.size:
             res.max_bf16_steps = max(res.max_bf16_steps, float(steps.max()))
+        if not ok.all():
+            rows.note(lo, np.flatnonzero(~ok), np.where(finite, diff, np.inf), g, w, steps)
+    res._dots = dots
+    res.cosine = _cosine(dots)
+    rows.fill(res)
     res.ok = res.over_tolerance == 0
     return res
+
+
+def _cosine(dots) -> float:
+    """Cosine similarity from (g.w, g.g, w.w); 1 for two zero tensors, 0 for one."""
+    gw, gg, ww = (float(x) for x in dots)
+    if gg == 0 and ww == 0:
+        return 1.0
+    if gg == 0 or ww == 0:
+        return 0.0
+    return gw / math.sqrt(gg * ww)
+
+
+class _RowsOver:
+    """The first-axis rows of a float tensor that hold an element over the bound, and for the
+    first ``ROWS_LISTED`` of them their worst element (largest |diff|; NaN or infinity where the
+    golden has none counts as infinite), gathered chunk by chunk in row order."""
+
+    def __init__(self, shape, row_ids=None):
+        self.shape = tuple(int(d) for d in shape)
+        n = self.shape[0]
+        self.row_size = max(1, math.prod(self.shape[1:]))
+        self.over = np.zeros(n, bool)
+        self.row_ids = None if row_ids is None else np.asarray(row_ids, np.int64)
+        self.worst: dict[int, tuple] = {}     # local row -> (badness, flat index, got, want, steps)
+
+    def note(self, lo, bad, badness, g, w, steps):
+        rows = (lo + bad) // self.row_size
+        self.over[rows] = True
+        order = np.lexsort((-badness[bad], rows))         # by row, the worst first
+        firsts = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
+        # Rows only grow from chunk to chunk: past the first ROWS_LISTED nothing more is kept.
+        for i in firsts[: ROWS_LISTED + 1]:
+            r, j = int(rows[i]), int(bad[i])
+            if r not in self.worst and len(self.worst) >= ROWS_LISTED:
+                break
+            if r not in self.worst or badness[j] > self.worst[r][0]:
+                self.worst[r] = (float(badness[j]), lo + j, float(g[j]), float(w[j]),
+                                 float(steps[j]))
+
+    def fill(self, res):
+        ids = self.row_ids
+        res.rows = self.shape[0]
+        res.rows_differ = int(np.count_nonzero(self.over))
+        res.row_worst = []
+        for r in sorted(self.worst):
+            _, flat, g, w, steps = self.worst[r]
+            row = int(ids[r]) if ids is not None else r
+            rest = np.unravel_index(flat % self.row_size, self.shape[1:]) if len(self.shape) > 1 else ()
+            res.row_worst.append({"row": row, "position": [row] + [int(i) for i in rest],
+                                  "got": g, "want": w, "steps": steps})
+        res.first_rows = [w["row"] for w in res.row_worst]
 
 
 def _compare_float_relaxed(res: TensorResult, want, got, relaxed) -> TensorResult:
     """:func:`_compare_float` with the rows ``relaxed`` (downstream of a differing index row)
     judged apart: within ``SWAP_FLOAT_RANGE * max|want|`` (plus the tolerance) of the golden,
-    NaN and infinities as the golden's; the tolerance stays the whole tensor's."""
+    NaN and infinities as the golden's; the tolerance stays the whole tensor's. The rows over
+    are those of the strict rows over the tolerance and of the relaxed rows beyond the range."""
     mask = np.zeros(want.shape[0], bool)
     mask[relaxed[(relaxed >= 0) & (relaxed < want.shape[0])]] = True
+    kept, loosened = np.flatnonzero(~mask), np.flatnonzero(mask)
     amax = _abs_max(want)
     strict = _compare_float(TensorResult(res.name, "float", True), want[~mask], got[~mask],
-                            amax=amax)
+                            amax=amax, row_ids=kept)
     loose = _compare_float(TensorResult(res.name, "float", True), want[mask], got[mask],
                            amax=amax)
     tol = strict.tolerance
     ranged = _compare_float(TensorResult(res.name, "float", True), want[mask], got[mask],
-                            factor=(SWAP_FLOAT_RANGE * amax + tol) / tol, amax=amax)
+                            factor=(SWAP_FLOAT_RANGE * amax + tol) / tol, amax=amax,
+                            row_ids=loosened)
     res.tolerance = tol
     res.over_tolerance, res.max_abs_diff = strict.over_tolerance, strict.max_abs_diff
     res.within_one_step = strict.within_one_step + loose.within_one_step
     res.bit_identical = strict.bit_identical + loose.bit_identical
     res.max_bf16_steps = max(strict.max_bf16_steps, loose.max_bf16_steps)
+    res.max_rel_diff = max(strict.max_rel_diff, loose.max_rel_diff)
+    res.cosine = _cosine(strict._dots + loose._dots)
+    res.rows, res.rows_differ = want.shape[0], strict.rows_differ + ranged.rows_differ
+    res.row_worst = sorted(strict.row_worst + ranged.row_worst, key=lambda w: w["row"])[:ROWS_LISTED]
+    res.first_rows = [w["row"] for w in res.row_worst]
     res.swap_rows = int(mask.sum())
     res.swap_over_tolerance, res.swap_max_abs_diff = loose.over_tolerance, loose.max_abs_diff
     res.swap_over_range = ranged.over_tolerance
@@ -340,6 +451,8 @@ class CompareReport:
             "shape_mismatches": sum(r.kind == "shape" for r in self.results),
             "unusable": sum(r.kind == "unusable" for r in self.results),
             "failing_tensors": len(self.failures),
+            "disagreeing_tensors": sum(r.kind != "only-golden" for r in self.failures),
+            "missing_tensors": sum(r.kind == "only-golden" for r in self.failures),
             "tolerance": TOLERANCE,
         }
 
@@ -352,7 +465,7 @@ class CompareReport:
             if s["float_rows_after_swaps"]:
                 rows += (f"; {s['float_rows_after_swaps']} float rows after swaps (max |diff| "
                          f"{s['max_abs_diff_after_swaps']:.3g})")
-        parts = [f"{s['compared']} tensors compared", rows,
+        parts = [_count(s['compared'], "tensor") + " compared", rows,
                  f"floats max {_fmt_steps(s['max_bf16_steps'])} bf16 steps, "
                  f"{100 * s['within_one_step_fraction']:.3f}% within 1 step, "
                  f"{100 * s['bit_identical_fraction']:.3f}% bit-identical"]
@@ -360,15 +473,32 @@ class CompareReport:
             parts.append(f"{s['only_in_golden']} only in {self.golden}")
         if s["only_in_candidate"]:
             parts.append(f"{s['only_in_candidate']} only in {self.candidate}")
-        verdict = "OK" if self.ok else (f"FAIL ({s['failing_tensors']} tensors disagree)"
-                                        if s["compared"] else "FAIL (no tensor in common)")
-        return f"{verdict}: " + "; ".join(parts)
+        return f"{self._verdict(s)}: " + "; ".join(parts)
+
+    def _verdict(self, s: dict) -> str:
+        """OK, or FAIL with how many tensors disagree and how many the candidate lacks."""
+        if self.ok:
+            return "OK"
+        if not s["compared"]:
+            return "FAIL (no tensor in common)"
+        n, missing = s["disagreeing_tensors"], s["missing_tensors"]
+        why = []
+        if n:
+            why.append(_count(n, "tensor") + (" disagrees" if n == 1 else " disagree"))
+        if missing:
+            why.append(f"{missing} missing" if n else _count(missing, "tensor") + " missing")
+        return f"FAIL ({', '.join(why) or 'nothing compared agrees'})"
 
     def text(self, limit: int = 50) -> str:
         """One line per failing tensor (at most ``limit``), then the summary line."""
-        lines = [r.line() for r in self.failures[:limit]]
-        if len(self.failures) > limit:
-            lines.append(f"... and {len(self.failures) - limit} more failing tensors (--json lists all)")
+        failing = [r for r in self.failures if r.kind != "only-golden"]
+        lines = [r.line() for r in failing[:limit]]
+        if len(failing) > limit:
+            lines.append(f"... and {len(failing) - limit} more failing tensors (--json lists all)")
+        missing = [r.name for r in self.failures if r.kind == "only-golden"]
+        if missing:
+            lines.append(f"missing from {self.candidate}: " + ", ".join(missing[:5])
+                         + (f" ... ({len(missing)} in all)" if len(missing) > 5 else ""))
         extra = [r.name for r in self.results if r.kind == "only-candidate"]
         if extra:
             lines.append(f"only in {self.candidate}: " + ", ".join(extra[:5])
@@ -409,6 +539,11 @@ class CompareReport:
         return json.dumps({"golden": self.golden, "candidate": self.candidate,
                            "summary": self.summary(), "tensors": [r.to_dict() for r in self.results]},
                           indent=1)
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def group_of(name: str) -> str:
