@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="A CPU reference for DeepSeek-V4.1 compressed attention: "
                 "write, replay and compare golden files.", epilog=_EPILOG)
-    sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare}")
+    sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare,export-paged,suite}")
 
     g = sub.add_parser("golden", help="run a layer stack on generated weights and inputs and "
                        "write a golden file", epilog=_EPILOG,
@@ -125,6 +125,20 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="FILE.png", help="draw where the differences sit "
                    "(needs matplotlib: pip install 'ds41numba[plot]')")
     index_rules(c)
+
+    e = sub.add_parser("export-paged", help="lay out a golden's caches in shuffled pages with a "
+                       "block table and slot mapping", epilog=_EPILOG,
+                       description="For every cache a --capture all golden records "
+                       "(shared.compress_kv, shared.index_k, state.window_kv), write its pages, "
+                       "block table (logical -> physical page) and slot mapping (slot = "
+                       "physical_page * P + offset), and the index selections as slots.")
+    e.add_argument("golden", metavar="GOLDEN")
+    e.add_argument("--page-size", type=int, required=True, metavar="P",
+                   help="rows per page; must divide the window")
+    e.add_argument("--shuffle", type=int, metavar="SEED", help="shuffle the physical page "
+                   "order with this seed (default: pages in logical order)")
+    e.add_argument("--out", required=True, metavar="FILE")
+    e.add_argument("--force", action="store_true", help="overwrite an existing output file")
     return p
 
 
@@ -134,10 +148,11 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise _UsageError(f"{PROG}: error: choose a command: golden, replay or compare "
+            raise _UsageError(f"{PROG}: error: choose a command: golden, replay, compare, export-paged "
                               f"(see {PROG} --help)")
         with _sigterm_as_exit():
-            return {"golden": _golden, "replay": _replay, "compare": _compare}[args.command](args)
+            return {"golden": _golden, "replay": _replay, "compare": _compare,
+                    "export-paged": _export_paged}[args.command](args)
     except _UsageError as e:
         print(e, file=sys.stderr)
         return 2
@@ -265,6 +280,14 @@ def _compare(args) -> int:
         plot_report(report, args.golden, args.candidate, args.plot)
     _print(report.to_json() if args.json else report.text())
     return 0 if report.ok else 1
+
+
+def _export_paged(args) -> int:
+    from .golden.paged import export_paged
+    info = export_paged(args.golden, args.out, args.page_size, args.shuffle, force=args.force)
+    print(f"wrote {info['path']}  ({info['caches']} caches in pages of {args.page_size} rows, "
+          f"{info['tensors']} tensors)")
+    return 0
 
 
 def _print(text: str):
