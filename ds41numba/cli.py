@@ -139,6 +139,24 @@ def _build_parser() -> argparse.ArgumentParser:
                    "order with this seed (default: pages in logical order)")
     e.add_argument("--out", required=True, metavar="FILE")
     e.add_argument("--force", action="store_true", help="overwrite an existing output file")
+
+    s = sub.add_parser("suite", help="write the edge-case suite: small goldens at the places "
+                       "kernels get wrong, and a manifest", epilog=_EPILOG,
+                       description="Write one small golden per edge case (named for what it "
+                       "covers) and manifest.json (each case's file, what it covers, its "
+                       "lengths, layers and positions, its sha256) into DIR. The same arguments "
+                       "give the same bytes; an interrupted suite continues where it stopped.")
+    ssrc = s.add_mutually_exclusive_group()
+    ssrc.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
+    ssrc.add_argument("--config", metavar="FILE", help="a JSON config (as for golden)")
+    s.add_argument("--layers", metavar="LIST", help="layers to run (default: all); every "
+                   "source they read must be included")
+    s.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")
+    s.add_argument("--out", metavar="DIR", help="the suite's directory (made if missing; an "
+                   "existing one must be empty or this suite's)")
+    s.add_argument("--check", metavar="DIR", help="only check a suite directory: its manifest "
+                   "and every case file's checksum")
+    s.add_argument("--quiet", action="store_true", help="no line per case")
     return p
 
 
@@ -148,11 +166,11 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise _UsageError(f"{PROG}: error: choose a command: golden, replay, compare, export-paged "
+            raise _UsageError(f"{PROG}: error: choose a command: golden, replay, compare, export-paged, suite "
                               f"(see {PROG} --help)")
         with _sigterm_as_exit():
             return {"golden": _golden, "replay": _replay, "compare": _compare,
-                    "export-paged": _export_paged}[args.command](args)
+                    "export-paged": _export_paged, "suite": _suite}[args.command](args)
     except _UsageError as e:
         print(e, file=sys.stderr)
         return 2
@@ -287,6 +305,32 @@ def _export_paged(args) -> int:
     info = export_paged(args.golden, args.out, args.page_size, args.shuffle, force=args.force)
     print(f"wrote {info['path']}  ({info['caches']} caches in pages of {args.page_size} rows, "
           f"{info['tensors']} tensors)")
+    return 0
+
+
+def _suite(args) -> int:
+    from .golden.suite import read_manifest, write_suite
+    if args.check is not None:
+        if args.out is not None:
+            raise GoldenError("give --out DIR (write) or --check DIR (check), not both")
+        m = read_manifest(args.check)
+        print(f"{args.check}: a suite of {len(m['cases'])} cases, every file as its manifest says")
+        return 0
+    if args.out is None:
+        raise GoldenError("--out DIR is required (or --check DIR)")
+    config, preset_name = load_config(args.preset, args.config)
+    layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
+              else tuple(range(config.n_layers)))
+    golden.GoldenPlan(config=config, layers=layers, prefill=1, decode=0)   # the layers' sources
+
+    def report(case, status):
+        if not args.quiet:
+            print(f"{status:>9}  {case.name}", flush=True)
+
+    m = write_suite(config, preset_name, layers, args.out, args.seed, report=report)
+    print(f"suite {args.out}: {len(m['cases'])} cases" + (
+        f", {len(m['not_built'])} not built (they need: "
+        f"{'; '.join(sorted({e['needs'] for e in m['not_built']}))})" if m["not_built"] else ""))
     return 0
 
 
