@@ -250,7 +250,8 @@ def _closure(c: AttnConfig, layers) -> tuple[int, ...]:
 
 
 def _candidate_layers(c: AttnConfig) -> tuple[int, ...]:
-    return _closure(c, [c.candidate_source_layer])
+    """The candidate source and the layers that select among its blocks."""
+    return (c.candidate_source_layer,) + tuple(i for i in range(c.n_layers) if c.uses_candidates(i))
 
 
 def plan_cases(config: AttnConfig, layers) -> list[Case]:
@@ -264,9 +265,11 @@ def plan_cases(config: AttnConfig, layers) -> list[Case]:
             case = rule(config, r)
             if case is None:
                 continue
-            run_layers = case.layers or layers
-            if not set(run_layers) <= set(layers):
-                continue     # e.g. the candidate source is not among the layers asked for
+            run_layers = layers
+            if case.layers:     # only these of the layers asked (and what they read)
+                run_layers = _closure(config, [i for i in case.layers if i in layers])
+                if not run_layers or not set(run_layers) <= set(layers):
+                    continue
             total = case.prefill + case.decode
             requires = case.requires or (f"a config with max_seq_len >= {total}"
                                          if total > config.max_seq_len else "")
@@ -296,16 +299,16 @@ def _lengths(c: AttnConfig, case: Case) -> dict:
 # --------------------------------------------------------------------------- what fails where
 
 
-def catches(config: AttnConfig, case: Case, position: int) -> list[str]:
+def catches(config: AttnConfig, case: Case, position: int, index_layers) -> list[str]:
     """The planted bugs (:data:`PLANTED`) that must change what a kernel gives at ``position``
-    of ``case``: its index selection at an index source of the case's layers (``visibility``,
+    of ``case``: its index selection at one of ``index_layers`` (``visibility``,
     ``group`` bugs) or its window entries (``window`` bugs). Only certain failures are listed:
     a changed visible count the selection must show (every visible position is selected, and
     the keys of one more are recorded) or a changed window."""
     found = []
     step0 = position < case.prefill
     end = case.prefill if step0 else position + 1         # keys recorded: end // r
-    for r in sorted({config.ratio(i) for i in case.layers if config.is_index_source(i)} - {0}):
+    for r in sorted({config.ratio(i) for i in index_layers}):
         n_keys = end // r
         k = min(config.index_topk, n_keys)
         c = visible_count(position, r)
@@ -343,16 +346,17 @@ def _arguments(config: AttnConfig, preset: str, layers, seed: int) -> dict:
 
 def _entry(config: AttnConfig, case: Case) -> dict:
     capture = "all" if case.prefill <= _ALL_CAPTURE_WINDOWS * config.window_size else "io"
-    index_layers = [i for i in case.layers if config.ratio(i) and config.is_index_source(i)]
+    index_layers = [i for i in case.layers if config.ratio(i) and config.is_index_source(i)
+                     and (not case.ratio or config.ratio(i) == case.ratio)]
     return {
         "name": case.name, "file": f"{case.name}.safetensors", "covers": case.covers,
         "prefill": case.prefill, "decode": case.decode, "profile": case.profile,
         "capture": capture, "layers": list(case.layers), "ratio": case.ratio,
-        "index_layers": [i for i in index_layers if not case.ratio or config.ratio(i) == case.ratio],
+        "index_layers": index_layers,
         "lengths": case.lengths,
         "positions": [{"position": p, "step": 0 if p < case.prefill else p - case.prefill + 1,
                        "row": p if p < case.prefill else 0, "why": why,
-                       "catches": catches(config, case, p)}
+                       "catches": catches(config, case, p, index_layers)}
                       for p, why in case.positions.items()],
     }
 
