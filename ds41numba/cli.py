@@ -149,8 +149,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ssrc = s.add_mutually_exclusive_group()
     ssrc.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
     ssrc.add_argument("--config", metavar="FILE", help="a JSON config (as for golden)")
-    s.add_argument("--layers", metavar="LIST", help="layers to run (default: all); every "
-                   "source they read must be included")
+    s.add_argument("--layers", metavar="LIST", help="the layers the cases are about (default: "
+                   "all); each case also runs the layers they read")
     s.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")
     s.add_argument("--out", metavar="DIR", help="the suite's directory (made if missing; an "
                    "existing one must be empty or this suite's)")
@@ -321,7 +321,6 @@ def _suite(args) -> int:
     config, preset_name = load_config(args.preset, args.config)
     layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
               else tuple(range(config.n_layers)))
-    golden.GoldenPlan(config=config, layers=layers, prefill=1, decode=0)   # the layers' sources
 
     def report(case, status):
         if not args.quiet:

@@ -82,6 +82,7 @@ class Case:
     page_size: int = 0              # the page size the lengths are about (0: none)
     requires: str = ""              # a golden option this ds41numba lacks: the case is listed, not built
     lengths: dict = field(default_factory=dict)
+    asked: tuple = ()               # the layers asked for that the case is about
 
 
 # --------------------------------------------------------------------------- the items
@@ -256,7 +257,11 @@ def _candidate_layers(c: AttnConfig) -> tuple[int, ...]:
 
 def plan_cases(config: AttnConfig, layers) -> list[Case]:
     """Every case of the suite for ``config``'s ``layers``: the ratio items once for each
-    compress ratio among them, the others once; each case's layers and lengths filled in."""
+    compress ratio among them, the others once; each case's layers and lengths filled in.
+
+    A case runs the layers it is about with every layer they read (a ratio-2 index source
+    scores, on a decode step where it writes no keys, the keys another key owner wrote): a
+    ratio's items the layers of that ratio, the others every layer asked for."""
     layers = tuple(sorted(set(layers)))
     ratios = sorted({config.ratio(i) for i in layers} - {0})
     cases = []
@@ -265,18 +270,19 @@ def plan_cases(config: AttnConfig, layers) -> list[Case]:
             case = rule(config, r)
             if case is None:
                 continue
-            run_layers = layers
-            if case.layers:     # only these of the layers asked (and what they read)
-                run_layers = _closure(config, [i for i in case.layers if i in layers])
-                if not run_layers or not set(run_layers) <= set(layers):
+            asked = [i for i in layers if not case.ratio or config.ratio(i) == case.ratio]
+            if case.layers:     # only these of the layers asked
+                asked = [i for i in case.layers if i in asked]
+                if not asked:
                     continue
+            run_layers = _closure(config, asked)
             total = case.prefill + case.decode
             requires = case.requires or (f"a config with max_seq_len >= {total}"
                                          if total > config.max_seq_len else "")
             positions = {int(p): why for p, why in sorted(case.positions.items()) if 0 <= p < total}
             cases.append(Case(case.name, case.covers, case.prefill, case.decode, positions,
                               case.ratio, case.profile, tuple(run_layers), case.page_size,
-                              requires, _lengths(config, case)))
+                              requires, _lengths(config, case), tuple(asked)))
     names = [c.name for c in cases]
     assert len(names) == len(set(names)), names
     return cases
@@ -346,8 +352,7 @@ def _arguments(config: AttnConfig, preset: str, layers, seed: int) -> dict:
 
 def _entry(config: AttnConfig, case: Case) -> dict:
     capture = "all" if case.prefill <= _ALL_CAPTURE_WINDOWS * config.window_size else "io"
-    index_layers = [i for i in case.layers if config.ratio(i) and config.is_index_source(i)
-                     and (not case.ratio or config.ratio(i) == case.ratio)]
+    index_layers = [i for i in case.asked if config.ratio(i) and config.is_index_source(i)]
     return {
         "name": case.name, "file": f"{case.name}.safetensors", "covers": case.covers,
         "prefill": case.prefill, "decode": case.decode, "profile": case.profile,
