@@ -25,13 +25,14 @@ from .errors import GoldenError
 from .files import GoldenFile, RunInfo
 from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, RowBounds, RowScores,
                    judge_index_rows)
+from .where import (ROWS_LISTED, RowsOver, cosine, count as _count, fmt_steps as _fmt_steps,
+                    worst_lines)
 
 __all__ = ["TOLERANCE", "ROWS_LISTED", "SELECTIONS", "DOWNSTREAM", "TensorResult",
            "CompareReport", "Judge", "compare_tensor", "compare_files", "file_scores",
            "compare_order", "group_of"]
 
 TOLERANCE = "|got - want| <= 2 * 2^-8 * max|want| + 1e-6 per tensor"
-ROWS_LISTED = 1000   # differing index rows a result lists (the text line shows the first 10)
 #: Index tensors judged tie-aware, and the float tensors whose rows follow a query's selection.
 SELECTIONS = ("idx", "shared.topk_idxs")
 DOWNSTREAM = ("o", "out", "sample.o")
@@ -119,7 +120,7 @@ class TensorResult:
             if self.rows_not_compared:
                 line += f"; {self.rows_not_compared} rows not compared (their selection differs)"
             if self.row_worst:
-                line += "\n" + _worst_lines(self.rows_differ, self.row_worst)
+                line += "\n" + worst_lines(self.rows_differ, self.row_worst)
             return line
         return f"{self.name}: {self.detail}"
 
@@ -137,30 +138,6 @@ class TensorResult:
 
 def _json_float(v: float):
     return v if math.isfinite(v) else str(v)   # JSON has no inf/nan
-
-
-#: Rows of a float tensor over tolerance the text names (--json lists up to ROWS_LISTED).
-ROWS_SHOWN = 8
-
-
-def _worst_lines(rows_over: int, worst: list) -> str:
-    """The text form of a float tensor's rows over tolerance: each with its worst element."""
-    lines = [f"  {_count(rows_over, 'row')} over tolerance; worst element of each "
-             f"(row: position got want steps):"]
-    for w in worst[:ROWS_SHOWN]:
-        pos = "[" + ", ".join(str(i) for i in w["position"]) + "]"
-        lines.append(f"    row {w['row']}: {pos} got {w['got']:.6g} want {w['want']:.6g} "
-                     f"({_fmt_steps(w['steps'])} steps)")
-    if rows_over > ROWS_SHOWN:
-        lines.append(f"    ... and {rows_over - ROWS_SHOWN} more rows (--json lists the first "
-                     f"{min(rows_over, ROWS_LISTED)})")
-    return "\n".join(lines)
-
-
-def _fmt_steps(v: float) -> str:
-    if not math.isfinite(v):
-        return str(v)
-    return f"{v:.0f}" if v == int(v) else f"{v:.3g}"
 
 
 def _is_index(a: np.ndarray) -> bool:
@@ -279,7 +256,7 @@ def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
     w_all, g_all = want.reshape(-1), got.reshape(-1)
     res.tolerance = 2 * 2.0 ** -8 * (_abs_max(want) if amax is None else amax) + 1e-6
     bound = factor * res.tolerance
-    rows = _RowsOver(want.shape if want.ndim else (1,), row_ids)
+    rows = RowsOver(want.shape if want.ndim else (1,), row_ids)
     dots = np.zeros(3)      # sum g*w, g*g, w*w over the finite elements: the cosine
     for lo in range(0, w_all.size, CHUNK):
         w = np.ascontiguousarray(w_all[lo:lo + CHUNK], dtype=np.float32)
@@ -309,61 +286,10 @@ def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
         if not ok.all():
             rows.note(lo, np.flatnonzero(~ok), np.where(finite, diff, np.inf), g, w, steps)
     res._dots = dots
-    res.cosine = _cosine(dots)
+    res.cosine = cosine(dots)
     rows.fill(res)
     res.ok = res.over_tolerance == 0
     return res
-
-
-def _cosine(dots) -> float:
-    """Cosine similarity from (g.w, g.g, w.w); 1 for two zero tensors, 0 for one."""
-    gw, gg, ww = (float(x) for x in dots)
-    if gg == 0 and ww == 0:
-        return 1.0
-    if gg == 0 or ww == 0:
-        return 0.0
-    return gw / math.sqrt(gg * ww)
-
-
-class _RowsOver:
-    """The first-axis rows of a float tensor that hold an element over the bound, and for the
-    first ``ROWS_LISTED`` of them their worst element (largest |diff|; NaN or infinity where the
-    golden has none counts as infinite), gathered chunk by chunk in row order."""
-
-    def __init__(self, shape, row_ids=None):
-        self.shape = tuple(int(d) for d in shape)
-        n = self.shape[0]
-        self.row_size = max(1, math.prod(self.shape[1:]))
-        self.over = np.zeros(n, bool)
-        self.row_ids = None if row_ids is None else np.asarray(row_ids, np.int64)
-        self.worst: dict[int, tuple] = {}     # local row -> (badness, flat index, got, want, steps)
-
-    def note(self, lo, bad, badness, g, w, steps):
-        rows = (lo + bad) // self.row_size
-        self.over[rows] = True
-        order = np.lexsort((-badness[bad], rows))         # by row, the worst first
-        firsts = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
-        # Rows only grow from chunk to chunk: past the first ROWS_LISTED nothing more is kept.
-        for i in firsts[: ROWS_LISTED + 1]:
-            r, j = int(rows[i]), int(bad[i])
-            if r not in self.worst and len(self.worst) >= ROWS_LISTED:
-                break
-            if r not in self.worst or badness[j] > self.worst[r][0]:
-                self.worst[r] = (float(badness[j]), lo + j, float(g[j]), float(w[j]),
-                                 float(steps[j]))
-
-    def fill(self, res):
-        ids = self.row_ids
-        res.rows = self.shape[0]
-        res.rows_differ = int(np.count_nonzero(self.over))
-        res.row_worst = []
-        for r in sorted(self.worst):
-            _, flat, g, w, steps = self.worst[r]
-            row = int(ids[r]) if ids is not None else r
-            rest = np.unravel_index(flat % self.row_size, self.shape[1:]) if len(self.shape) > 1 else ()
-            res.row_worst.append({"row": row, "position": [row] + [int(i) for i in rest],
-                                  "got": g, "want": w, "steps": steps})
-        res.first_rows = [w["row"] for w in res.row_worst]
 
 
 def _compare_float_relaxed(res: TensorResult, want, got, relaxed) -> TensorResult:
@@ -389,7 +315,7 @@ def _compare_float_relaxed(res: TensorResult, want, got, relaxed) -> TensorResul
     res.bit_identical = strict.bit_identical + loose.bit_identical
     res.max_bf16_steps = max(strict.max_bf16_steps, loose.max_bf16_steps)
     res.max_rel_diff = max(strict.max_rel_diff, loose.max_rel_diff)
-    res.cosine = _cosine(strict._dots + loose._dots)
+    res.cosine = cosine(strict._dots + loose._dots)
     res.rows, res.rows_differ = want.shape[0], strict.rows_differ + ranged.rows_differ
     res.row_worst = sorted(strict.row_worst + ranged.row_worst, key=lambda w: w["row"])[:ROWS_LISTED]
     res.first_rows = [w["row"] for w in res.row_worst]
@@ -539,11 +465,6 @@ class CompareReport:
         return json.dumps({"golden": self.golden, "candidate": self.candidate,
                            "summary": self.summary(), "tensors": [r.to_dict() for r in self.results]},
                           indent=1)
-
-
-def _count(n: int, noun: str) -> str:
-    """``1 tensor``, ``2 tensors``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def group_of(name: str) -> str:
