@@ -322,9 +322,10 @@ def _suite(args) -> int:
     layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
               else tuple(range(config.n_layers)))
 
-    def report(case, status):
+    def report(case, status, seconds):
         if not args.quiet:
-            print(f"{status:>9}  {case.name}", flush=True)
+            print(f"{status:>9}  {case.name}" + (f"  ({seconds:.1f} s)" if status == "written"
+                                                 else ""), flush=True)
 
     m = write_suite(config, preset_name, layers, args.out, args.seed, report=report)
     print(f"suite {args.out}: {len(m['cases'])} cases" + (

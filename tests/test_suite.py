@@ -198,3 +198,25 @@ def test_planted_off_by_ones_are_caught():
     for bug in PLANTED:
         assert caught[bug], bug
         assert set(SHOULD_CATCH[bug]) <= caught[bug], (bug, sorted(caught[bug]))
+
+
+def test_the_page_case_pages_with_the_manifests_page_size(tmp_path):
+    """The paging case's caches fill their pages but one row: export-paged takes the manifest's
+    page size and the pages rebuild the golden's caches."""
+    from ds41numba.golden import GoldenFile
+    from ds41numba.golden.paged import unpage
+    manifest = json.loads(open(os.path.join(SUITE, MANIFEST)).read())
+    case = next(e for e in manifest["cases"] if e["name"] == "r2-lengths-not-a-page-multiple")
+    size = manifest["page_size"]
+    assert size == case["lengths"]["page_size"] == 8          # tiny's window
+    assert case["lengths"]["compressed_after_prefill"] == size + 1
+    out = tmp_path / "paged.safetensors"
+    assert main(["export-paged", os.path.join(SUITE, case["file"]), "--page-size", str(size),
+                 "--shuffle", "1", "--out", str(out)]) == 0
+    with GoldenFile(os.path.join(SUITE, case["file"])) as g, GoldenFile(out) as p:
+        want = g.get("step0.layers.2.shared.compress_kv")
+        pre = "step0.layers.2.paged.compress_kv."
+        pages = p.get(pre + "pages")
+        assert pages.shape[0] == 2 and want.shape[0] == size + 1
+        got = unpage(pages, p.get(pre + "block_table"), want.shape[0])
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))

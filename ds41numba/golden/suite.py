@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 from ..config import AttnConfig
@@ -414,14 +415,14 @@ def write_suite(config: AttnConfig, preset: str, layers, out, seed: int = 0, wri
     """Write (or finish) the suite of ``config``'s ``layers`` into directory ``out``.
 
     ``write_case(plan, path)`` writes one golden (:func:`~.run.write_golden` by default);
-    ``report(case, status)`` hears of each case (``written``, ``kept``, ``not built``). An
+    ``report(case, status, seconds)`` hears of each case (``written``, ``kept``, ``not built``). An
     existing ``out`` must be empty or a suite of the same arguments, whose cases with the
     manifest's checksum are kept (a case file that differs from its checksum is an error: it
     was edited). Returns the manifest.
     """
     from .run import GoldenPlan, write_golden
     write_case = write_case or (lambda plan, path: write_golden(plan, path, force=True))
-    report = report or (lambda case, status: None)
+    report = report or (lambda case, status, seconds: None)
     seed = checked_seed(seed)
     out = os.fspath(out)
     args = _arguments(config, preset, layers, seed)
@@ -434,8 +435,9 @@ def write_suite(config: AttnConfig, preset: str, layers, out, seed: int = 0, wri
         if case.requires:
             manifest["not_built"].append({"name": case.name, "covers": case.covers,
                                           "lengths": case.lengths, "needs": case.requires})
-            report(case, "not built")
+            report(case, "not built", 0.0)
             continue
+        t0 = time.perf_counter()
         entry = _entry(config, case)
         path = os.path.join(out, entry["file"])
         known = old.get(case.name, {}).get("sha256")
@@ -455,7 +457,7 @@ def write_suite(config: AttnConfig, preset: str, layers, out, seed: int = 0, wri
             status = "written"
         manifest["cases"].append(entry)
         _write_manifest(out, {**manifest, "cases": manifest["cases"] + _pending(old, manifest)})
-        report(case, status)
+        report(case, status, time.perf_counter() - t0)
     _write_manifest(out, manifest)
     return manifest
 
