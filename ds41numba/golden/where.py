@@ -69,15 +69,19 @@ class RowsOver:
         self.worst: dict[int, tuple] = {}     # local row -> (badness, flat index, got, want, steps)
 
     def note(self, lo, bad, badness, g, w, steps):
+        """The elements ``bad`` (ascending, into the chunk at flat index ``lo``) are over."""
         rows = (lo + bad) // self.row_size
         self.over[rows] = True
-        order = np.lexsort((-badness[bad], rows))         # by row, the worst first
-        firsts = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
+        starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])   # each distinct row's first
         # Rows only grow from chunk to chunk: past the first ROWS_LISTED nothing more is kept.
-        for i in firsts[: ROWS_LISTED + 1]:
+        keep = ROWS_LISTED - len(self.worst) + (int(rows[0]) in self.worst)
+        if keep <= 0:
+            return
+        end = starts[keep] if keep < starts.size else rows.size
+        bad, rows = bad[:end], rows[:end]
+        order = np.lexsort((-badness[bad], rows))         # by row, the worst first
+        for i in order[np.r_[True, rows[order][1:] != rows[order][:-1]]]:
             r, j = int(rows[i]), int(bad[i])
-            if r not in self.worst and len(self.worst) >= ROWS_LISTED:
-                break
             if r not in self.worst or badness[j] > self.worst[r][0]:
                 self.worst[r] = (float(badness[j]), lo + j, float(g[j]), float(w[j]),
                                  float(steps[j]))
