@@ -47,6 +47,7 @@ def test_cases_follow_the_config():
     assert cases["window-wrap"].prefill == 127 and {127, 128} <= set(cases["window-wrap"].positions)
     assert cases["r2-prompt-one-short-of-group"].prefill % 4 == 3
     assert cases["int32-offsets-near-1m"].prefill == (1 << 20) - 3
+    assert cases["int32-offsets-near-1m"].layers == (20,)       # ratio 1: the largest offsets
     tiny = {k.name for k in plan_cases(preset("tiny"), range(6))}
     assert "r1-prompt-shorter-than-ratio" not in tiny and "r1-first-complete-group" in tiny
 

@@ -215,19 +215,31 @@ def _tie_stress(c, r):
                        p: "a decode", p + 1: "a decode"}, profile="ties")
 
 
+#: What the long cases need: a prefill that runs only its key side (the teammate feature
+#: ``golden --rows none``, GoldenPlan's ``rows=()``); without it they are listed, not built.
+ROWS_NONE = "golden --rows none (the prefill's key side only)"
+
+
+def rows_none_supported() -> bool:
+    """Whether this ds41numba's golden runs can answer no prefill row (``GoldenPlan.rows``)."""
+    from .run import GoldenPlan
+    return "rows" in getattr(GoldenPlan, "__dataclass_fields__", {})
+
+
 def _long_offsets(c, r):
+    # At the smallest ratio of the layers asked: the most compressed positions, the largest
+    # offsets; those layers only (the key side of 2^20 tokens is the suite's longest run).
     p = min(c.max_seq_len - 2, 1 << 20) - 1
-    return Case("int32-offsets-near-1m", f"a decode after a {p}-token context: offsets and "
-                f"slots near 2^20 positions", p, 2, {p: "a decode near 2^20 positions",
-                                                    p + 1: "the next decode"},
-                requires="golden --rows none (the prefill's key side only)")
+    return Case("int32-offsets-near-1m", f"decodes after a {p}-token context: offsets and "
+                f"slots near 2^20 positions (compressed positions at ratio {r})", p, 2,
+                {p: "a decode near 2^20 positions", p + 1: "the next decode"}, r,
+                requires=ROWS_NONE)
 
 
 def _long_decode(c, r):
     p = min(c.max_seq_len - 4, 1 << 16)
     return Case("long-context-decode", f"decode steps after a {p}-token context", p, 3,
-                {p: "a decode", p + 2: "the last decode"},
-                requires="golden --rows none (the prefill's key side only)")
+                {p: "a decode", p + 2: "the last decode"}, r, requires=ROWS_NONE)
 
 
 #: The suite's items, in order: (rule, per ratio). A rule turns (config, ratio) into a Case, or
@@ -267,7 +279,7 @@ def plan_cases(config: AttnConfig, layers) -> list[Case]:
     ratios = sorted({config.ratio(i) for i in layers} - {0})
     cases = []
     for rule, per_ratio in ITEMS:
-        for r in (ratios if per_ratio else [ratios[0] if ratios else 1]):
+        for r in (ratios if per_ratio else [ratios[0] if ratios else 0]):
             case = rule(config, r)
             if case is None:
                 continue
@@ -278,8 +290,8 @@ def plan_cases(config: AttnConfig, layers) -> list[Case]:
                     continue
             run_layers = _closure(config, asked)
             total = case.prefill + case.decode
-            requires = case.requires or (f"a config with max_seq_len >= {total}"
-                                         if total > config.max_seq_len else "")
+            requires = (f"a config with max_seq_len >= {total}" if total > config.max_seq_len
+                        else case.requires)
             positions = {int(p): why for p, why in sorted(case.positions.items()) if 0 <= p < total}
             cases.append(Case(case.name, case.covers, case.prefill, case.decode, positions,
                               case.ratio, case.profile, tuple(run_layers), case.page_size,
@@ -352,7 +364,8 @@ def _arguments(config: AttnConfig, preset: str, layers, seed: int) -> dict:
 
 
 def _entry(config: AttnConfig, case: Case) -> dict:
-    capture = "all" if case.prefill <= _ALL_CAPTURE_WINDOWS * config.window_size else "io"
+    capture = ("all" if case.prefill <= _ALL_CAPTURE_WINDOWS * config.window_size
+               and not case.requires else "io")
     index_layers = [i for i in case.asked if config.ratio(i) and config.is_index_source(i)]
     return {
         "name": case.name, "file": f"{case.name}.safetensors", "covers": case.covers,
@@ -432,7 +445,7 @@ def write_suite(config: AttnConfig, preset: str, layers, out, seed: int = 0, wri
                 "page_size": page_size(config),
                 "planted": list(PLANTED), "cases": [], "not_built": []}
     for case in cases:
-        if case.requires:
+        if case.requires and not (case.requires == ROWS_NONE and rows_none_supported()):
             manifest["not_built"].append({"name": case.name, "covers": case.covers,
                                           "lengths": case.lengths, "needs": case.requires})
             report(case, "not built", 0.0)
@@ -448,10 +461,11 @@ def write_suite(config: AttnConfig, preset: str, layers, out, seed: int = 0, wri
             entry["sha256"] = known
             status = "kept"
         else:
+            extra = {"rows": ()} if case.requires == ROWS_NONE else {}
             plan = GoldenPlan(config=config, layers=case.layers, prefill=case.prefill,
                               decode=case.decode, seed=seed, capture=entry["capture"],
                               preset=preset, profile=case.profile,
-                              capture_rows=tuple(case.positions))
+                              capture_rows=tuple(case.positions), **extra)
             write_case(plan, path)
             entry["sha256"] = checksum(path)
             status = "written"
