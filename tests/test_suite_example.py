@@ -7,6 +7,9 @@ of the tiny one this file writes at collection.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import tempfile
 
 import ml_dtypes
@@ -53,7 +56,10 @@ def numpy_indexer(index_q, weights, keys, visible, topk, offset, candidates=None
 
 
 def _tiny_suite() -> str:
-    directory = tempfile.mkdtemp(prefix="ds41numba-suite-") + "/tiny"
+    """The tiny suite, written once per session (the parameters need it at collection)."""
+    parent = tempfile.mkdtemp(prefix="ds41numba-suite-")
+    atexit.register(shutil.rmtree, parent, True)
+    directory = os.path.join(parent, "tiny")
     assert main(["suite", "--preset", "tiny", "--quiet", "--out", directory]) == 0
     return directory
 
