@@ -23,8 +23,8 @@ import numpy as np
 
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
-from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_inplace, linear_bf16,
-                       rms_norm, single_threaded_blas)
+from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_inplace, is_int,
+                       linear_bf16, rms_norm, single_threaded_blas)
 from .rope import apply_rotary, yarn_freqs_cis
 from .sparse_attention import sparse_attn
 
@@ -82,11 +82,9 @@ def window_index_rows(start_pos: int, seqlen: int, window: int,
     the one-shot prefill's rows (``min(prefill_len, win)`` entries, into its ``prefill_len`` rows).
     """
     for name, v, lo in (("start_pos", start_pos, 0), ("seqlen", seqlen, 1), ("window", window, 1)):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
+        if not is_int(v, lo):
             raise ValueError(f"window_index_rows: {name} must be an integer >= {lo}, got {v!r}")
-    if prefill_len is not None and not (not isinstance(prefill_len, (bool, np.bool_))
-                                        and isinstance(prefill_len, (int, np.integer))
-                                        and start_pos + seqlen <= prefill_len):
+    if prefill_len is not None and not is_int(prefill_len, start_pos + seqlen):
         raise ValueError(f"window_index_rows: prefill_len must be an integer >= "
                          f"{start_pos + seqlen}, got {prefill_len!r}")
     if prefill_len is None and start_pos > 0 and seqlen != 1:

@@ -17,7 +17,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .numerics import bf16_scalar, nan_max, output_buffer
-from .numerics.vector_ir import not_unrolled, prefetch as prefetch_line, wide_registers
+from .numerics.f32_products import KC, blocked_rows
+from .numerics.vector_ir import (counted_loop, lane_masks, prefetch as prefetch_line, splat,
+                                 wide_registers)
 from .rope import fma_f32
 
 __all__ = ["sparse_attn"]
@@ -49,9 +51,10 @@ __all__ = ["sparse_attn"]
 # +0, and a run of them does exactly what one does. Each maximal run of -1 entries inside a
 # product block is kept as one zero row with probability +0; every other -1 entry is skipped.
 # Block edges stay at list positions: the bits are those of the full list.
+#
+# MKL's block (KC) and its row-blocking rule (blocked_rows) are the ones the f32 products use
+# (:mod:`.numerics.f32_products`): one model of its order.
 
-#: MKL sgemm's inner-dimension block (the blocked kernel).
-_KC = 192
 #: Lanes of torch's Vectorized<float> on AVX512: the softmax's sum runs 16 lane accumulators.
 _LANES = 16
 # The tiles' sums stay in registers: AVX-512 has 32 of 16 floats, AVX2 16 of 8
@@ -138,13 +141,7 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
                 masked_load = cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(v16f, [v16f.as_pointer(), i32, ir.VectorType(i1, 16), v16f]),
                     "llvm.masked.load.v16f32.p0v16f32")
-                lane = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
-                width = builder.insert_element(ir.Constant(ir.VectorType(i64, 16), ir.Undefined),
-                                               values[3], ir.Constant(i32, 0))
-                width = builder.shuffle_vector(width, width, ir.Constant(ir.VectorType(i32, 16), None))
-                masks = [builder.icmp_signed("<", builder.add(lane, ir.Constant(lane.type, [16 * v] * 16)),
-                                             width)
-                         for v in range(nvec)]
+                masks = lane_masks(builder, values[3], nvec)
 
             def load_a(k, i):
                 row = builder.add(a_base, builder.mul(k, a_k))
@@ -164,39 +161,17 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
                         for v in range(nvec)]
 
         zero = ir.Constant(v16f, [ir.Constant(f32, 0.0)] * 16)
-        entry = builder.basic_block
-        loop = builder.append_basic_block("fmatile.loop")
-        done = builder.append_basic_block("fmatile.done")
-        builder.cbranch(builder.icmp_signed(">", n_k, const(0)), loop, done)
 
-        builder.position_at_end(loop)
-        k = builder.phi(i64)
-        k.add_incoming(const(0), entry)
-        acc = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(rows)]
-        for row in acc:
-            for x in row:
-                x.add_incoming(zero, entry)
-        bv = load_b(k)
-        splat_mask = ir.Constant(ir.VectorType(i32, 16), None)
-        new = []
-        for i in range(rows):
-            s = load_a(k, i)
-            splat = builder.insert_element(ir.Constant(v16f, ir.Undefined), s, ir.Constant(i32, 0))
-            splat = builder.shuffle_vector(splat, splat, splat_mask)
-            new.append([builder.call(fma, [splat, bv[v], acc[i][v]]) for v in range(nvec)])
-        k_next = builder.add(k, const(1))
-        k.add_incoming(k_next, loop)
-        for i in range(rows):
-            for v in range(nvec):
-                acc[i][v].add_incoming(new[i][v], loop)
-        not_unrolled(builder.cbranch(builder.icmp_signed("<", k_next, n_k), loop, done))
+        def step(k, acc):
+            bv = load_b(k)
+            sums = []
+            for i in range(rows):
+                a = splat(builder, load_a(k, i), v16f)
+                sums += [builder.call(fma, [a, bv[v], acc[i * nvec + v]]) for v in range(nvec)]
+            return sums
 
-        builder.position_at_end(done)
-        result = [[builder.phi(v16f) for _ in range(nvec)] for _ in range(rows)]
-        for i in range(rows):
-            for v in range(nvec):
-                result[i][v].add_incoming(zero, entry)
-                result[i][v].add_incoming(new[i][v], loop)
+        flat = counted_loop(builder, n_k, [zero] * (rows * nvec), step, "fmatile", unrolled=False)
+        result = [flat[i * nvec:(i + 1) * nvec] for i in range(rows)]
         add = builder.icmp_signed("!=", accumulate, ir.Constant(accumulate.type, 0))
         for i in range(rows):
             for v in range(nvec):
@@ -223,17 +198,6 @@ _qk_tile3 = _fma_tile(_QK_ROWS, 3, "a")
 _qk_tile4 = _fma_tile(_QK_ROWS, _QK_HEADS // 16, "a")
 _pv_tile = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH)
 _pv_tile_masked = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH, masked=True)
-
-
-@njit(cache=True)
-def _blocked_heads(H):
-    """How many of the H heads (from head 0) take MKL's blocked kernel in the reference; the
-    rest take the 2-3 row kernels (the reference's 2-thread rule, see above)."""
-    if H < 4:
-        return 0
-    if 4 < H < 12 and H % 4:
-        return 4 * (H // 4)
-    return H
 
 
 # Sleef_expf16_u10 (Sleef 3's xexpf), torch's Vectorized<float>::exp on AVX512; its multiply-adds
@@ -297,7 +261,7 @@ def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
     for b in range(len(edges) - 1):
         edges[b] = n
         in_gap = False
-        for j in range(b * _KC, min(W, (b + 1) * _KC)):
+        for j in range(b * KC, min(W, (b + 1) * KC)):
             r = row_idx[j]
             if r >= 0:
                 p = len(starts) - 1
@@ -336,10 +300,10 @@ def _qk_blocked(qT, addr, n, x, lo, hi):
     of 16; up to a multiple of 16 are computed: qT's extra columns are zero), MKL's blocked
     order over hd."""
     hd = qT.shape[0]
-    for d0 in range(0, hd, _KC):
+    for d0 in range(0, hd, KC):
         for h0 in range(lo, hi, _QK_HEADS):
             nv = min(_QK_HEADS // 16, (hi - h0 + 15) // 16)
-            b = qT[d0:min(hd, d0 + _KC), h0:h0 + 16 * nv]
+            b = qT[d0:min(hd, d0 + KC), h0:h0 + 16 * nv]
             for c0 in range(0, n, _QK_ROWS):
                 a = addr[c0:c0 + _QK_ROWS]
                 t = x[c0:c0 + _QK_ROWS, h0:h0 + 16 * nv]
@@ -492,8 +456,8 @@ def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
     buffers of its own."""
     S, H, hd = q.shape
     W = idx.shape[1]
-    blocked = _blocked_heads(H)
-    n_blocks = (W + _KC - 1) // _KC
+    blocked = blocked_rows(H)
+    n_blocks = (W + KC - 1) // KC
     hq = (H + 15) // 16 * 16                   # qT's columns: q.k tiles read 16 heads at a time
     # P's columns (a multiple of 16: rows 64-byte aligned) and the output tile's rows: P @ rows
     # tiles read and write _PV_HEADS heads at a time from a group's first head, the last up to

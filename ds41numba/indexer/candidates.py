@@ -18,14 +18,14 @@ __all__ = ["candidate_block_bits", "candidate_mask", "select_candidate_blocks"]
 
 
 @njit(cache=True)
-def _finish_block_scores(bs, clen, block, valid):
+def _finish_block_scores(block_scores, clen, block, valid):
     """The block scores of rows whose visible blocks hold their maxima: -inf from there to
     ``valid`` blocks, the newest visible block pinned to +inf."""
-    for s in range(bs.shape[0]):
+    for s in range(block_scores.shape[0]):
         seen = -(-max(clen[s], 0) // block)
-        bs[s, seen:max(seen, min(bs.shape[1], valid))] = -np.inf
+        block_scores[s, seen:max(seen, min(block_scores.shape[1], valid))] = -np.inf
         if clen[s] > 0:
-            bs[s, (clen[s] - 1) // block] = np.inf
+            block_scores[s, (clen[s] - 1) // block] = np.inf
 
 
 def _block_scores(scores, clen, block, masked, valid, block_max=None):
@@ -64,36 +64,36 @@ def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, blo
     # and -inf picks are dropped anyway; it reads no block past the first k of them then.
     # Unmasked rows are scanned whole.
     heap = masked and k * 64 <= nb
-    bs = _block_scores(np.ascontiguousarray(scores, np.float32), clen, block, masked,
+    block_scores = _block_scores(np.ascontiguousarray(scores, np.float32), clen, block, masked,
                        k if heap else nb, block_max)
     seen = (clen + block - 1) // block if masked else np.full(len(clen), nb, np.int64)
     picked = np.empty((scores.shape[0], k), np.int64)
-    top_k_sets(bs, seen, k, picked, bs, 0)
-    return bs, picked
+    top_k_sets(block_scores, seen, k, picked, block_scores, 0)
+    return block_scores, picked
 
 
 def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int,
                           block: int) -> np.ndarray:
     """Per row, which blocks are candidates: ``[rows, n_blocks]`` bool, every score read (the
     indexer's rows, -inf past ``clen``, take :func:`candidate_block_bits`)."""
-    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, False)
+    block_scores, picked = _candidate_picks(scores, clen, topk_blocks, block, False)
     rows, k = picked.shape
-    mask = np.zeros(bs.shape, dtype=bool)
+    mask = np.zeros(block_scores.shape, dtype=bool)
     if k:
         r = np.repeat(np.arange(rows), k)
         c = picked.reshape(-1)
-        keep = bs[r, c] > -np.inf
+        keep = block_scores[r, c] > -np.inf
         mask[r[keep], c[keep]] = True
     return mask
 
 
 @njit(cache=True)
-def _pack_picks(bs, picked, out):
+def _pack_picks(block_scores, picked, out):
     """The picked blocks scoring above -inf as bits of ``out`` (zeros), packed along each row in
     ``np.packbits``' order (block 0 the first byte's highest bit)."""
     for s in range(picked.shape[0]):
         for c in picked[s]:
-            if bs[s, c] > -np.inf:
+            if block_scores[s, c] > -np.inf:
                 out[s, c >> 3] |= np.uint8(0x80 >> (c & 7))
 
 
@@ -103,8 +103,8 @@ def candidate_block_bits(scores: np.ndarray, clen: np.ndarray, topk_blocks: int,
     as they see), as bits packed along each row into ``out`` (zeros; ``np.packbits``' layout),
     without a row-wide bool array: a long chunked prefill's rows are 131,072 blocks wide while a
     query picks 2,048. ``block_max``: the visible blocks' maxima, taken with the scores."""
-    bs, picked = _candidate_picks(scores, clen, topk_blocks, block, True, block_max)
-    _pack_picks(bs, picked, out)
+    block_scores, picked = _candidate_picks(scores, clen, topk_blocks, block, True, block_max)
+    _pack_picks(block_scores, picked, out)
 
 
 

@@ -16,18 +16,18 @@ def select_rows(scores, clen, k, out, maxima=None):
     replaces this one (tests/test_golden.py does) and must leave the candidates as they are.
     ``maxima = (block, block_scores)``: the candidate source's block scores of these rows (each
     at least its block's max), which let the scan skip runs of a row unread."""
-    block, hint = maxima if maxima is not None else (0, scores)
-    top_k_sets(scores, clen, k, out, hint, block)
+    block, block_scores = maxima if maxima is not None else (0, scores)
+    top_k_sets(scores, clen, k, out, block_scores, block)
 
 
 @njit(parallel=True, cache=True)
-def top_k_sets(scores, clen, k, out, hint, block):
+def top_k_sets(scores, clen, k, out, block_scores, block):
     """Each row's top-k set (torch's CPU tie order) into ``out [rows, k]``, ascending.
 
     In the ``partial_sort`` branch (``k * 64 <= width``, every long row) the scan stops at the
     row's visible length: past it every score is -inf, which never displaces the heap's top, so
     the set is the one the whole row gives, at a cost that grows with what the query sees.
-    With ``block`` > 0 that scan skips runs by ``hint``, the rows' block maxima (see
+    With ``block`` > 0 that scan skips runs by ``block_scores`` (each at least its block's max; see
     :func:`~ds41numba.topk.partial_sort_set_hinted`).
     """
     rows, width = scores.shape
@@ -36,7 +36,7 @@ def top_k_sets(scores, clen, k, out, hint, block):
             n = min(width, max(k, clen[s]))
             sv = np.empty(k, np.float32)
             si = np.empty(k, np.int64)
-            partial_sort_set_hinted(scores[s, :n], k, out[s], sv, si, hint[s], block)
+            partial_sort_set_hinted(scores[s, :n], k, out[s], sv, si, block_scores[s], block)
         else:
             sv = np.empty(width, np.float32)
             si = np.empty(width, np.int64)
