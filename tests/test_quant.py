@@ -118,14 +118,21 @@ bf16_blocks = hnp.arrays(
 scales = st.sampled_from([1e-30, 1e-12, 1e-5, 1.0, 1e5, 1e20])
 
 
+def _quantised_idempotent(quantise, x, scale):
+    """``x * scale`` on bf16 and its quantised copy, after the checks both of these quantisers
+    pass: bf16 values, every sign kept, quantising again changes nothing."""
+    x = naive.to_bf16_rne(x * F32(scale))
+    q = quantise(x.copy())
+    assert nm.is_bf16_valued(q)
+    assert np.array_equal(np.signbit(q), np.signbit(x))
+    assert_same_bits(quantise(q.copy()), q)  # idempotent
+    return x, q
+
+
 @settings(max_examples=150, deadline=None)
 @given(bf16_blocks, scales)
 def test_fp8_properties(x, scale):
-    x = naive.to_bf16_rne(x * F32(scale))
-    q = nm.act_quant_fp8_inplace(x.copy())
-    assert nm.is_bf16_valued(q)
-    assert np.array_equal(np.signbit(q), np.signbit(x))
-    assert_same_bits(nm.act_quant_fp8_inplace(q.copy()), q)  # idempotent
+    x, q = _quantised_idempotent(nm.act_quant_fp8_inplace, x, scale)
     b = x.reshape(-1, 32)
     s = naive.pow2ceil(np.maximum(np.abs(b).max(axis=1), F32(1e-4)) / F32(448))[:, None]
     err = np.abs(q.reshape(-1, 32).astype(np.float64) - b)
@@ -135,11 +142,7 @@ def test_fp8_properties(x, scale):
 @settings(max_examples=150, deadline=None)
 @given(bf16_blocks, scales)
 def test_fp4_e8m0_properties(x, scale):
-    x = naive.to_bf16_rne(x * F32(scale))
-    q = nm.fp4_quant_e8m0_inplace(x.copy())
-    assert nm.is_bf16_valued(q)
-    assert np.array_equal(np.signbit(q), np.signbit(x))
-    assert_same_bits(nm.fp4_quant_e8m0_inplace(q.copy()), q)  # idempotent
+    x, q = _quantised_idempotent(nm.fp4_quant_e8m0_inplace, x, scale)
     b = x.reshape(-1, 32)
     s = naive.pow2ceil(np.maximum(np.abs(b).max(axis=1), F32(6 * 2.0**-126)) / F32(6))[:, None]
     err = np.abs(q.reshape(-1, 32).astype(np.float64) - b)
