@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import re
 import signal
@@ -25,8 +27,10 @@ from tqdm import tqdm
 from . import golden
 from .config import AttnConfig, preset
 from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError, RunInterrupted
+from .golden.inputs_file import InputsFile
+from .golden.weights_dir import WeightsDir, dir_config_differences, load_dir_config
 
-__all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config"]
+__all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config", "run_config"]
 
 PROG = "ds41numba"
 _EPILOG = ("Exit status: 0 ok, 1 disagreement, 2 bad usage, unreadable input, a failing disk or "
@@ -47,15 +51,27 @@ def _build_parser() -> argparse.ArgumentParser:
                 "write, replay and compare golden files.", epilog=_EPILOG)
     sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare}")
 
-    g = sub.add_parser("golden", help="run a layer stack on generated weights and inputs and "
-                       "write a golden file", epilog=_EPILOG,
+    g = sub.add_parser("golden", help="run a layer stack on generated (or given) weights and "
+                       "inputs and write a golden file", epilog=_EPILOG,
                        description="Build a layer stack with deterministic weights and inputs "
-                       "from --seed, run a prefill and --decode steps, and write one "
+                       "from --seed (or a checkpoint's weights, --weights, and a file's "
+                       "inputs, --inputs), run a prefill and --decode steps, and write one "
                        "self-contained safetensors file.")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
     src.add_argument("--config", metavar="FILE", help="a JSON config in the reference's ModelArgs "
                      "names or a Hugging Face V4.1 config.json")
+    g.add_argument("--weights", metavar="DIR", help="run on the attention weights of a model "
+                   "checkpoint directory in the released layout (config.json, "
+                   "model.safetensors.index.json, shards; fp8 weights dequantized to bf16); its "
+                   "config.json is the config unless --preset/--config is given, which must "
+                   "then agree with it")
+    g.add_argument("--no-weights", action="store_true", help="with --weights, leave the "
+                   "weights out of the file (it records their checksums; replay then needs "
+                   "--weights DIR)")
+    g.add_argument("--inputs", metavar="FILE", help="layer inputs from a safetensors file: "
+                   "x.layers.{i} (or one x for every layer) [tokens, dim], BF16 or F32, row t "
+                   "the input at position t")
     g.add_argument("--layers", metavar="LIST", help="layers to run, e.g. 20 or 2,3,20-24 "
                    "(default: all); every source they read must be included")
     g.add_argument("--prefill", type=int, metavar="N", help="prefill tokens (default: 12, or the "
@@ -108,6 +124,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        "inputs and report agreement", epilog=_EPILOG)
     r.add_argument("file", metavar="FILE", help="a ds41numba golden (.safetensors) or a "
                    "reference golden (.npz)")
+    r.add_argument("--weights", metavar="DIR", help="the checkpoint directory a golden made "
+                   "with --no-weights ran on (its tensors' checksums are checked)")
     r.add_argument("--json", action="store_true", help="machine-readable report")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     index_rules(r)
@@ -198,7 +216,7 @@ def _progress(total: int, quiet: bool, desc: str):
 def _golden(args) -> int:
     if args.chunk < 1:
         raise GoldenError(f"--chunk must be at least 1, got {args.chunk}")
-    config, preset_name = load_config(args.preset, args.config)
+    config, preset_name = run_config(args.preset, args.config, args.weights)
     layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
               else tuple(range(config.n_layers)))
     prefill, decode = default_run(preset_name)
@@ -209,17 +227,27 @@ def _golden(args) -> int:
     plan = golden.GoldenPlan(config=config, layers=layers, prefill=prefill, decode=decode,
                              seed=args.seed, capture=args.capture, preset=preset_name,
                              profile=args.profile, capture_rows=rows)
+    if args.no_weights and args.weights is None:
+        raise GoldenError("--no-weights: only a golden made from a checkpoint directory "
+                          "(--weights DIR) may leave its weights out")
+    if args.weights is not None or args.inputs is not None:
+        plan = dataclasses.replace(
+            plan, store_weights=not args.no_weights,
+            weights=None if args.weights is None else WeightsDir(args.weights, config, plan.layers),
+            inputs=None if args.inputs is None else InputsFile(args.inputs, config, plan.layers,
+                                                              prefill + decode))
     if args.out is not None:
         out = args.out
     else:
-        stem = preset_name or os.path.splitext(os.path.basename(args.config))[0]
+        source = args.config or os.path.abspath(args.weights or "")
+        stem = preset_name or os.path.splitext(os.path.basename(source))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
     with _cluster(args, plan) as cluster, \
             _progress(plan.total_tokens, args.quiet, f"golden {preset_name or 'config'}") as progress:
         info = golden.write_golden(plan, out, force=args.force, progress=progress,
                                    chunk=args.chunk, resume=args.resume,
                                    checkpoint_every=args.checkpoint_every, cluster=cluster)
-    what = preset_name or args.config
+    what = preset_name or args.config or args.weights
     print(f"wrote {info['path']}  ({what}, layers {_ranges(plan.layers)}, prefill {plan.prefill} "
           f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "
           f"{_size(info['bytes'])}, {info['seconds']:.1f} s)")
@@ -244,7 +272,7 @@ def _replay(args) -> int:
     total = (info.prefill + info.decode) * len(info.layers)
     with _progress(total, args.quiet, "replay") as progress:
         report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
-                               exact_index=args.exact_index)
+                               exact_index=args.exact_index, weights_dir=args.weights)
     _print(report.to_json() if args.json else report.table() + "\n" + report.text())
     return 0 if report.ok else 1
 
@@ -339,6 +367,26 @@ def load_config(preset_name: str | None, config_path: str | None) -> tuple[AttnC
     except ValueError as e:
         msg = str(e)
         raise GoldenError(msg if msg.startswith(("config", "unknown preset")) else f"config: {msg}") from None
+
+
+def run_config(preset_name: str | None, config_path: str | None,
+               weights_dir: str | None) -> tuple[AttnConfig, str]:
+    """:func:`load_config`, or with ``--weights DIR`` its ``config.json``: alone, or checked
+    against the ``--preset``/``--config`` given, field by attention field."""
+    if weights_dir is None:
+        return load_config(preset_name, config_path)
+    found = load_dir_config(weights_dir)
+    if preset_name is None and config_path is None:
+        return found, ""
+    config, name = load_config(preset_name, config_path)
+    differ = dir_config_differences(config, found)
+    if differ:
+        key = differ[0]
+        given = f"--preset {name}" if name else f"--config {config_path}"
+        raise GoldenError(f"--weights: {os.path.join(weights_dir, 'config.json')} has {key} "
+                          f"{json.dumps(found.to_dict()[key])}, {given} has {key} "
+                          f"{json.dumps(config.to_dict()[key])}")
+    return config, name
 
 
 def _ranges(ids) -> str:

@@ -27,7 +27,11 @@ One module per part:
   use, and their ``CompareReport``;
 * :mod:`.run` -- ``GoldenPlan`` and the one step x layer driver (``drive``) that
   ``run_golden`` / ``write_golden`` and ``replay`` both run the stack through;
-* :mod:`.checkpoint` -- the checkpoints that make a streamed run resumable (``--resume``).
+* :mod:`.checkpoint` -- the checkpoints that make a streamed run resumable (``--resume``);
+* :mod:`.weights_dir` -- a model checkpoint directory in the released layout as a run's weights
+  (``WeightsDir``, ``--weights DIR``; not the resume checkpoints above);
+* :mod:`.inputs_file` -- layer inputs from a file (``InputsFile``, ``--inputs FILE``);
+* :mod:`.tensor_files` -- the tensors of files this tool did not write, memory-mapped one at a time.
 
 The command line (``ds41numba golden | replay | compare``, :mod:`ds41numba.cli`) parses its
 arguments and calls these.
@@ -45,6 +49,8 @@ from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden
                     write_tensors_atomic)
 from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, make_input,
                         make_tensor, make_weight, make_weights, stream_key, weight_distribution)
+from .weights_dir import WeightsDir, dequantize_fp8
+from .inputs_file import InputsFile
 from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture, drive,
                   io_layout, missing_sources, replay, run_golden, run_pieces, stream_golden,
                   write_golden)
@@ -60,5 +66,5 @@ __all__ = [
     "DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_RANGE", "IndexJudgement", "RowBounds", "RowScores",
     "judge_index_rows", "DiskError", "RunInterrupted", "CHECKPOINT_EVERY", "Checkpoint",
     "checkpoint_dir", "partial_path", "GeneratedWeights", "make_weight", "StoredWeights",
-    "run_pieces", "check_cluster_capture",
+    "run_pieces", "check_cluster_capture", "WeightsDir", "dequantize_fp8", "InputsFile",
 ]

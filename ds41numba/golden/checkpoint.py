@@ -54,7 +54,8 @@ _RECORD = "record.pkl"
 _FLAGS = {"config": "the config (--preset/--config)", "preset": "--preset", "layers": "--layers",
           "prefill": "--prefill", "decode": "--decode", "seed": "--seed", "capture": "--capture",
           "profile": "--profile", "capture_rows": "--capture-rows", "chunk": "--chunk",
-          "schedule": "--workers/--scheduler"}
+          "schedule": "--workers/--scheduler", "weights": "--weights (or --no-weights)",
+          "inputs": "--inputs"}
 
 
 def partial_path(path: str) -> str:

@@ -333,11 +333,16 @@ class RunInfo:
     preset: str = ""
     profile: str = "default"
     capture_rows: tuple[int, ...] = ()
+    weights: dict | None = None     # where given weights came from (None: the generator's)
+    inputs: dict | None = None      # where given inputs came from (None: the generator's)
 
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing; what
-        :meth:`GoldenFile.run_info` reads back."""
-        return {
+        :meth:`GoldenFile.run_info` reads back. ``weights`` and ``inputs`` appear only for a
+        run whose weights or inputs were given (a checkpoint directory, an inputs file)."""
+        sources = {key: json.dumps(value, sort_keys=True) for key, value in
+                   (("weights", self.weights), ("inputs", self.inputs)) if value is not None}
+        return {**sources,
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "ds41numba_version": str(__version__),
@@ -428,6 +433,7 @@ class GoldenFile:
                 layers = tuple(range(config.n_layers))
                 prefill, decode = int(cfg_dict["prefill"]), int(cfg_dict["decode"])
                 capture, seed, name = "all", cfg_dict.get("seed"), ""
+                sources = [None, None]
             else:
                 if meta.get("format_version") not in READABLE_VERSIONS:
                     raise GoldenError(f"{self.path!r} has format version {meta.get('format_version')!r}; "
@@ -437,6 +443,7 @@ class GoldenFile:
                 capture, seed, name = meta["capture"], int(meta["seed"]), meta.get("preset", "")
                 profile = meta.get("profile", "default")
                 rows = tuple(int(p) for p in json.loads(meta.get("capture_rows", "[]")))
+                sources = [json.loads(meta[k]) if k in meta else None for k in ("weights", "inputs")]
         except GoldenError:
             raise
         except (KeyError, ValueError, TypeError) as e:
@@ -445,7 +452,7 @@ class GoldenFile:
             raise GoldenError(f"{self.path!r}: unknown capture mode {capture!r}")
         if profile not in PROFILES:
             raise GoldenError(f"{self.path!r}: unknown generator profile {profile!r}")
-        return RunInfo(config, layers, prefill, decode, capture, seed, name, profile, rows)
+        return RunInfo(config, layers, prefill, decode, capture, seed, name, profile, rows, *sources)
 
     def step_info(self) -> RunInfo | None:
         """The run as far as the file describes it, for judging index rows (which config, which

@@ -62,7 +62,8 @@ from ..stack import weight_specs
 from .errors import GoldenError
 
 __all__ = ["GENERATOR", "GENERATOR_SPEC", "PROFILES", "stream_key", "make_tensor",
-           "weight_distribution", "make_weights", "make_weight", "GeneratedWeights", "make_input",
+           "weight_distribution", "make_weights", "make_weight", "GeneratedWeights", "LazyWeights",
+           "make_input",
            "checked_seed", "checked_profile"]
 
 #: Generator profiles: ``default`` (the table above) and ``ties`` (tie-heavy index scores).
@@ -211,20 +212,14 @@ def make_weight(config: AttnConfig, name: str, shape, kind: str, seed: int = 0,
     return w
 
 
-class GeneratedWeights:
-    """The parameters of ``layers`` as a mapping that makes each one when asked for it.
+class LazyWeights:
+    """Parameters as the mapping a stack takes, each made (or read) only when asked for:
+    subclasses set ``specs`` (:func:`weight_specs`' ``{name: (shape, kind)}``) and ``made``, and
+    define ``make(name, shape, kind)``. ``made(name, array, kind)``, if set, sees each tensor as
+    it is made (a streamed golden writes it into the file then)."""
 
-    A stack built from it holds its weights only in the forms it computes with, never a second
-    dict of every layer's float32 arrays (at v41-flash a layer's weights are hundreds of MB).
-    ``made(name, array, kind)``, if given, sees each tensor as it is made (a streamed golden
-    writes it into the file). Nothing is kept: asking twice makes the tensor twice.
-    """
-
-    def __init__(self, config: AttnConfig, layers, seed: int = 0, profile: str = "default",
-                 made=None):
-        self.config, self.seed, self.profile = config, checked_seed(seed), checked_profile(profile)
-        self.specs = {n: v for i in layers for n, v in weight_specs(config, i).items()}
-        self.made = made
+    specs: dict
+    made = None
 
     def __contains__(self, name) -> bool:
         return name in self.specs
@@ -239,7 +234,7 @@ class GeneratedWeights:
         if name not in self.specs:
             return default
         shape, kind = self.specs[name]
-        w = make_weight(self.config, name, shape, kind, self.seed, self.profile)
+        w = self.make(name, shape, kind)
         if self.made is not None:
             self.made(name, w, kind)
         return w
@@ -248,6 +243,25 @@ class GeneratedWeights:
         if name not in self.specs:
             raise KeyError(name)
         return self.get(name)
+
+
+class GeneratedWeights(LazyWeights):
+    """The parameters of ``layers`` as a mapping that makes each one when asked for it.
+
+    A stack built from it holds its weights only in the forms it computes with, never a second
+    dict of every layer's float32 arrays (at v41-flash a layer's weights are hundreds of MB).
+    ``made(name, array, kind)``, if given, sees each tensor as it is made (a streamed golden
+    writes it into the file). Nothing is kept: asking twice makes the tensor twice.
+    """
+
+    def __init__(self, config: AttnConfig, layers, seed: int = 0, profile: str = "default",
+                 made=None):
+        self.config, self.seed, self.profile = config, checked_seed(seed), checked_profile(profile)
+        self.specs = {n: v for i in layers for n, v in weight_specs(config, i).items()}
+        self.made = made
+
+    def make(self, name: str, shape, kind: str) -> np.ndarray:
+        return make_weight(self.config, name, shape, kind, self.seed, self.profile)
 
 
 def _tie_weight(config: AttnConfig, name: str, w: np.ndarray):

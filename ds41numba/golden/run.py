@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,12 +23,14 @@ from .compare import CompareReport, Judge, TensorResult, compare_order, file_sco
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, run_identity
 from .errors import DiskError, GoldenError, RunInterrupted
 from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
-from .generator import GeneratedWeights, checked_profile, checked_seed, make_input, make_weights
+from .generator import (GeneratedWeights, LazyWeights, checked_profile, checked_seed, make_input,
+                        make_weights)
+from .weights_dir import WeightsDir
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
            "drive_piece", "run_golden", "write_golden", "stream_golden", "io_layout",
            "check_cluster_capture",
-           "DEFAULT_CHUNK", "minimum_bytes", "replay", "StoredWeights"]
+           "DEFAULT_CHUNK", "minimum_bytes", "replay", "replay_weights", "StoredWeights"]
 
 
 def missing_sources(config: AttnConfig, layers) -> list[str]:
@@ -40,7 +42,15 @@ def missing_sources(config: AttnConfig, layers) -> list[str]:
 
 @dataclass(frozen=True)
 class GoldenPlan:
-    """What a golden run does: the stack, which of its layers, how long, which seed, what to keep."""
+    """What a golden run does: the stack, which of its layers, how long, which seed, what to keep.
+
+    Weights and inputs are the generator's (``seed``, ``profile``) unless given: ``weights`` a
+    :class:`~.weights_dir.WeightsDir` (``--weights DIR``) or any mapping of parameter name ->
+    array (bf16 values where the parameter is bf16); ``inputs`` an
+    :class:`~.inputs_file.InputsFile` (``--inputs FILE``). ``store_weights=False``
+    (``--no-weights``, a checkpoint directory's weights only) leaves the weights out of the
+    file, which then records their checksums for ``replay --weights DIR``.
+    """
 
     config: AttnConfig
     layers: tuple[int, ...]
@@ -51,6 +61,9 @@ class GoldenPlan:
     preset: str = ""
     profile: str = "default"
     capture_rows: tuple[int, ...] = ()     # positions whose kernel inputs and outputs are sampled
+    weights: object = field(default=None, compare=False, repr=False)
+    inputs: object = field(default=None, compare=False, repr=False)
+    store_weights: bool = True
 
     def __post_init__(self):
         c = self.config
@@ -85,6 +98,41 @@ class GoldenPlan:
         if missing:
             raise GoldenError(f"--layers: {missing[0]}, which is not in the selection"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        self._check_sources()
+
+    def _check_sources(self):
+        """The given weights and inputs cover the run; only a checkpoint's weights may be left
+        out of the file (they are found again by their checksums)."""
+        if not self.store_weights and not isinstance(self.weights, WeightsDir):
+            raise GoldenError("--no-weights: only a golden made from a checkpoint directory "
+                              "(--weights DIR) may leave its weights out")
+        if self.weights is not None:
+            names = [n for i in self.layers for n in weight_specs(self.config, i)]
+            absent = [n for n in names if n not in self.weights]
+            if absent:
+                raise GoldenError(f"weights: {absent[0]} is missing"
+                                  + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
+        if self.inputs is not None:
+            absent = [i for i in self.layers if i not in self.inputs.sources]
+            if absent or self.inputs.tokens < self.prefill + self.decode:
+                raise GoldenError("--inputs: opened for other layers or fewer tokens than the run")
+
+    def weight_mapping(self, made=None):
+        """The run's weights as the mapping the stack takes; ``made(name, array, kind)``, if
+        given, sees each as the stack takes it (a streamed golden writes it then)."""
+        if self.weights is None:
+            return GeneratedWeights(self.config, self.layers, self.seed, self.profile, made=made)
+        if isinstance(self.weights, WeightsDir):
+            return self.weights.with_made(made)
+        return _GivenWeights(self.weights, self.config, self.layers, made)
+
+    def input_rows(self, name: str, first_row: int, rows: int, start_pos: int) -> np.ndarray:
+        """Rows ``first_row ..`` of input ``name`` (``step{s}.layers.{i}.x``, its step starting
+        at ``start_pos``) as the file stores them: bfloat16."""
+        if self.inputs is not None:
+            return self.inputs.rows(name, first_row, rows, start_pos)
+        x = make_input(name, (rows, self.config.dim), self.seed, self.profile, first_row, start_pos)
+        return to_storage(name, x, "BF16")
 
     def steps(self):
         """``(step, start_pos, seqlen)``: the prefill, then one decode step per token."""
@@ -98,7 +146,27 @@ class GoldenPlan:
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing."""
         return RunInfo(self.config, self.layers, self.prefill, self.decode, self.capture,
-                       self.seed, self.preset, self.profile, self.capture_rows).metadata()
+                       self.seed, self.preset, self.profile, self.capture_rows,
+                       self._weights_provenance(),
+                       None if self.inputs is None else self.inputs.provenance()).metadata()
+
+    def _weights_provenance(self) -> dict | None:
+        if self.weights is None:
+            return None
+        if isinstance(self.weights, WeightsDir):
+            return self.weights.provenance(self.store_weights)
+        return {"source": "given to the Python API", "stored": True}
+
+
+class _GivenWeights(LazyWeights):
+    """A mapping of weights given to a plan, calling ``made`` as the stack takes each."""
+
+    def __init__(self, weights, config, layers, made):
+        self.weights, self.made = weights, made
+        self.specs = {n: v for i in layers for n, v in weight_specs(config, i).items()}
+
+    def make(self, name: str, shape, kind: str):
+        return self.weights[name]
 
 
 def golden_steps(prefill: int, decode: int):
@@ -205,15 +273,15 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     ``progress`` as in :func:`drive`.
     """
     cfg = plan.config
-    weights = make_weights(cfg, plan.layers, plan.seed, plan.profile)
+    weights = (make_weights(cfg, plan.layers, plan.seed, plan.profile) if plan.weights is None
+               else plan.weight_mapping())
     kinds = {n: k for i in plan.layers for n, (_, k) in weight_specs(cfg, i).items()}
     stack = AttentionStack(cfg, weights, layers=plan.layers)
     tensors: dict[str, np.ndarray] = {}
 
     def stored_input(name, first_row, seqlen, start_pos):
         # The stack takes the stored bfloat16 copy: half the memory of float32.
-        x = make_input(name, (seqlen, cfg.dim), plan.seed, plan.profile, first_row, start_pos)
-        tensors[name] = to_storage(name, x, "BF16")
+        tensors[name] = plan.input_rows(name, first_row, seqlen, start_pos)
         return tensors[name]
 
     def store(prefix, captures, first_row):
@@ -223,10 +291,12 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     drive(stack, plan.prefill, plan.decode, plan.capture, stored_input, store, progress,
           plan.capture_rows)
     del stack
-    # Weights last: the stack shared the float32 arrays, now they can go one by one.
+    # Weights last: the stack shared the float32 arrays, now they can go one by one (given
+    # weights are asked for again).
     stored = {}
-    for name in list(weights):
-        stored[name] = to_storage(name, weights.pop(name), storage_kind(name, kinds))
+    for name in (kinds if plan.store_weights else ()):
+        w = weights.pop(name) if isinstance(weights, dict) else weights[name]
+        stored[name] = to_storage(name, w, storage_kind(name, kinds))
     stored.update(tensors)
     return stored
 
@@ -295,7 +365,7 @@ def io_layout(plan: GoldenPlan):
         raise ValueError("io_layout: only an io golden is laid out up front")
     c = plan.config
     layout, copies = [], {}
-    for i in plan.layers:
+    for i in (plan.layers if plan.store_weights else ()):
         for name, (shape, kind) in weight_specs(c, i).items():
             layout.append((name, "F32" if kind == "f32" else "BF16", shape))
     index_sources = [j for j in plan.layers if c.ratio(j) and c.is_index_source(j)]
@@ -417,11 +487,12 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
     cfg = plan.config
 
     def put_weight(name, array, kind):
-        if out.missing_rows(name):       # a resumed run's file holds its weights already
-            out.write_rows(name, 0, to_storage(name, array, "F32" if kind == "f32" else "BF16"))
+        if name in out.entries and out.missing_rows(name):   # a resumed run's file has them
+            bf16 = kind == "bf16" and array.dtype.name == "bfloat16"
+            out.write_rows(name, 0, array if bf16 else
+                           to_storage(name, array, "F32" if kind == "f32" else "BF16"))
 
-    stack = AttentionStack(cfg, GeneratedWeights(cfg, plan.layers, plan.seed, plan.profile,
-                                                 made=put_weight), layers=plan.layers)
+    stack = AttentionStack(cfg, plan.weight_mapping(made=put_weight), layers=plan.layers)
     observer = ckpt.restore(stack)
     pieces = run_pieces(plan.prefill, plan.decode, chunk)
     split = len(pieces) - plan.decode > 1
@@ -435,8 +506,7 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
             out.keep = True
 
     def streamed_input(name, first_row, rows, start_pos):
-        x = to_storage(name, make_input(name, (rows, cfg.dim), plan.seed, plan.profile,
-                                        first_row, start_pos), "BF16")
+        x = plan.input_rows(name, first_row, rows, start_pos)
         out.write_rows(name, first_row, x)
         return x
 
@@ -532,21 +602,44 @@ class StoredWeights:
         return self.get(name)
 
 
+def replay_weights(golden: GoldenFile, info: RunInfo, weights_dir=None):
+    """The weights a replay of ``golden`` runs on: its own, or, for a golden that left them out
+    (``--no-weights``), those of the checkpoint directory ``weights_dir`` once their checksums
+    are those the golden recorded. ``weights_dir`` for any other golden is refused."""
+    recorded = info.weights or {}
+    from_dir = recorded.get("source") == "checkpoint directory"
+    if weights_dir is not None:
+        if not from_dir:
+            raise GoldenError(f"--weights: {golden.path!r} was not made from a checkpoint "
+                              f"directory; it replays on the weights it holds")
+        found = WeightsDir(weights_dir, info.config, info.layers)
+        found.verify(recorded, golden.path)
+        return found
+    if from_dir and not recorded.get("stored", True):
+        raise GoldenError(f"{golden.path!r} does not hold its weights (made with --no-weights): "
+                          f"replay it with --weights DIR, the checkpoint directory it was made "
+                          f"from ({recorded.get('directory')})")
+    return StoredWeights(golden)
+
+
 def replay(path, progress=None, index_tolerance: float | None = None,
-           exact_index: bool = False) -> CompareReport:
+           exact_index: bool = False, weights_dir=None) -> CompareReport:
     """Recompute every capture of a golden from its own weights and inputs and compare, by the
     rules of :func:`compare_files` (tie-aware index rows unless ``exact_index``), except that
     the recorded scores must agree too (in rows whose selection is identical).
 
     Works on this tool's safetensors goldens and on the reference's ``.npz`` goldens (whose
     captures are then checked against ds41numba). ``progress(n, where)`` as in :func:`drive`.
+    A golden made from a checkpoint directory with ``--no-weights`` needs ``weights_dir``
+    (:func:`replay_weights`).
     """
     with GoldenFile(path) as golden:
         info = golden.run_info()
         cfg = info.config
         names = set(golden.names)
+        weights = replay_weights(golden, info, weights_dir)
         try:
-            stack = AttentionStack(cfg, StoredWeights(golden), layers=info.layers)
+            stack = AttentionStack(cfg, weights, layers=info.layers)
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
         judge = Judge(info, file_scores(golden), index_tolerance, exact_index, strict_evidence=True)
