@@ -26,7 +26,9 @@ compute; where the reference has a function for it, it is:
   ``indexer`` submodules (the parameters ``layers.{i}.attn.compressor.*``, ``.indexer.*``);
 * ``attention_any``: the forward of its ``Attention`` for a layer of any compress ratio;
   ``AttentionStack``: the layers' ``Attention`` forwards in the order the model runs them, with
-  the state they share (SPEC.md "The shared runtime and the layer stack").
+  the state they share (SPEC.md "The shared runtime and the layer stack"); ``BatchedStack``:
+  a batch of sequences run through them in lockstep, as the reference runs ``bsz > 1``
+  (``BatchRow``: which rows of the batch's products a sequence's rows are; docs/batches.md).
 
 The rest (the roundings ``to_bf16_rne``, ``to_e4m3_rne``, ``to_e2m1_rne``, ``pow2ceil``,
 ``is_bf16_valued``; ``window_index_rows``, ``output_projection``, ``IndexKeyCache``, ...) are
@@ -60,5 +62,7 @@ from .indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer, select_
 from .attention import (CompAttnRun, attention_any, attention_rows, output_projection, sparse_attn,
                         window_index_rows)
 from .stack import AttentionStack, AttnWeights, LayerAttnState, SharedRuntime, weight_specs
+from .batch import BatchRow
+from .batched import BatchedStack
 
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from .batch import SINGLE, checked_batch
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
 from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_inplace, is_int,
@@ -130,7 +131,7 @@ def _window_kv(config, weights, x, positions, table, ref_rows):
     return act_quant_fp8_inplace(apply_rotary(kv, positions, table, inplace=True))
 
 
-def _window_rows(config, weights, state, x, start_pos, positions, table, prefill_len):
+def _window_rows(config, weights, state, x, start_pos, positions, table, prefill_len, batch):
     """This step's window: the KV rows attention reads, the offset, and the first position
     those rows stand for.
 
@@ -144,7 +145,7 @@ def _window_rows(config, weights, state, x, start_pos, positions, table, prefill
     seqlen, win = x.shape[0], config.window_size
     decode = prefill_len is None and start_pos > 0
     ref_rows = 1 if decode else (seqlen if prefill_len is None else prefill_len)
-    kv = _window_kv(config, weights, x, positions, table, ref_rows)
+    kv = _window_kv(config, weights, x, positions, table, batch.rows(ref_rows))
     if decode:
         state.window_kv[start_pos % win] = kv[0]
         return state.window_kv.copy(), win, 0
@@ -168,7 +169,8 @@ def _local_rows(idx, first, offset, window_rows, n_window):
     return out
 
 
-def _update_caches(config, layer_id, weights, state, shared, x, start_pos, table, prefill_len):
+def _update_caches(config, layer_id, weights, state, shared, x, start_pos, table, prefill_len,
+                   batch):
     """Steps 4-5 for a ratio > 0 layer, the *key side*: compress, write the index keys and the
     fp4 latents into the layer's caches, publish them in the shared slots. What the queries then
     read depends on this step's rows only through those caches. ``prefill_len``: the step is a
@@ -181,7 +183,7 @@ def _update_caches(config, layer_id, weights, state, shared, x, start_pos, table
     latents = lpos = None
     if c.is_kv_source(layer_id):
         latents = compressor(x, start_pos, r, weights.compressor, state.compressor, c.norm_eps,
-                             prefill_len=prefill_len)
+                             prefill_len=prefill_len, batch=batch)
         lpos = latent_positions(start_pos, seqlen, r, prefill=chunk or start_pos == 0)
     # A prefill's key owner publishes when the prefill writes keys, whichever chunk this is.
     writes = latents is not None or (chunk and prefill_len >= r)
@@ -191,7 +193,7 @@ def _update_caches(config, layer_id, weights, state, shared, x, start_pos, table
         # this layer scores against that.
         if latents is not None:
             keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps,
-                              ref_rows=prefill_len // r if chunk else None)
+                              ref_rows=batch.rows(prefill_len // r if chunk else len(latents)))
             state.index_cache.write(first_row, keys)
         shared.index_k = state.index_cache
     if latents is not None:
@@ -202,7 +204,7 @@ def _update_caches(config, layer_id, weights, state, shared, x, start_pos, table
 
 
 def _select(config, layer_id, weights, shared, x, qr, start_pos, table, offset, capture,
-            prefill_len):
+            prefill_len, batch):
     """Step 6 for an index source: each query's compressed positions, published as the shared
     selection (and, at the candidate source, the candidate blocks); returns the scores with
     ``capture``."""
@@ -218,7 +220,7 @@ def _select(config, layer_id, weights, shared, x, qr, start_pos, table, offset, 
     shared.topk_idxs, published, index_score = indexer(
         x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
         shared.index_k, offset, candidate_blocks=cands, capture=capture,
-        prefill_len=prefill_len, observer=shared.observer)
+        prefill_len=prefill_len, observer=shared.observer, batch=batch)
     if published is not None:
         shared.candidate_blocks = published
         shared.candidate_width = ref_width
@@ -228,7 +230,8 @@ def _select(config, layer_id, weights, shared, x, qr, start_pos, table, offset, 
 
 def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, start_pos: int,
                   capture: bool = False, tile: int | None = None,
-                  prefill_len: int | None = None, queries: bool = True) -> CompAttnRun | None:
+                  prefill_len: int | None = None, queries: bool = True,
+                  batch=SINGLE) -> CompAttnRun | None:
     """One layer's forward for any ratio; updates ``state`` and the ``shared`` slots.
 
     Inputs are assumed valid (``AttentionStack.forward`` checks them). The *key side* runs
@@ -241,28 +244,35 @@ def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, 
 
     ``prefill_len``: ``x`` is rows ``start_pos ..`` of a prefill of that many tokens, the
     previous chunk (if any) ended at ``start_pos``; every result is the one-shot prefill's rows.
+
+    ``batch`` (a :class:`~ds41numba.batch.BatchRow`): ``x`` is one sequence of a batch run in
+    lockstep, ``state`` and ``shared`` that sequence's; every projection sums as the batch's
+    product over B times the step's rows does (:mod:`ds41numba.batch` says which products see
+    the batch and which are per row or per query).
     """
+    batch = checked_batch(batch, "attention_any")
     if x.shape[0] <= MATVEC_MAX_ROWS:
         with single_threaded_blas():
             return _attention_step(config, layer_id, weights, state, shared, x, start_pos,
-                                   capture, tile, prefill_len, queries)
+                                   capture, tile, prefill_len, queries, batch)
     return _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile,
-                           prefill_len, queries)
+                           prefill_len, queries, batch)
 
 
 def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile,
-                    prefill_len=None, queries=True):
+                    prefill_len=None, queries=True, batch=SINGLE):
     c = config
     seqlen = x.shape[0]
     positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
     table = layer_rope_table(c, c.ratio(layer_id), start_pos + seqlen)
-    window = _window_rows(c, weights, state, x, start_pos, positions, table, prefill_len)
+    window = _window_rows(c, weights, state, x, start_pos, positions, table, prefill_len, batch)
     if c.ratio(layer_id) > 0:
-        _update_caches(c, layer_id, weights, state, shared, x, start_pos, table, prefill_len)
+        _update_caches(c, layer_id, weights, state, shared, x, start_pos, table, prefill_len,
+                       batch)
     if not queries:
         return None
     return _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, capture,
-                           tile, prefill_len)
+                           tile, prefill_len, batch)
 
 
 def attention_rows(config, layer_id: int, weights, shared, x: np.ndarray, first_row: int,
@@ -323,7 +333,7 @@ def _check_rows(c, layer_id, shared, x, first_row, prefill_len) -> tuple[int, in
 
 
 def _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, capture, tile,
-                    prefill_len):
+                    prefill_len, batch=SINGLE):
     """Steps 6-9, the *query side*: the index selection, then the queries in tiles (projection,
     RoPE, sparse attention over the window and the selected compressed rows, inverse RoPE,
     output projection). ``window`` is :func:`_window_rows`'s ``(rows, offset, first)``."""
@@ -331,8 +341,10 @@ def _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, c
     H, hd = c.n_heads, c.head_dim
     r = c.ratio(layer_id)
     positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
-    # The reference's rows of every product: the whole prefill (a chunk's too), 1 at decode.
-    ref_rows = prefill_len if prefill_len is not None else (seqlen if start_pos == 0 else 1)
+    # The reference's rows of every product: the whole prefill (a chunk's too), 1 at decode;
+    # times B in a batch.
+    ref_rows = batch.rows(prefill_len if prefill_len is not None else
+                          (seqlen if start_pos == 0 else 1))
     window, offset, first = window
 
     qr = rms_norm(linear_bf16(x, weights.wq_a, ref_rows=ref_rows), weights.q_norm, c.norm_eps)
@@ -340,7 +352,7 @@ def _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, c
     if r > 0:
         if c.is_index_source(layer_id):
             index_score = _select(c, layer_id, weights, shared, x, qr, start_pos, table, offset,
-                                  capture, prefill_len)
+                                  capture, prefill_len, batch)
         kv_rows = (window, shared.compress_kv[:(start_pos + seqlen) // r])
         idx_comp = shared.topk_idxs
     idx = index_rows(start_pos, seqlen, c.window_size, idx_comp, prefill_len)

@@ -89,6 +89,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-rows", metavar="ROWS", help="also record, for these query "
                    "positions of every step, what each kernel consumes and produces (sample.*): "
                    "a list and ranges (0,5,100-120) or random:N (N positions drawn with --seed)")
+    g.add_argument("--batch", type=int, default=1, metavar="B", help="B sequences in lockstep, "
+                   "as the reference runs a batch (their products over B x seqlen rows); every "
+                   "tensor but the weights gets a leading batch axis (default: 1, one sequence, "
+                   "no batch axis; docs/batches.md)")
     g.add_argument("--profile", choices=PROFILES, default="default", help="generator profile: "
                    "default, or ties (tie-heavy index scores, NaN and +-inf rows)")
     g.add_argument("--out", metavar="FILE", help="output file (default: "
@@ -226,7 +230,7 @@ def _golden(args) -> int:
                                                            args.seed)
     plan = golden.GoldenPlan(config=config, layers=layers, prefill=prefill, decode=decode,
                              seed=args.seed, capture=args.capture, preset=preset_name,
-                             profile=args.profile, capture_rows=rows)
+                             profile=args.profile, capture_rows=rows, batch=args.batch)
     if args.no_weights and args.weights is None:
         raise GoldenError("--no-weights: only a golden made from a checkpoint directory "
                           "(--weights DIR) may leave its weights out")
@@ -235,7 +239,7 @@ def _golden(args) -> int:
             plan, store_weights=not args.no_weights,
             weights=None if args.weights is None else WeightsDir(args.weights, config, plan.layers),
             inputs=None if args.inputs is None else InputsFile(args.inputs, config, plan.layers,
-                                                              prefill + decode))
+                                                              prefill + decode, args.batch))
     if args.out is not None:
         out = args.out
     else:
@@ -249,7 +253,8 @@ def _golden(args) -> int:
                                    checkpoint_every=args.checkpoint_every, cluster=cluster)
     what = preset_name or args.config or args.weights
     print(f"wrote {info['path']}  ({what}, layers {_ranges(plan.layers)}, prefill {plan.prefill} "
-          f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "
+          f"+ {plan.decode} decode steps{f', batch {plan.batch}' if plan.batch > 1 else ''}, "
+          f"capture {plan.capture}, {info['tensors']} tensors, "
           f"{_size(info['bytes'])}, {info['seconds']:.1f} s)")
     return 0
 
@@ -260,7 +265,7 @@ def _cluster(args, plan):
     if args.workers is None and args.scheduler is None:
         yield None
         return
-    golden.check_cluster_capture(plan.capture)
+    golden.check_cluster_capture(plan.capture, plan.batch)
     from .golden.cluster import Cluster
     with Cluster(scheduler=args.scheduler, workers=args.workers) as cluster:
         yield cluster
@@ -269,7 +274,7 @@ def _cluster(args, plan):
 def _replay(args) -> int:
     with golden.GoldenFile(args.file) as f:
         info = f.run_info()
-    total = (info.prefill + info.decode) * len(info.layers)
+    total = (info.prefill + info.decode) * len(info.layers) * info.batch
     with _progress(total, args.quiet, "replay") as progress:
         report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
                                exact_index=args.exact_index, weights_dir=args.weights)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .attention import CompAttnRun, attention_any
+from .batch import SINGLE, BatchRow, checked_batch
 from .compressor import CompressorState, CompressorWeights
 from .config import FALLBACK_KEY_OWNER, AttnConfig
 from .indexer import IndexerWeights, IndexKeyCache, candidate_mask
@@ -229,10 +230,13 @@ class AttentionStack:
 
     ``weights`` maps ``layers.{i}.attn.NAME`` to arrays (see :func:`weight_specs`). ``layers``
     restricts the stack to a subset of the config's layers (default: all); a layer outside it
-    cannot be run, and every source a member needs must be a member too.
+    cannot be run, and every source a member needs must be a member too. ``batch`` makes the
+    stack one sequence of a batch run in lockstep (:class:`~ds41numba.batched.BatchedStack`
+    holds the others, :meth:`sibling`): its products then sum as the batch's do.
     """
 
-    def __init__(self, config: AttnConfig, weights, layers=None, tile: int | None = None):
+    def __init__(self, config: AttnConfig, weights, layers=None, tile: int | None = None,
+                 batch: BatchRow = SINGLE):
         if not isinstance(config, AttnConfig):
             raise TypeError(f"config must be an AttnConfig, got {type(config).__name__}")
         if not hasattr(weights, "get"):
@@ -246,7 +250,25 @@ class AttentionStack:
         self.states = {i: LayerAttnState.fresh(config, i) for i in self.layers}
         self.shared = SharedRuntime()
         self.tile = None if tile is None else int(tile)
+        self.batch = checked_batch(batch, "AttentionStack")
         self._order = StepOrder(config, self.layers, self.states, self.shared)
+
+    @property
+    def sequences(self) -> tuple["AttentionStack", ...]:
+        """The stacks of the batch's sequences, one per batch row: this stack alone."""
+        return (self,)
+
+    def sibling(self, batch: BatchRow) -> "AttentionStack":
+        """Another sequence of a batch: a stack of the same config, layers, tile and weights
+        (the same objects, not copies) with fresh states and shared slots, at ``batch``."""
+        other = object.__new__(AttentionStack)
+        other.config, other.layers, other.weights, other.tile = (self.config, self.layers,
+                                                                 self.weights, self.tile)
+        other.batch = checked_batch(batch, "AttentionStack.sibling")
+        other.states = {i: LayerAttnState.fresh(self.config, i) for i in self.layers}
+        other.shared = SharedRuntime()
+        other._order = StepOrder(other.config, other.layers, other.states, other.shared)
+        return other
 
     def weight_bytes(self) -> int:
         """Bytes the stack's parameters hold: 2 a parameter for every bf16 projection (plus its
@@ -324,7 +346,7 @@ class AttentionStack:
             else prefill_len
         run = attention_any(c, layer_id, self.weights[layer_id], self.states[layer_id],
                             self.shared, x, start_pos, capture=capture, tile=self.tile,
-                            prefill_len=chunk, queries=queries)
+                            prefill_len=chunk, queries=queries, batch=self.batch)
         self._order.ran(layer_id, start_pos, x.shape[0], prefill_len)
         return run
 

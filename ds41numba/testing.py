@@ -17,6 +17,10 @@ when it passes::
   for (index selections tie-aware with the file's recorded scores and the run's visibility);
 * :func:`assert_candidate_file`: a whole candidate file, as ``compare`` judges it.
 
+A batch's golden (``--batch B``) holds every tensor but the weights as ``[B, ...]``: pass
+``batch_row=b`` to :func:`assert_golden_tensor` and :func:`golden_scores` with sequence b's
+tensor (``assert_candidate_file`` judges every row).
+
 Arrays may be any numeric numpy dtype, ``ml_dtypes.bfloat16`` included. From torch, hand over
 ``t.float().numpy()`` (bf16 -> f32 is exact) or the raw bits ``t.view(torch.int16).numpy()``
 through :func:`from_bf16_bits`; ds41numba never imports torch.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from .golden import GoldenFile, compare_files
+from .golden.files import BatchRowFile
 from .golden.compare import Judge, TensorResult, compare_tensor, file_scores
 from .golden.ties import DEFAULT_INDEX_TOLERANCE, RowBounds, RowScores
 
@@ -55,11 +60,12 @@ def assert_close(got, want, name: str = "tensor", after_swaps=None) -> TensorRes
     return _check(compare_tensor(name, want, got, relaxed_rows=after_swaps))
 
 
-def golden_scores(golden, step: int, layer: int) -> RowScores | None:
+def golden_scores(golden, step: int, layer: int, batch_row: int | None = None) -> RowScores | None:
     """The scores a golden file records behind layer ``layer``'s selection at ``step`` (None if
-    it has none): what :func:`assert_index_rows` takes as ``scores``."""
+    it has none): what :func:`assert_index_rows` takes as ``scores``. A batch's golden needs
+    ``batch_row``, the sequence."""
     with _open(golden) as f:
-        return file_scores(f)(step, layer)
+        return file_scores(_sequence(f, batch_row))(step, layer)
 
 
 def assert_index_rows(got, want, scores: RowScores | dict | None = None, offset: int | None = None,
@@ -87,12 +93,16 @@ def assert_index_rows(got, want, scores: RowScores | dict | None = None, offset:
 
 
 def assert_golden_tensor(golden, name: str, got, index_tolerance: float | None = None,
-                         exact_index: bool = False, after_swaps=None) -> TensorResult:
+                         exact_index: bool = False, after_swaps=None,
+                         batch_row: int | None = None) -> TensorResult:
     """Tensor ``name`` of a golden file (path or open :class:`GoldenFile`) against ``got``, by
     the rule ``compare`` applies to it: an index selection (``idx``, ``shared.topk_idxs``)
     tie-aware with the file's scores and its run's visibility; a float within tolerance
-    (``after_swaps`` rows relaxed, as :func:`assert_close`)."""
-    with _open(golden) as f:
+    (``after_swaps`` rows relaxed, as :func:`assert_close`). In a batch's golden (``--batch``)
+    ``got`` is sequence ``batch_row``'s tensor, judged against row ``batch_row`` of the file's
+    ``[batch, ...]`` tensor with that sequence's scores."""
+    with _open(golden) as opened:
+        f = _sequence(opened, batch_row)
         if name not in f:
             raise KeyError(f"{f.path!r} holds no tensor {name!r}")
         want = f.get(name)
@@ -111,6 +121,19 @@ def assert_candidate_file(golden, candidate, subset: bool = True,
     if not report.ok:
         raise AssertionError(report.text())
     return report
+
+
+def _sequence(f: GoldenFile, batch_row: int | None):
+    """``f`` itself (one sequence), or its sequence ``batch_row`` when it holds a batch; a
+    batch without ``batch_row`` (or a row it lacks) is refused."""
+    info = f.step_info()
+    batch = 1 if info is None else info.batch
+    if batch == 1 and batch_row in (None, 0):
+        return f
+    if batch_row is None or not 0 <= batch_row < batch:
+        raise ValueError(f"{f.path!r} holds a batch of {batch} sequences: give batch_row "
+                         f"0..{batch - 1}, got {batch_row!r}")
+    return BatchRowFile(f, batch_row)
 
 
 class _open:

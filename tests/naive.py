@@ -515,7 +515,7 @@ def linear_f32_ordered(x, w, nn=False):
 # selection, the window index rows and ring, sparse attention with a sink and the grouped output
 # projection. Dot products are computed in float64 (every product of two f32 values is exact
 # there) and rounded once to f32: a summation-order-free f32 accumulation. bf16 rounding, RMSNorm
-# and top-k come from the package (``ds.``; tested on their own in test_numerics / test_topk).
+# and top-k come from the package (``ds.``; tested on their own in the numerics tests / test_topk).
 
 
 def _dot_f32(a, b):

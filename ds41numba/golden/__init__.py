@@ -47,6 +47,8 @@ from .errors import DiskError, GoldenError, RunInterrupted
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, checkpoint_dir, partial_path
 from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden, load_golden,
                     write_tensors_atomic)
+from .files import BatchRowFile
+from .generator import BATCH_INPUTS, batch_input_name
 from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, make_input,
                         make_tensor, make_weight, make_weights, stream_key, weight_distribution)
 from .weights_dir import WeightsDir, dequantize_fp8
@@ -67,4 +69,5 @@ __all__ = [
     "judge_index_rows", "DiskError", "RunInterrupted", "CHECKPOINT_EVERY", "Checkpoint",
     "checkpoint_dir", "partial_path", "GeneratedWeights", "make_weight", "StoredWeights",
     "run_pieces", "check_cluster_capture", "WeightsDir", "dequantize_fp8", "InputsFile",
+    "BatchRowFile", "BATCH_INPUTS", "batch_input_name",
 ]

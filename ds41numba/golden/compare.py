@@ -22,7 +22,7 @@ import numpy as np
 from ..indexer import visible_lengths
 from .captures import CHUNK, SCORE_CAPTURES, STEP_NAME, WEIGHT_NAME
 from .errors import GoldenError
-from .files import GoldenFile, RunInfo
+from .files import BatchRowFile, GoldenFile, RunInfo
 from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, RowBounds, RowScores,
                    judge_index_rows)
 
@@ -558,17 +558,34 @@ def compare_files(golden_path, candidate_path, subset: bool = False,
     some of the golden's tensors, e.g. a kernel's outputs); one only in the candidate is
     reported but does not fail. Index selections are judged tie-aware with the scores the
     golden records (or, when it has none, the candidate's), unless ``exact_index``.
+
+    A batch's golden (metadata ``batch`` > 1) is judged sequence by sequence: batch row b of
+    each ``step{s}.layers.{i}.*`` tensor by the rules above, reported as ``NAME[b]``; the
+    weights once.
     """
     with GoldenFile(golden_path) as golden, GoldenFile(candidate_path) as cand:
-        judge = Judge(golden.step_info(), file_scores(golden, cand), index_tolerance, exact_index)
-        report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)
+        info = golden.step_info()
+        batch = 1 if info is None else info.batch
+        report = None
         cand_names = set(cand.names)
-        for name in sorted(golden.names, key=compare_order):
-            if name in cand_names:
-                report.add(judge.compare(name, golden.get(name), cand.get(name), golden, cand))
-            else:
-                report.add(TensorResult(name, "only-golden", ok=subset,
-                                        detail=f"missing from {cand.path}"))
+        for b in range(batch):
+            g, c = ((golden, cand) if batch == 1 else
+                    (BatchRowFile(golden, b), BatchRowFile(cand, b)))
+            judge = Judge(g.step_info(), file_scores(g, c), index_tolerance, exact_index)
+            if report is None:
+                report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)
+            for name in sorted(golden.names, key=compare_order):
+                per_row = batch > 1 and STEP_NAME.fullmatch(name) is not None
+                if b and not per_row:
+                    continue                       # the weights: once
+                if name in cand_names:
+                    res = judge.compare(name, g.get(name), c.get(name), g, c)
+                else:
+                    res = TensorResult(name, "only-golden", ok=subset,
+                                       detail=f"missing from {cand.path}")
+                if per_row:
+                    res.name = f"{name}[{b}]"
+                report.add(res)
         report.results.sort(key=lambda r: _natural(r.name))
         gold_names = set(golden.names)
         for name in cand.names:

@@ -32,6 +32,10 @@ tensor                                        center  scale             why
 A tensor whose reference dtype is f32 (``attn_sink``, the ratio > 1 compressor's ``wkv`` and
 ``wgate``) keeps the float32 value; every other one is rounded to bf16.
 
+A batch of B sequences (``--batch B``, docs/batches.md) takes sequence 0's inputs as above and
+sequence b's (b >= 1) from the tensor named ``batch{b}.step{s}.layers.{i}.x`` (the same rule,
+seed and profile): ``batch_input_name``.
+
 Profiles (``--profile``; the default is ``default``, the table above). ``ties`` makes the
 indexer's scores tie-heavy, to stress top-k kernels, by changing the default tensors as follows
 (``c = dim - 1``, the last input feature; ``R(p) = p mod 61`` for the token at position p)::
@@ -63,8 +67,7 @@ from .errors import GoldenError
 
 __all__ = ["GENERATOR", "GENERATOR_SPEC", "PROFILES", "stream_key", "make_tensor",
            "weight_distribution", "make_weights", "make_weight", "GeneratedWeights", "LazyWeights",
-           "make_input",
-           "checked_seed", "checked_profile"]
+           "make_input", "batch_input_name", "BATCH_INPUTS", "checked_seed", "checked_profile"]
 
 #: Generator profiles: ``default`` (the table above) and ``ties`` (tie-heavy index scores).
 PROFILES = ("default", "ties")
@@ -276,6 +279,19 @@ def _tie_weight(config: AttnConfig, name: str, w: np.ndarray):
         w[:, -1] = 0
     elif leaf == "indexer.weights_proj.weight":
         w[:, -1] = 1024.0
+
+
+#: How the inputs of a batch's sequences are made (recorded in a batched golden's metadata).
+BATCH_INPUTS = ("batch row 0: the tensor step{s}.layers.{i}.x (a single-sequence run's input); "
+                "batch row b >= 1: the tensor named batch{b}.step{s}.layers.{i}.x; same seed, "
+                "profile and rule (ties: R(p) of the row's own positions)")
+
+
+def batch_input_name(name: str, batch_row: int = 0) -> str:
+    """The generator's name for input ``name`` (``step{s}.layers.{i}.x``) of a batch's
+    sequence ``batch_row``: the name itself for row 0, so a batch's first sequence is the
+    single-sequence run's, ``batch{b}.NAME`` for the others (:data:`BATCH_INPUTS`)."""
+    return name if batch_row == 0 else f"batch{int(batch_row)}.{name}"
 
 
 def make_input(name: str, shape, seed: int = 0, profile: str = "default", first_row: int = 0,

@@ -8,8 +8,9 @@ least ``prefill + decode`` (rows past them are not read). ``BF16`` rows are used
 golden says in its metadata which tensors that changed. NaN and infinite values are taken as they
 are (the reference propagates them). Tensors are memory-mapped, a block of rows read at a time.
 
-The rows of a tensor are found by one function, :func:`layer_rows`: a batched form
-(``[B, tokens, dim]``) adds its axis there.
+The rows of a tensor are found by one function, :func:`layer_rows`. A batch's run
+(``--batch B``, B > 1) takes each tensor as ``[B, tokens, dim]``: row ``[b, t]`` is sequence b's
+input at position t (docs/batches.md).
 """
 
 from __future__ import annotations
@@ -36,17 +37,19 @@ _STEP_INPUT = re.compile(r"step(\d+)\.layers\.(\d+)\.x")
 _ROWS_AT_ONCE = 1 << 12
 
 
-def layer_rows(t: StoredTensor, dim: int, tokens: int) -> np.ndarray:
+def layer_rows(t: StoredTensor, dim: int, tokens: int, batch: int = 1) -> np.ndarray:
     """Tensor ``t`` as a layer's input rows ``[rows, dim]`` (memory-mapped), checked: 2-D, BF16
-    or F32, ``dim`` wide, at least ``tokens`` rows; else a :class:`GoldenError` naming it."""
+    or F32, ``dim`` wide, at least ``tokens`` rows; else a :class:`GoldenError` naming it. For a
+    batch of ``batch`` > 1 sequences: ``[batch, rows, dim]``, 3-D."""
     where = f"--inputs: {t.name} in {t.file}"
     if t.dtype not in ("BF16", "F32"):
         raise GoldenError(f"{where} is {t.dtype}; inputs are BF16 or F32")
-    if len(t.shape) != 2 or t.shape[1] != dim:
-        raise GoldenError(f"{where} has shape {list(t.shape)}; inputs are [tokens, dim] with "
-                          f"dim {dim}")
-    if t.shape[0] < tokens:
-        raise GoldenError(f"{where} has {t.shape[0]} rows; the run needs {tokens} (prefill + "
+    lead = () if batch == 1 else (batch,)
+    want = "[tokens, dim]" if batch == 1 else f"[{batch}, tokens, dim] (--batch {batch})"
+    if len(t.shape) != 2 + len(lead) or tuple(t.shape[:len(lead)]) != lead or t.shape[-1] != dim:
+        raise GoldenError(f"{where} has shape {list(t.shape)}; inputs are {want} with dim {dim}")
+    if t.shape[-2] < tokens:
+        raise GoldenError(f"{where} has {t.shape[-2]} rows; the run needs {tokens} (prefill + "
                           f"decode, one per position)")
     return t.array()
 
@@ -55,11 +58,11 @@ class InputsFile:
     """The inputs of ``layers`` in the file ``path``, for a run of ``tokens`` positions, checked
     when opened (every layer has its tensor, of the right dtype, width and length)."""
 
-    def __init__(self, path, config: AttnConfig, layers, tokens: int):
+    def __init__(self, path, config: AttnConfig, layers, tokens: int, batch: int = 1):
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise GoldenError(f"--inputs: {self.path!r} is not a file")
-        self.dim, self.tokens = config.dim, int(tokens)
+        self.dim, self.tokens, self.batch = config.dim, int(tokens), int(batch)
         tensors = read_header(self.path)
         self.sources = {}
         for i in layers:
@@ -68,20 +71,22 @@ class InputsFile:
             if t is None:
                 raise GoldenError(f"--inputs: {os.path.basename(self.path)} has neither {name} "
                                   f"nor {SHARED_INPUT} for layer {i}")
-            layer_rows(t, self.dim, self.tokens)
+            layer_rows(t, self.dim, self.tokens, self.batch)
             self.sources[int(i)] = t
         self._provenance = None
 
-    def rows(self, name: str, first_row: int, rows: int, start_pos: int) -> np.ndarray:
+    def rows(self, name: str, first_row: int, rows: int, start_pos: int,
+             batch_row: int = 0) -> np.ndarray:
         """The rows ``first_row ..`` (``rows`` of them) of input ``step{s}.layers.{i}.x`` whose
         step starts at position ``start_pos``, as bfloat16: positions ``start_pos + first_row
-        ..`` of layer i's tensor."""
+        ..`` of layer i's tensor (of a batch's, of its sequence ``batch_row``)."""
         m = _STEP_INPUT.fullmatch(name)
         if m is None or int(m.group(2)) not in self.sources:
             raise KeyError(name)
         t = self.sources[int(m.group(2))]
         a = start_pos + first_row
-        block = layer_rows(t, self.dim, self.tokens)[a:a + rows]
+        block = layer_rows(t, self.dim, self.tokens, self.batch)
+        block = block[a:a + rows] if self.batch == 1 else block[batch_row, a:a + rows]
         if t.dtype == "BF16":
             return np.array(block)
         return to_bf16_rne(np.array(block, dtype=np.float32)).astype(bfloat16)
@@ -95,14 +100,17 @@ class InputsFile:
             for i, t in self.sources.items():
                 layers[str(i)] = {"tensor": t.name, "dtype": t.dtype, "shape": list(t.shape),
                                   "sha256": t.sha256(), "rounded_to_bf16": self._rounds(t)}
+            rows = ("row t is position t" if self.batch == 1 else
+                    "[b, t]: sequence b's position t")
             self._provenance = {"source": "inputs file", "file": os.path.basename(self.path),
-                                "rows": "row t is position t", "f32": ROUNDING, "layers": layers}
+                                "rows": rows, "f32": ROUNDING, "layers": layers}
         return self._provenance
 
     def _rounds(self, t: StoredTensor) -> bool:
         """Whether an F32 tensor's rows used hold a value that is not bf16."""
         if t.dtype != "F32":
             return False
-        rows = layer_rows(t, self.dim, self.tokens)
+        seqs = layer_rows(t, self.dim, self.tokens, self.batch)
+        seqs = seqs[None] if self.batch == 1 else seqs
         return any(not is_bf16_valued(np.array(rows[a:min(self.tokens, a + _ROWS_AT_ONCE)]))
-                   for a in range(0, self.tokens, _ROWS_AT_ONCE))
+                   for rows in seqs for a in range(0, self.tokens, _ROWS_AT_ONCE))

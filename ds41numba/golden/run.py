@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..batched import BatchedStack
 from ..config import AttnConfig
 from ..stack import AttentionStack, held_weight_bytes, weight_specs
 from .captures import (CAPTURE_MODES, RUNNERS_UP, WEIGHT_NAME, StepObserver, forward_capture,
@@ -22,15 +23,17 @@ from .captures import (CAPTURE_MODES, RUNNERS_UP, WEIGHT_NAME, StepObserver, for
 from .compare import CompareReport, Judge, TensorResult, compare_order, file_scores
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, run_identity
 from .errors import DiskError, GoldenError, RunInterrupted
-from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
-from .generator import (GeneratedWeights, LazyWeights, checked_profile, checked_seed, make_input,
-                        make_weights)
+from .files import (BatchRowFile, GoldenFile, RunInfo, StreamingGolden, check_target,
+                    write_tensors_atomic)
+from .generator import (GeneratedWeights, LazyWeights, batch_input_name, checked_profile,
+                        checked_seed, make_input, make_weights)
 from .weights_dir import WeightsDir
 
 __all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
            "drive_piece", "run_golden", "write_golden", "stream_golden", "io_layout",
            "check_cluster_capture",
-           "DEFAULT_CHUNK", "minimum_bytes", "replay", "replay_weights", "StoredWeights"]
+           "DEFAULT_CHUNK", "minimum_bytes", "replay", "replay_weights", "StoredWeights",
+           "make_stack"]
 
 
 def missing_sources(config: AttnConfig, layers) -> list[str]:
@@ -64,9 +67,17 @@ class GoldenPlan:
     weights: object = field(default=None, compare=False, repr=False)
     inputs: object = field(default=None, compare=False, repr=False)
     store_weights: bool = True
+    batch: int = 1                         # sequences in lockstep (docs/batches.md)
 
     def __post_init__(self):
         c = self.config
+        if isinstance(self.batch, bool) or not isinstance(self.batch, (int, np.integer)) \
+                or self.batch < 1:
+            raise GoldenError(f"--batch must be an integer >= 1, got {self.batch!r}")
+        object.__setattr__(self, "batch", int(self.batch))
+        if self.inputs is not None and getattr(self.inputs, "batch", 1) != self.batch:
+            raise GoldenError(f"--inputs: the file was opened for a batch of {self.inputs.batch}, "
+                              f"the run has --batch {self.batch}")
         for name in ("prefill", "decode"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -126,12 +137,15 @@ class GoldenPlan:
             return self.weights.with_made(made)
         return _GivenWeights(self.weights, self.config, self.layers, made)
 
-    def input_rows(self, name: str, first_row: int, rows: int, start_pos: int) -> np.ndarray:
+    def input_rows(self, name: str, first_row: int, rows: int, start_pos: int,
+                   batch_row: int = 0) -> np.ndarray:
         """Rows ``first_row ..`` of input ``name`` (``step{s}.layers.{i}.x``, its step starting
-        at ``start_pos``) as the file stores them: bfloat16."""
+        at ``start_pos``) of the batch's sequence ``batch_row``, as the file stores them:
+        bfloat16."""
         if self.inputs is not None:
-            return self.inputs.rows(name, first_row, rows, start_pos)
-        x = make_input(name, (rows, self.config.dim), self.seed, self.profile, first_row, start_pos)
+            return self.inputs.rows(name, first_row, rows, start_pos, batch_row)
+        x = make_input(batch_input_name(name, batch_row), (rows, self.config.dim), self.seed,
+                       self.profile, first_row, start_pos)
         return to_storage(name, x, "BF16")
 
     def steps(self):
@@ -140,15 +154,16 @@ class GoldenPlan:
 
     @property
     def total_tokens(self) -> int:
-        """Token-layers the run processes (the progress bar's unit)."""
-        return (self.prefill + self.decode) * len(self.layers)
+        """Token-layers the run processes (the progress bar's unit), every sequence's."""
+        return (self.prefill + self.decode) * len(self.layers) * self.batch
 
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing."""
         return RunInfo(self.config, self.layers, self.prefill, self.decode, self.capture,
                        self.seed, self.preset, self.profile, self.capture_rows,
                        self._weights_provenance(),
-                       None if self.inputs is None else self.inputs.provenance()).metadata()
+                       None if self.inputs is None else self.inputs.provenance(),
+                       batch=self.batch).metadata()
 
     def _weights_provenance(self) -> dict | None:
         if self.weights is None:
@@ -197,6 +212,27 @@ def piece_name(piece, split: bool) -> str:
     return f"step {s}" + (f" rows {a}-{a + n - 1}" if s == 0 and split else "")
 
 
+def make_stack(config: AttnConfig, weights, layers, batch: int = 1):
+    """The stack a run of ``batch`` sequences drives: an :class:`AttentionStack` for one (the
+    single-sequence run, unchanged), a :class:`BatchedStack` for more."""
+    if batch == 1:
+        return AttentionStack(config, weights, layers=layers)
+    return BatchedStack(config, weights, batch, layers=layers)
+
+
+def step_observers(stack, capture_rows=(), observer=None) -> list:
+    """One :class:`StepObserver` per sequence of ``stack`` (``observer``: a restored one, or
+    a list of them for a batch), each set on its sequence's shared runtime."""
+    seqs = stack.sequences
+    if observer is None:
+        observers = [StepObserver(stack.config, capture_rows) for _ in seqs]
+    else:
+        observers = list(observer) if isinstance(observer, (list, tuple)) else [observer]
+    for seq, obs in zip(seqs, observers):
+        seq.shared.observer = obs
+    return observers
+
+
 def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, take,
           progress=None, capture_rows=(), chunk: int | None = None, observer=None,
           start: int = 0, boundary=None):
@@ -205,10 +241,12 @@ def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, 
     one), each chunk through every layer before the next (token-major, which gives the one-shot
     prefill's rows: ``AttentionStack.forward``'s ``prefill_len``).
 
-    ``x_of(name, first_row, rows, start_pos)`` gives those rows of the input
-    ``step{s}.layers.{i}.x``, the step's first row being at position ``start_pos``;
-    ``take(prefix, captures, first_row)`` receives the layer's :func:`layer_captures` (the
-    rows ``first_row ..`` of each per-row tensor) under their prefix ``step{s}.layers.{i}.``
+    ``x_of(name, first_row, rows, start_pos, batch_row)`` gives those rows of the input
+    ``step{s}.layers.{i}.x`` of sequence ``batch_row`` (0 but in a :class:`BatchedStack`:
+    within a layer the batch's sequences run in order), the step's first row being at position
+    ``start_pos``; ``take(prefix, captures, first_row, batch_row)`` receives the layer's
+    :func:`layer_captures` (the rows ``first_row ..`` of each per-row tensor) under their
+    prefix ``step{s}.layers.{i}.``
     (views of the stack's live state: convert or compare them before returning; nothing holds
     them after). ``progress(n, where)``, if given, is called before each forward with
     ``n = 0`` and after it with the tokens it processed; ``where`` says which step, chunk and
@@ -222,47 +260,54 @@ def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, 
     ``first_row`` 0.
 
     A resumed run starts at piece ``start`` of :func:`run_pieces` (the stack and ``observer``
-    restored to where that piece begins); ``boundary(done, observer)``, if given, is called
-    after each piece with the number of pieces done.
+    restored to where that piece begins; a batch has a list of them, one per sequence);
+    ``boundary(done, observer)``, if given, is called after each piece with the number of
+    pieces done.
     """
     pieces = run_pieces(prefill, decode, chunk)
     split = len(pieces) - decode > 1
-    observer = StepObserver(stack.config, capture_rows) if observer is None else observer
-    stack.shared.observer = observer
+    observers = step_observers(stack, capture_rows, observer)
+    observer = observers if len(observers) > 1 else observers[0]
     try:
         for k in range(start, len(pieces)):
             drive_piece(stack, pieces[k], prefill, capture, x_of, take, progress, observer, split)
             if boundary is not None:
                 boundary(k + 1, observer)
     finally:
-        stack.shared.observer = None
+        for seq in stack.sequences:
+            seq.shared.observer = None
 
 
 def drive_piece(stack, piece, prefill, capture, x_of, take, progress, observer, split):
-    """One piece of :func:`drive` through every layer of the stack."""
+    """One piece of :func:`drive` through every layer of the stack (of a batch: every layer
+    through the batch's sequences in order, before the next layer). ``observer``: the
+    sequence's :class:`StepObserver`, or a list of one per sequence."""
     s, start_pos, first, n = piece
     a = start_pos + first
     chunked = s == 0 and split
     prefill_len = prefill if s == 0 else None
+    seqs = stack.sequences
+    observers = observer if isinstance(observer, (list, tuple)) else [observer]
     for i in stack.layers:
         prefix = f"step{s}.layers.{i}."
-        where = f"{piece_name(piece, split)} layer {i}"
-        if progress is not None:
-            progress(0, where)
-        observer.begin(i, a, n, prefill_len)
-        run = stack.forward(i, x_of(prefix + "x", first, n, start_pos), a,
-                            capture=forward_capture(capture), prefill_len=prefill_len)
-        got = layer_captures(stack, i, run, a, capture, observer)
-        if chunked:
-            samples = {w: v for w, v in got.items() if w.startswith("sample.")}
-            take(prefix, {w: v for w, v in got.items() if w not in samples}, first)
-            if samples:
-                take(prefix, samples, 0)
-        else:
-            take(prefix, got, first)
-        del run, got
-        if progress is not None:
-            progress(n, where)
+        for b, (seq, obs) in enumerate(zip(seqs, observers)):
+            where = f"{piece_name(piece, split)} layer {i}" + (f" batch row {b}" if b else "")
+            if progress is not None:
+                progress(0, where)
+            obs.begin(i, a, n, prefill_len)
+            run = seq.forward(i, x_of(prefix + "x", first, n, start_pos, b), a,
+                              capture=forward_capture(capture), prefill_len=prefill_len)
+            got = layer_captures(seq, i, run, a, capture, obs)
+            if chunked:
+                samples = {w: v for w, v in got.items() if w.startswith("sample.")}
+                take(prefix, {w: v for w, v in got.items() if w not in samples}, first, b)
+                if samples:
+                    take(prefix, samples, 0, b)
+            else:
+                take(prefix, got, first, b)
+            del run, got
+            if progress is not None:
+                progress(n, where)
 
 
 def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
@@ -276,21 +321,27 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     weights = (make_weights(cfg, plan.layers, plan.seed, plan.profile) if plan.weights is None
                else plan.weight_mapping())
     kinds = {n: k for i in plan.layers for n, (_, k) in weight_specs(cfg, i).items()}
-    stack = AttentionStack(cfg, weights, layers=plan.layers)
+    stack = make_stack(cfg, weights, plan.layers, plan.batch)
+    rows: dict[str, list] = {}      # name -> its tensor of each batch row
     tensors: dict[str, np.ndarray] = {}
 
-    def stored_input(name, first_row, seqlen, start_pos):
+    def stored_input(name, first_row, seqlen, start_pos, batch_row=0):
         # The stack takes the stored bfloat16 copy: half the memory of float32.
-        tensors[name] = plan.input_rows(name, first_row, seqlen, start_pos)
-        return tensors[name]
+        rows.setdefault(name, []).append(plan.input_rows(name, first_row, seqlen, start_pos,
+                                                         batch_row))
+        return rows[name][-1]
 
-    def store(prefix, captures, first_row):
+    def store(prefix, captures, first_row, batch_row=0):
         for what, value in captures.items():
-            tensors[prefix + what] = to_storage(prefix + what, value, storage_kind(prefix + what))
+            rows.setdefault(prefix + what, []).append(
+                to_storage(prefix + what, value, storage_kind(prefix + what)))
 
     drive(stack, plan.prefill, plan.decode, plan.capture, stored_input, store, progress,
           plan.capture_rows)
     del stack
+    for name in list(rows):         # a batch's tensors: the batch axis first (docs/batches.md)
+        got = rows.pop(name)
+        tensors[name] = got[-1] if plan.batch == 1 else np.stack(got)
     # Weights last: the stack shared the float32 arrays, now they can go one by one (given
     # weights are asked for again).
     stored = {}
@@ -320,7 +371,7 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     """
     path = os.fspath(path)
     if cluster is not None:
-        check_cluster_capture(plan.capture)
+        check_cluster_capture(plan.capture, plan.batch)
     if resume and plan.capture != "io":
         raise GoldenError("--resume: only a streamed run (--capture io) keeps a checkpoint to "
                           "resume from")
@@ -337,11 +388,16 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
             "bytes": os.path.getsize(path), "seconds": time.perf_counter() - t0}
 
 
-def check_cluster_capture(capture: str) -> None:
-    """A cluster runs streamed (``io``) goldens only: refuse any other before a cluster starts."""
+def check_cluster_capture(capture: str, batch: int = 1) -> None:
+    """A cluster runs streamed (``io``) goldens of one sequence only: refuse any other before
+    a cluster starts (a batch's query tiles would need each sequence's caches on the workers,
+    which the cluster's broadcast does not carry)."""
     if capture != "io":
         raise GoldenError("--workers/--scheduler: only a streamed run (--capture io) runs on a "
                           "cluster")
+    if batch != 1:
+        raise GoldenError("--workers/--scheduler: a batch (--batch > 1) runs in one process; "
+                          "run it without --workers")
 
 
 def _topk_width(config: AttnConfig, j: int, prefill: int, start_pos: int, seqlen: int) -> int:
@@ -360,7 +416,8 @@ def io_layout(plan: GoldenPlan):
     Besides ``out``, ``idx`` and ``shared.topk_idxs``: at every index source the scores behind
     its selection (``topk_scores``, ``runner_idxs``, ``runner_scores``) and, for a step holding
     ``capture_rows`` positions, the ``sample.*`` captures (their rows are few: the drive hands
-    them over from memory once the step's last chunk ran)."""
+    them over from memory once the step's last chunk ran). A batch (``plan.batch`` > 1) puts a
+    leading batch axis on every tensor but the weights (docs/batches.md)."""
     if plan.capture != "io":
         raise ValueError("io_layout: only an io golden is laid out up front")
     c = plan.config
@@ -417,6 +474,9 @@ def io_layout(plan: GoldenPlan):
     for n, kind, _ in layout:
         if not WEIGHT_NAME.fullmatch(n):
             assert kind == storage_kind(n), n
+    if plan.batch > 1:     # every tensor but the weights: a leading batch axis, two row axes
+        layout = [e if WEIGHT_NAME.fullmatch(e[0]) else (e[0], e[1], (plan.batch,) + tuple(e[2]), 2)
+                  for e in layout]
     return layout, copies
 
 
@@ -492,12 +552,13 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
             out.write_rows(name, 0, array if bf16 else
                            to_storage(name, array, "F32" if kind == "f32" else "BF16"))
 
-    stack = AttentionStack(cfg, plan.weight_mapping(made=put_weight), layers=plan.layers)
+    stack = make_stack(cfg, plan.weight_mapping(made=put_weight), plan.layers, plan.batch)
     observer = ckpt.restore(stack)
     pieces = run_pieces(plan.prefill, plan.decode, chunk)
     split = len(pieces) - plan.decode > 1
     if ckpt.saved and progress is not None and cluster is None:
-        progress(sum(p[3] for p in pieces[:ckpt.done]) * len(plan.layers), "resumed")
+        progress(sum(p[3] for p in pieces[:ckpt.done]) * len(plan.layers) * plan.batch,
+                 "resumed")
 
     def boundary(done, observer):
         if done < len(pieces) and (done == 0 or ckpt.due()):
@@ -505,22 +566,30 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
                       stack, observer, out)
             out.keep = True
 
-    def streamed_input(name, first_row, rows, start_pos):
-        x = plan.input_rows(name, first_row, rows, start_pos)
-        out.write_rows(name, first_row, x)
+    batched = plan.batch > 1
+
+    def row_of(name, first_row, batch_row):
+        # A batch's tensor [B, seqlen, ...] takes sequence b's rows at b * seqlen + first_row.
+        return batch_row * out.shape(name)[1] + first_row if batched else first_row
+
+    def streamed_input(name, first_row, rows, start_pos, batch_row=0):
+        x = plan.input_rows(name, first_row, rows, start_pos, batch_row)
+        out.write_rows(name, row_of(name, first_row, batch_row), x)
         return x
 
-    def write(prefix, captures, first_row):
+    def write(prefix, captures, first_row, batch_row=0):
         for what, value in captures.items():
             name = prefix + what
-            if name in copies and value.shape[0] != out.shape(name)[0]:
-                out.copy_tensor(copies[name], name)
+            if name in copies and value.shape[0] != out.shape(name)[int(batched)]:
+                if out.missing_rows(name):
+                    out.copy_tensor(copies[name], name)
             else:
-                out.write_rows(name, first_row, to_storage(name, value, storage_kind(name)))
+                out.write_rows(name, row_of(name, first_row, batch_row),
+                               to_storage(name, value, storage_kind(name)))
 
     if not ckpt.saved:
-        observer = StepObserver(cfg, plan.capture_rows)
-        stack.shared.observer = observer
+        observer = step_observers(stack, plan.capture_rows)
+        observer = observer if batched else observer[0]
     if cluster is not None:
         cluster.drive(plan, stack, ckpt, out, streamed_input, write, progress, chunk, observer)
     else:
@@ -546,14 +615,15 @@ def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:
     weights = held_weight_bytes(c, plan.layers) + 4 * max(math.prod(s) for s in shapes)
     tokens = plan.prefill + plan.decode
     caches = 0
-    for i in plan.layers:
+    for i in plan.layers * plan.batch:         # every sequence of a batch has its own
         caches += 2 * c.window_size * c.head_dim * 4
         if c.is_kv_source(i):
             rows = tokens // c.ratio(i)
             caches += rows * c.head_dim * 4
             if c.is_index_source(i):
                 caches += rows * c.index_head_dim * 6      # f32 keys and the scorer's layout
-    kept = 0 if plan.capture == "io" else 2 * 2 * tokens * len(plan.layers) * c.dim + 4 * params
+    kept = (0 if plan.capture == "io" else
+            2 * 2 * tokens * len(plan.layers) * c.dim * plan.batch + 4 * params)
     rows = plan.prefill if plan.capture != "io" or chunk is None else min(plan.prefill, chunk)
     tile = min(rows, 1024)
     working = (rows * (8 * c.dim + 4 * c.q_lora_rank + 4 * (c.window_size + c.index_topk))
@@ -639,25 +709,33 @@ def replay(path, progress=None, index_tolerance: float | None = None,
         names = set(golden.names)
         weights = replay_weights(golden, info, weights_dir)
         try:
-            stack = AttentionStack(cfg, weights, layers=info.layers)
+            stack = make_stack(cfg, weights, info.layers, info.batch)
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
-        judge = Judge(info, file_scores(golden), index_tolerance, exact_index, strict_evidence=True)
-        report = CompareReport(golden.path, "replay", index_rule=judge.rule)
+        # A batch's sequences are judged one by one (BatchRowFile), as compare does.
+        files = ([golden] if info.batch == 1 else
+                 [BatchRowFile(golden, b) for b in range(info.batch)])
+        judges = [Judge(info, file_scores(f), index_tolerance, exact_index, strict_evidence=True)
+                  for f in files]
+        report = CompareReport(golden.path, "replay", index_rule=judges[0].rule)
         recomputed = set()
 
-        def recorded_input(name, first_row, seqlen, start_pos):
+        def recorded_input(name, first_row, seqlen, start_pos, batch_row=0):
             if name not in names:
                 raise GoldenError(f"{golden.path!r}: input {name} is missing")
             recomputed.add(name)
-            return np.asarray(golden.get(name), dtype=np.float32)
+            return np.asarray(files[batch_row].get(name), dtype=np.float32)
 
-        def compare(prefix, captures, first_row):
+        def compare(prefix, captures, first_row, batch_row=0):
+            f = files[batch_row]
             for what in sorted(captures, key=lambda w: compare_order(prefix + w)):
                 name = prefix + what
                 recomputed.add(name)
                 if name in names:
-                    report.add(judge.compare(name, golden.get(name), captures[what], golden))
+                    res = judges[batch_row].compare(name, f.get(name), captures[what], f)
+                    if info.batch > 1:
+                        res.name = f"{name}[{batch_row}]"
+                    report.add(res)
 
         drive(stack, info.prefill, info.decode, info.capture, recorded_input, compare, progress,
               info.capture_rows)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from ml_dtypes import bfloat16 as BF16
 
+from ..batch import SINGLE, BatchRow, checked_batch
 from ..numerics import bf16_dot_enabled, fp4_quant_e8m0_inplace, is_int, linear_bf16, rms_norm, to_bf16_rne
 from ..rope import apply_rotary
 from .candidates import candidate_block_bits, candidate_mask
@@ -207,7 +208,8 @@ def _selection(scores, clen, k: int, offset: int, maxima) -> np.ndarray:
 def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
             weights: IndexerWeights, table, index_k, offset: int,
             candidate_blocks: np.ndarray | None = None, tile: int | None = None,
-            capture: bool = False, prefill_len: int | None = None, observer=None):
+            capture: bool = False, prefill_len: int | None = None, observer=None,
+            batch: BatchRow = SINGLE):
     """Select each query's compressed positions.
 
     ``index_k`` holds the shared index keys (at least ``end_pos // r`` rows): an
@@ -223,6 +225,9 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     chunk): each query sees ``(s + 1) // r`` positions as in the one-shot prefill, and the rows
     (scores of the one-shot's width ``prefill_len // r``, selection, candidates, every sum) are
     that prefill's rows. ``index_k`` then needs the keys up to the chunk's end only.
+    ``batch``: one sequence of a batch in lockstep; the projections (``weights_proj``,
+    ``wq_b``) sum as the batch's products of B times the step's rows do
+    (:mod:`ds41numba.batch`); the scores and the selection are per query.
 
     ``observer`` (the golden captures' hook, :mod:`ds41numba.golden.captures`), if given, sees
     every tile of queries (``s0`` counts from this call's first row, a chunk's too) while its
@@ -234,10 +239,11 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     """
     _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile,
                         prefill_len)
+    batch = checked_batch(batch, "indexer")
     seqlen = x.shape[0]
     chunk = prefill_len is not None
     width = (prefill_len if chunk else start_pos + seqlen) // cfg.ratio
-    ref_rows = prefill_len if chunk else seqlen
+    ref_rows = batch.rows(prefill_len if chunk else seqlen)
     k = min(cfg.topk, width)
     clen = visible_lengths(start_pos, seqlen, cfg.ratio, prefill=chunk or start_pos == 0)
     positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
