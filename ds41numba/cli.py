@@ -49,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="A CPU reference for DeepSeek-V4.1 compressed attention: "
                 "write, replay and compare golden files.", epilog=_EPILOG)
-    sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare}")
+    sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare,export-paged,suite}")
 
     g = sub.add_parser("golden", help="run a layer stack on generated (or given) weights and "
                        "inputs and write a golden file", epilog=_EPILOG,
@@ -147,6 +147,38 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="FILE.png", help="draw where the differences sit "
                    "(needs matplotlib: pip install 'ds41numba[plot]')")
     index_rules(c)
+
+    e = sub.add_parser("export-paged", help="lay out a golden's caches in shuffled pages with a "
+                       "block table and slot mapping", epilog=_EPILOG,
+                       description="For every cache a --capture all golden records "
+                       "(shared.compress_kv, shared.index_k, state.window_kv), write its pages, "
+                       "block table (logical -> physical page) and slot mapping (slot = "
+                       "physical_page * P + offset), and the index selections as slots.")
+    e.add_argument("golden", metavar="GOLDEN")
+    e.add_argument("--page-size", type=int, required=True, metavar="P",
+                   help="rows per page; must divide the window")
+    e.add_argument("--shuffle", type=int, metavar="SEED", help="shuffle the physical page "
+                   "order with this seed (default: pages in logical order)")
+    e.add_argument("--out", required=True, metavar="FILE")
+    e.add_argument("--force", action="store_true", help="overwrite an existing output file")
+
+    s = sub.add_parser("suite", help="write the edge-case suite: small goldens at the places "
+                       "kernels get wrong, and a manifest", epilog=_EPILOG,
+                       description="Write one small golden per edge case (named for what it "
+                       "covers) and manifest.json (each case's file, what it covers, its "
+                       "lengths, layers and positions, its sha256) into DIR. The same arguments "
+                       "give the same bytes; an interrupted suite continues where it stopped.")
+    ssrc = s.add_mutually_exclusive_group()
+    ssrc.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
+    ssrc.add_argument("--config", metavar="FILE", help="a JSON config (as for golden)")
+    s.add_argument("--layers", metavar="LIST", help="the layers the cases are about (default: "
+                   "all); each case also runs the layers they read")
+    s.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")
+    s.add_argument("--out", metavar="DIR", help="the suite's directory (made if missing; an "
+                   "existing one must be empty or this suite's)")
+    s.add_argument("--check", metavar="DIR", help="only check a suite directory: its manifest "
+                   "and every case file's checksum")
+    s.add_argument("--quiet", action="store_true", help="no line per case")
     return p
 
 
@@ -156,10 +188,11 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise _UsageError(f"{PROG}: error: choose a command: golden, replay or compare "
+            raise _UsageError(f"{PROG}: error: choose a command: golden, replay, compare, export-paged, suite "
                               f"(see {PROG} --help)")
         with _sigterm_as_exit():
-            return {"golden": _golden, "replay": _replay, "compare": _compare}[args.command](args)
+            return {"golden": _golden, "replay": _replay, "compare": _compare,
+                    "export-paged": _export_paged, "suite": _suite}[args.command](args)
     except _UsageError as e:
         print(e, file=sys.stderr)
         return 2
@@ -298,6 +331,40 @@ def _compare(args) -> int:
         plot_report(report, args.golden, args.candidate, args.plot)
     _print(report.to_json() if args.json else report.text())
     return 0 if report.ok else 1
+
+
+def _export_paged(args) -> int:
+    from .golden.paged import export_paged
+    info = export_paged(args.golden, args.out, args.page_size, args.shuffle, force=args.force)
+    print(f"wrote {info['path']}  ({info['caches']} caches in pages of {args.page_size} rows, "
+          f"{info['tensors']} tensors)")
+    return 0
+
+
+def _suite(args) -> int:
+    from .golden.suite import read_manifest, write_suite
+    if args.check is not None:
+        if args.out is not None:
+            raise GoldenError("give --out DIR (write) or --check DIR (check), not both")
+        m = read_manifest(args.check)
+        print(f"{args.check}: a suite of {len(m['cases'])} cases, every file as its manifest says")
+        return 0
+    if args.out is None:
+        raise GoldenError("--out DIR is required (or --check DIR)")
+    config, preset_name = load_config(args.preset, args.config)
+    layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
+              else tuple(range(config.n_layers)))
+
+    def report(case, status, seconds):
+        if not args.quiet:
+            print(f"{status:>9}  {case.name}" + (f"  ({seconds:.1f} s)" if status == "written"
+                                                 else ""), flush=True)
+
+    m = write_suite(config, preset_name, layers, args.out, args.seed, report=report)
+    print(f"suite {args.out}: {len(m['cases'])} cases" + (
+        f", {len(m['not_built'])} not built (they need: "
+        f"{'; '.join(sorted({e['needs'] for e in m['not_built']}))})" if m["not_built"] else ""))
+    return 0
 
 
 def _print(text: str):

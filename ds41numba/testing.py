@@ -36,7 +36,7 @@ from .golden.compare import Judge, TensorResult, compare_tensor, file_scores
 from .golden.ties import DEFAULT_INDEX_TOLERANCE, RowBounds, RowScores
 
 __all__ = ["from_bf16_bits", "golden_scores", "assert_close", "assert_index_rows",
-           "assert_golden_tensor", "assert_candidate_file"]
+           "assert_golden_tensor", "assert_candidate_file", "suite_cases"]
 
 
 def from_bf16_bits(bits) -> np.ndarray:
@@ -134,6 +134,27 @@ def _sequence(f: GoldenFile, batch_row: int | None):
         raise ValueError(f"{f.path!r} holds a batch of {batch} sequences: give batch_row "
                          f"0..{batch - 1}, got {batch_row!r}")
     return BatchRowFile(f, batch_row)
+
+
+def suite_cases(directory) -> list:
+    """The cases of a ``ds41numba suite`` directory as pytest parameters (ids: the case names),
+    each a :class:`~ds41numba.golden.suite_inputs.SuiteCase` (its manifest ``entry``, its
+    ``golden``, :meth:`~ds41numba.golden.suite_inputs.SuiteCase.indexer_inputs`)::
+
+        @pytest.mark.parametrize("case", testing.suite_cases("suite-dir"))
+        def test_my_indexer(case):
+            for step in case.steps():
+                for layer in case.index_layers():
+                    i = case.indexer_inputs(step, layer)
+                    got = my_indexer(i.index_q, i.weights, i.keys, i.visible, i.topk) + i.offset
+                    testing.assert_index_rows(got, i.want, i.evidence, i.offset, i.visible)
+
+    The manifest and every case file's checksum are checked first: a directory that is not a
+    suite, or an edited case, is an error at collection.
+    """
+    import pytest
+    from .golden.suite_inputs import read_suite
+    return [pytest.param(case, id=case.name) for case in read_suite(directory)]
 
 
 class _open:

@@ -324,13 +324,38 @@ def test_compare_self_passes_and_perturbed_copy_fails(tmp_path, capsys):
     assert any(l.startswith("step2.layers.3.out [1, 64]:") and "> tolerance" in l for l in lines)
     assert any(l.startswith("step0.layers.2.shared.topk_idxs") and "1 of 6 rows wrong (row 3: "
                "2 -1 where the golden has a position" in l for l in lines)
-    assert any(l.startswith("step1.layers.0.q:") and "missing" in l for l in lines)
-    assert lines[-1].startswith("FAIL (3 tensors disagree)")
+    assert f"missing from {bad}: step1.layers.0.q" in lines
+    assert "  1 row over tolerance; worst element of each (row: position got want steps):" in lines
+    assert any(l.startswith("    row 0: [0, 5] got ") for l in lines)
+    assert lines[-1].startswith("FAIL (2 tensors disagree, 1 missing): ")
     assert main(["compare", "--json", str(path), str(bad)]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["summary"]["failing_tensors"] == 3 and not report["summary"]["ok"]
+    s = report["summary"]
+    assert (s["failing_tensors"], s["disagreeing_tensors"], s["missing_tensors"]) == (3, 2, 1)
+    assert not s["ok"]
     bad_out = next(r for r in report["tensors"] if r["name"] == "step2.layers.3.out")
     assert bad_out["kind"] == "float" and bad_out["over_tolerance"] == 1
+    assert bad_out["first_rows"] == [0] and bad_out["rows_differ"] == 1
+    worst = bad_out["row_worst"][0]
+    assert worst["position"] == [0, 5] and worst["got"] - worst["want"] == pytest.approx(0.5, abs=0.01)
+    assert worst["steps"] > 1
+    assert 0.9 < bad_out["cosine"] < 1 and bad_out["max_abs_diff"] == pytest.approx(0.5, abs=0.01)
+    assert bad_out["max_rel_diff"] == pytest.approx(0.5 / abs(worst["want"]), rel=0.05)
+    same = next(r for r in report["tensors"] if r["name"] == "step2.layers.2.out")
+    assert (same["cosine"], same["max_rel_diff"], same["first_rows"]) == (1.0, 0.0, [])
+
+
+@pytest.mark.parametrize("drop, verdict", [
+    (1, "FAIL (1 tensor missing)"), (3, "FAIL (3 tensors missing)")])
+def test_compare_counts_missing_tensors_apart(tmp_path, capsys, drop, verdict):
+    path = _golden(tmp_path, "g.safetensors", "--prefill", "4", "--decode", "1")
+    names = [f"step1.layers.{i}.q" for i in range(drop)]
+    bad = tmp_path / "bad.safetensors"
+    _rewrite(path, bad, lambda t: [t.pop(n) for n in names])
+    capsys.readouterr()
+    assert main(["compare", str(path), str(bad)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith(verdict + ": ")
+    assert main(["compare", "--subset", str(path), str(bad)]) == 0
 
 
 def test_compare_accepts_reference_npz(tmp_path, capsys):

@@ -25,13 +25,14 @@ from .errors import GoldenError
 from .files import BatchRowFile, GoldenFile, RunInfo
 from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, RowBounds, RowScores,
                    judge_index_rows)
+from .where import (ROWS_LISTED, RowsOver, cosine, count as _count, fmt_steps as _fmt_steps,
+                    worst_lines)
 
 __all__ = ["TOLERANCE", "ROWS_LISTED", "SELECTIONS", "DOWNSTREAM", "TensorResult",
            "CompareReport", "Judge", "compare_tensor", "compare_files", "file_scores",
            "compare_order", "group_of"]
 
 TOLERANCE = "|got - want| <= 2 * 2^-8 * max|want| + 1e-6 per tensor"
-ROWS_LISTED = 1000   # differing index rows a result lists (the text line shows the first 10)
 #: Index tensors judged tie-aware, and the float tensors whose rows follow a query's selection.
 SELECTIONS = ("idx", "shared.topk_idxs")
 DOWNSTREAM = ("o", "out", "sample.o")
@@ -76,6 +77,12 @@ class TensorResult:
     swap_over_range: int = 0
     rows_not_compared: int = 0      # score captures: rows whose selection differs
     informational: bool = False     # the golden's evidence (score captures): never fails
+    # float tensors: engines' per-tensor figures (finite elements; relative where want != 0),
+    # and, aligned with first_rows (the first rows holding an element over tolerance), each
+    # row's worst element: {"row", "position", "got", "want", "steps"}
+    max_rel_diff: float = 0.0
+    cosine: float = 1.0
+    row_worst: list = field(default_factory=list)
 
     def line(self) -> str:
         """One human-readable line."""
@@ -112,24 +119,25 @@ class TensorResult:
                             if self.swap_over_range else ", all within the tensor's range)"))
             if self.rows_not_compared:
                 line += f"; {self.rows_not_compared} rows not compared (their selection differs)"
+            if self.row_worst:
+                line += "\n" + worst_lines(self.rows_differ, self.row_worst)
             return line
         return f"{self.name}: {self.detail}"
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        for k in ("differ_rows", "swap_list", "wrong_list"):
+        for k in ("differ_rows", "swap_list", "wrong_list", "_dots"):
             d.pop(k, None)
         for k in ("max_abs_diff", "max_bf16_steps", "tolerance", "max_score_gap",
-                  "max_relative_gap", "swap_max_abs_diff"):
-            if not math.isfinite(d[k]):
-                d[k] = str(d[k])   # JSON has no inf/nan
+                  "max_relative_gap", "swap_max_abs_diff", "max_rel_diff", "cosine"):
+            d[k] = _json_float(d[k])
+        d["row_worst"] = [{k: _json_float(v) if isinstance(v, float) else v for k, v in w.items()}
+                          for w in self.row_worst]
         return d
 
 
-def _fmt_steps(v: float) -> str:
-    if not math.isfinite(v):
-        return str(v)
-    return f"{v:.0f}" if v == int(v) else f"{v:.3g}"
+def _json_float(v: float):
+    return v if math.isfinite(v) else str(v)   # JSON has no inf/nan
 
 
 def _is_index(a: np.ndarray) -> bool:
@@ -170,8 +178,10 @@ def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
     if problem:
         res.kind, res.ok, res.detail = "unusable", False, problem
         return res
+    row_ids = None
     if rows is not None and want.ndim and not rows.all():
         res.rows_not_compared = int(np.count_nonzero(~rows))
+        row_ids = np.flatnonzero(rows)
         want, got = want[rows], got[rows]
         res.size = int(want.size)
         if want.shape[0] == 0:
@@ -180,7 +190,7 @@ def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
         return _judge_index(res, want, got, scores, bounds, index_tolerance)
     if index:
         return _compare_index(res, want, got)
-    return _compare_float(res, want, got, relaxed_rows)
+    return _compare_float(res, want, got, relaxed_rows, row_ids=row_ids)
 
 
 def _judge_index(res, want, got, scores, bounds, tolerance) -> TensorResult:
@@ -232,26 +242,37 @@ def _abs_max(a: np.ndarray) -> float:
 
 
 def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
-                   relaxed_rows=None, factor: float = 1.0, amax: float | None = None) -> TensorResult:
+                   relaxed_rows=None, factor: float = 1.0, amax: float | None = None,
+                   row_ids=None) -> TensorResult:
     """Float agreement at ``factor`` x the SPEC tolerance of ``max|want|`` (``amax``, default
-    this tensor's); ``relaxed_rows`` are judged apart (:func:`_compare_float_relaxed`)."""
+    this tensor's); ``relaxed_rows`` are judged apart (:func:`_compare_float_relaxed`).
+
+    A chunk at a time (a memory-mapped tensor is never read whole); besides the counts it notes
+    which first-axis rows hold an element over the bound and each row's worst element
+    (``row_ids``: the tensor's row numbers of ``want``'s rows, when it is a selection of them).
+    """
     if relaxed_rows is not None and len(relaxed_rows) and want.ndim:
         return _compare_float_relaxed(res, want, got, np.asarray(relaxed_rows, np.int64))
     w_all, g_all = want.reshape(-1), got.reshape(-1)
     res.tolerance = 2 * 2.0 ** -8 * (_abs_max(want) if amax is None else amax) + 1e-6
     bound = factor * res.tolerance
+    rows = RowsOver(want.shape if want.ndim else (1,), row_ids)
+    dots = np.zeros(3)      # sum g*w, g*g, w*w over the finite elements: the cosine
     for lo in range(0, w_all.size, CHUNK):
         w = np.ascontiguousarray(w_all[lo:lo + CHUNK], dtype=np.float32)
         g = np.ascontiguousarray(g_all[lo:lo + CHUNK], dtype=np.float32)
         wn, gn = np.isnan(w), np.isnan(g)
         res.bit_identical += int(np.count_nonzero((w.view(np.uint32) == g.view(np.uint32)) | (wn & gn)))
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
-            diff = np.abs(g.astype(np.float64) - w.astype(np.float64))
+            diff = np.abs(g64 - w64)
         finite = np.isfinite(w) & np.isfinite(g)
         ok = (finite & (diff <= bound)) | (w == g) | (wn & gn)
         res.over_tolerance += int(ok.size - np.count_nonzero(ok))
         if finite.any():
             res.max_abs_diff = max(res.max_abs_diff, float(diff[finite].max()))
+            _figures(res, dots, g64, w64, diff, finite)
+        del g64, w64
         if (~finite & ~ok).any():
             res.max_abs_diff = math.inf
         steps = np.abs(_ordered(g.view(np.uint32)) - _ordered(w.view(np.uint32))) / 65536.0
@@ -259,29 +280,57 @@ def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
         res.within_one_step += int(np.count_nonzero(steps <= 1.0))
         if steps.size:
             res.max_bf16_steps = max(res.max_bf16_steps, float(steps.max()))
+        if not ok.all():
+            rows.note(lo, np.flatnonzero(~ok), np.where(finite, diff, np.inf), g, w, steps)
+    res._dots = dots
+    res.cosine = cosine(dots)
+    rows.fill(res)
     res.ok = res.over_tolerance == 0
     return res
+
+
+def _figures(res: TensorResult, dots, g64, w64, diff, finite):
+    """Add a chunk's sums for the cosine to ``dots`` and its largest relative difference to
+    ``res``, over its finite elements (``g64``, ``w64`` are overwritten: no more copies of the
+    chunk than the comparison holds)."""
+    if not finite.all():
+        g64[~finite], w64[~finite] = 0.0, 0.0
+    dots += (np.dot(g64, w64), np.dot(g64, g64), np.dot(w64, w64))
+    moved = np.flatnonzero(diff > 0)          # NaN compares False: only finite differences
+    if moved.size:
+        want = np.abs(w64[moved])
+        keep = finite[moved] & (want != 0)
+        if keep.any():
+            res.max_rel_diff = max(res.max_rel_diff, float((diff[moved][keep] / want[keep]).max()))
 
 
 def _compare_float_relaxed(res: TensorResult, want, got, relaxed) -> TensorResult:
     """:func:`_compare_float` with the rows ``relaxed`` (downstream of a differing index row)
     judged apart: within ``SWAP_FLOAT_RANGE * max|want|`` (plus the tolerance) of the golden,
-    NaN and infinities as the golden's; the tolerance stays the whole tensor's."""
+    NaN and infinities as the golden's; the tolerance stays the whole tensor's. The rows over
+    are those of the strict rows over the tolerance and of the relaxed rows beyond the range."""
     mask = np.zeros(want.shape[0], bool)
     mask[relaxed[(relaxed >= 0) & (relaxed < want.shape[0])]] = True
+    kept, loosened = np.flatnonzero(~mask), np.flatnonzero(mask)
     amax = _abs_max(want)
     strict = _compare_float(TensorResult(res.name, "float", True), want[~mask], got[~mask],
-                            amax=amax)
+                            amax=amax, row_ids=kept)
     loose = _compare_float(TensorResult(res.name, "float", True), want[mask], got[mask],
                            amax=amax)
     tol = strict.tolerance
     ranged = _compare_float(TensorResult(res.name, "float", True), want[mask], got[mask],
-                            factor=(SWAP_FLOAT_RANGE * amax + tol) / tol, amax=amax)
+                            factor=(SWAP_FLOAT_RANGE * amax + tol) / tol, amax=amax,
+                            row_ids=loosened)
     res.tolerance = tol
     res.over_tolerance, res.max_abs_diff = strict.over_tolerance, strict.max_abs_diff
     res.within_one_step = strict.within_one_step + loose.within_one_step
     res.bit_identical = strict.bit_identical + loose.bit_identical
     res.max_bf16_steps = max(strict.max_bf16_steps, loose.max_bf16_steps)
+    res.max_rel_diff = max(strict.max_rel_diff, loose.max_rel_diff)
+    res.cosine = cosine(strict._dots + loose._dots)
+    res.rows, res.rows_differ = want.shape[0], strict.rows_differ + ranged.rows_differ
+    res.row_worst = sorted(strict.row_worst + ranged.row_worst, key=lambda w: w["row"])[:ROWS_LISTED]
+    res.first_rows = [w["row"] for w in res.row_worst]
     res.swap_rows = int(mask.sum())
     res.swap_over_tolerance, res.swap_max_abs_diff = loose.over_tolerance, loose.max_abs_diff
     res.swap_over_range = ranged.over_tolerance
@@ -340,6 +389,8 @@ class CompareReport:
             "shape_mismatches": sum(r.kind == "shape" for r in self.results),
             "unusable": sum(r.kind == "unusable" for r in self.results),
             "failing_tensors": len(self.failures),
+            "disagreeing_tensors": sum(r.kind != "only-golden" for r in self.failures),
+            "missing_tensors": sum(r.kind == "only-golden" for r in self.failures),
             "tolerance": TOLERANCE,
         }
 
@@ -352,7 +403,7 @@ class CompareReport:
             if s["float_rows_after_swaps"]:
                 rows += (f"; {s['float_rows_after_swaps']} float rows after swaps (max |diff| "
                          f"{s['max_abs_diff_after_swaps']:.3g})")
-        parts = [f"{s['compared']} tensors compared", rows,
+        parts = [_count(s['compared'], "tensor") + " compared", rows,
                  f"floats max {_fmt_steps(s['max_bf16_steps'])} bf16 steps, "
                  f"{100 * s['within_one_step_fraction']:.3f}% within 1 step, "
                  f"{100 * s['bit_identical_fraction']:.3f}% bit-identical"]
@@ -360,15 +411,32 @@ class CompareReport:
             parts.append(f"{s['only_in_golden']} only in {self.golden}")
         if s["only_in_candidate"]:
             parts.append(f"{s['only_in_candidate']} only in {self.candidate}")
-        verdict = "OK" if self.ok else (f"FAIL ({s['failing_tensors']} tensors disagree)"
-                                        if s["compared"] else "FAIL (no tensor in common)")
-        return f"{verdict}: " + "; ".join(parts)
+        return f"{self._verdict(s)}: " + "; ".join(parts)
+
+    def _verdict(self, s: dict) -> str:
+        """OK, or FAIL with how many tensors disagree and how many the candidate lacks."""
+        if self.ok:
+            return "OK"
+        if not s["compared"]:
+            return "FAIL (no tensor in common)"
+        n, missing = s["disagreeing_tensors"], s["missing_tensors"]
+        why = []
+        if n:
+            why.append(_count(n, "tensor") + (" disagrees" if n == 1 else " disagree"))
+        if missing:
+            why.append(f"{missing} missing" if n else _count(missing, "tensor") + " missing")
+        return f"FAIL ({', '.join(why) or 'nothing compared agrees'})"
 
     def text(self, limit: int = 50) -> str:
         """One line per failing tensor (at most ``limit``), then the summary line."""
-        lines = [r.line() for r in self.failures[:limit]]
-        if len(self.failures) > limit:
-            lines.append(f"... and {len(self.failures) - limit} more failing tensors (--json lists all)")
+        failing = [r for r in self.failures if r.kind != "only-golden"]
+        lines = [r.line() for r in failing[:limit]]
+        if len(failing) > limit:
+            lines.append(f"... and {len(failing) - limit} more failing tensors (--json lists all)")
+        missing = [r.name for r in self.failures if r.kind == "only-golden"]
+        if missing:
+            lines.append(f"missing from {self.candidate}: " + ", ".join(missing[:5])
+                         + (f" ... ({len(missing)} in all)" if len(missing) > 5 else ""))
         extra = [r.name for r in self.results if r.kind == "only-candidate"]
         if extra:
             lines.append(f"only in {self.candidate}: " + ", ".join(extra[:5])
