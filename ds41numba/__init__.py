@@ -3,8 +3,8 @@
 It reproduces DeepSeek's ``inference/model.py`` (bit for bit in its index selections, at bf16
 tolerance in its tensors) and runs at full length on multicore CPUs.
 
-Names. The config's fields (:class:`AttnConfig`: the attention fields of the reference's
-``ModelArgs``), the parameter names (``layers.{i}.attn.NAME``, the reference's ``Attention``
+Names. The config's fields (:class:`AttnConfig`, also ``CompAttnCfg``: the attention fields of
+the reference's ``ModelArgs``), the parameter names (``layers.{i}.attn.NAME``, the reference's ``Attention``
 parameters) and the golden tensor names are the reference's, and so are ``sparse_attn`` (its
 sparse-attention kernel) and ``select_candidate_blocks``. The other public names say what they
 compute; where the reference has a function for it, it is:
@@ -54,6 +54,9 @@ from .numerics import (FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK, act_quant_fp8_inplace
 from .rope import apply_rotary, yarn_freqs_cis
 from .topk import torch_cpu_topk_rows, torch_cpu_topk_set
 from .config import PRESETS, AttnConfig, preset
+
+#: The seed's name of the attention config (its ``CompAttnCfg`` struct): the same class.
+CompAttnCfg = AttnConfig
 from .compressor import CompressorState, CompressorWeights, compressor
 from .indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer, select_candidate_blocks
 from .attention import (CompAttnRun, attention_any, attention_rows, output_projection, sparse_attn,

@@ -1,7 +1,7 @@
 """Slow, obviously-correct pure-Python references the fast kernels are tested against.
 
 Each slow twin is named after the package function it mirrors: ``naive.sparse_attn`` is the twin
-of ``ds41numba.sparse_attn``, ``naive.tile_scores`` of the indexer's ``_tile_scores``. Where a
+of ``ds41numba.sparse_attn``, ``naive.tile_scores`` of the indexer's ``tile_scores``. Where a
 twin returns a new array for a function that works in place (the quantisers) or covers a whole
 run (``compressor``), its docstring says so. The sections follow the package's modules.
 """
@@ -521,7 +521,7 @@ def linear_f32_ordered(x, w, nn=False):
 # selection, the window index rows and ring, sparse attention with a sink and the grouped output
 # projection. Dot products are computed in float64 (every product of two f32 values is exact
 # there) and rounded once to f32: a summation-order-free f32 accumulation. bf16 rounding, RMSNorm
-# and top-k come from the package (``ds.``; tested on their own in test_numerics / test_topk).
+# and top-k come from the package (``ds.``; tested on their own in the numerics tests / test_topk).
 
 
 def _dot_f32(a, b):
@@ -625,7 +625,7 @@ def visible_lengths(start_pos, seqlen, r):
 # behaviour under test), so numpy's warnings about them are expected here.
 @np.errstate(invalid="ignore", over="ignore")
 def tile_scores(iq, w, keys, clen):
-    """The indexer's scores (its ``_tile_scores`` kernels): SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
+    """The indexer's scores (its ``tile_scores`` kernels): SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
     ``keys [n, id]``: ``bf16(sum_h bf16(relu(bf16(iq[s,h] . keys[t])) * w[s,h]))``, the head sum
     in f32 in head order; ``-inf`` for ``t >= clen[s]``. Returns ``[T, n]`` f32."""
     T, ih, _ = iq.shape

@@ -12,12 +12,14 @@ parallel kernels. The array helpers at the end (``as_f32_array``, ``check_inplac
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 from numba import njit, prange
 
 from .workers import worth_parallel
 
-__all__ = ["FP4_BLOCK", "LATENT_BLOCK", "FP8_BLOCK", "E4M3_MAX", "E2M1_MAX", "bf16_scalar",
+__all__ = ["is_int", "FP4_BLOCK", "LATENT_BLOCK", "FP8_BLOCK", "E4M3_MAX", "E2M1_MAX", "bf16_scalar",
            "e4m3_scalar", "e2m1_scalar", "pow2ceil_scalar", "nan_max", "to_bf16_rne", "to_e4m3_rne",
            "to_e2m1_rne", "pow2ceil", "round_bf16_inplace", "is_bf16_valued", "as_f32_array",
            "check_inplace", "output_buffer", "aligned_empty", "ELEMENT_COST"]
@@ -249,6 +251,13 @@ def is_bf16_valued(x):
     arr = as_f32_array(x, "is_bf16_valued")
     flat = np.ascontiguousarray(arr).reshape(-1)
     return bool(_bf16_valued_range(flat, 0, flat.shape[0]))
+
+
+def is_int(value, minimum=None) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's, not a bool) of at least ``minimum``
+    (any, when None): the one check behind every integer argument's error message."""
+    return (not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral)
+            and (minimum is None or value >= minimum))
 
 
 def check_inplace(x, name):
