@@ -11,10 +11,25 @@ _STATES: dict[str, dict] = {}
 
 
 class Kernels:
+    """Each case in processes of its own (asv forks one per case and round).
+
+    Why these settings (measured on the shared 2-core machine, docs/performance.md): a process's
+    speed differs from the next one's by more than a sample's spread, so a comparison needs
+    several processes a commit (``rounds``, interleaved with ``--interleave-rounds``) and several
+    samples each (``repeat``), each the mean of ``number`` calls (asv re-runs the set-up before
+    each call and times the calls alone, so in-place kernels still get fresh data; a millisecond
+    kernel's single call swung 3-27 ms under load), for asv's rank test to have something to
+    rank; ``--quick`` (one sample, one process) only shows that the suite runs. Set-up runs each
+    kernel twice untimed (numba loads it from its cache; numba's threads start; the first pass's
+    page faults), and then resets the peak RSS, so ``peakmem_kernel`` is the case's data and the
+    call, not numba compiling or loading in the same process.
+    """
+
     params = list(common.kernel_cases())
     param_names = ["kernel"]
-    number = 1            # setup runs before every call: in-place kernels get fresh data
-    repeat = (3, 20, 10.0)
+    number = 4            # a sample: the mean of 4 calls, each timed alone after its set-up
+    repeat = (6, 12, 6.0)
+    rounds = 3
     warmup_time = 0
     timeout = 600
 
@@ -27,7 +42,11 @@ class Kernels:
             _STATES[name] = st = case.build()
             if case.prepare:
                 case.prepare(st)
-            case.run(st)          # warm: numba loads the kernel from its cache
+            for _ in range(2):    # warm: numba loads the kernel from its cache, threads start
+                case.run(st)
+                if case.prepare:
+                    case.prepare(st)
+            common.reset_peak_rss()
         self.case, self.state = case, _STATES[name]
         if case.prepare:
             case.prepare(self.state)

@@ -17,7 +17,7 @@ worker, ``makespan`` the tiles' measured compute seconds placed in submission or
 earliest free worker, ``write_tail`` the driver's writing of the last tile (the others overlap
 the workers' compute), ``decode`` the decode steps on the driver. The model's sum is compared
 with the run's wall time. Per-core rates derived from it project a longer run on more
-machines (``--project-tokens``, ``--machines``, ``--cores``; see the README, "Running on a
+machines (``--project-tokens``, ``--machines``, ``--cores``; see docs/full-length.md, "Running on a
 cluster").
 
 Options: ``--layers 20``, ``--prefill 16384``, ``--decode 4``, ``--chunk 4096``,

@@ -478,7 +478,7 @@ def _index_scores_case(path: str):
     return KernelCase(name, f"{what} (64 queries x 4096 positions)",
                       f"iq {_TILE}x{ih}x{idim}, keys {_CTX}x{idim}", build, run,
                       flops=2 * ih * idim * _TILE * _CTX, elements=_TILE * _CTX,
-                      private="ds41numba.indexer._tile_scores", tier=tier or "")
+                      private="ds41numba.indexer.blas_scores.tile_scores", tier=tier or "")
 
 
 def _projection_case(tokens=1024):

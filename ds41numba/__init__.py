@@ -3,8 +3,8 @@
 It reproduces DeepSeek's ``inference/model.py`` (bit for bit in its index selections, at bf16
 tolerance in its tensors) and runs at full length on multicore CPUs.
 
-Names. The config's fields (:class:`AttnConfig`: the attention fields of the reference's
-``ModelArgs``), the parameter names (``layers.{i}.attn.NAME``, the reference's ``Attention``
+Names. The config's fields (:class:`AttnConfig`, also ``CompAttnCfg``: the attention fields of
+the reference's ``ModelArgs``), the parameter names (``layers.{i}.attn.NAME``, the reference's ``Attention``
 parameters) and the golden tensor names are the reference's, and so are ``sparse_attn`` (its
 sparse-attention kernel) and ``select_candidate_blocks``. The other public names say what they
 compute; where the reference has a function for it, it is:
@@ -13,12 +13,12 @@ compute; where the reference has a function for it, it is:
 * ``fp4_quant_e8m0_inplace``: its ``fp4_act_quant`` with the default e8m0 scales (block 32,
   ``FP4_BLOCK``: the indexer's queries and keys);
 * ``fp4_quant_e4m3_inplace``: its fp4 quantiser with e4m3 scales (block 16, ``LATENT_BLOCK``:
-  the compressed KV latents; SPEC.md "Quantisers");
+  the compressed KV latents);
 * ``linear_bf16``, ``linear_f32``: its linears (torch's ``F.linear``) on bf16 weights, and on the
   f32 weights of the ratio > 1 compressor;
 * ``rms_norm``: the forward of its ``RMSNorm``;
 * ``yarn_freqs_cis``, ``apply_rotary``: its rotary table (with YaRN on compressed layers) and the
-  rotation of a vector's last ``rope_head_dim`` elements by it (SPEC.md "RoPE");
+  rotation of a vector's last ``rope_head_dim`` elements by it;
 * ``torch_cpu_topk_set``, ``torch_cpu_topk_rows``: the index set its ``torch.topk`` calls return on
   the CPU, ties included;
 * ``compressor`` (with ``CompressorWeights``, ``CompressorState``) and ``indexer`` (with
@@ -26,7 +26,9 @@ compute; where the reference has a function for it, it is:
   ``indexer`` submodules (the parameters ``layers.{i}.attn.compressor.*``, ``.indexer.*``);
 * ``attention_any``: the forward of its ``Attention`` for a layer of any compress ratio;
   ``AttentionStack``: the layers' ``Attention`` forwards in the order the model runs them, with
-  the state they share (SPEC.md "The shared runtime and the layer stack").
+  the state they share; ``BatchedStack``:
+  a batch of sequences run through them in lockstep, as the reference runs ``bsz > 1``
+  (``BatchRow``: which rows of the batch's products a sequence's rows are; docs/batches.md).
 
 The rest (the roundings ``to_bf16_rne``, ``to_e4m3_rne``, ``to_e2m1_rne``, ``pow2ceil``,
 ``is_bf16_valued``; ``window_index_rows``, ``output_projection``, ``IndexKeyCache``, ...) are
@@ -52,10 +54,15 @@ from .numerics import (FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK, act_quant_fp8_inplace
 from .rope import apply_rotary, yarn_freqs_cis
 from .topk import torch_cpu_topk_rows, torch_cpu_topk_set
 from .config import PRESETS, AttnConfig, preset
+
+#: The seed's name of the attention config (its ``CompAttnCfg`` struct): the same class.
+CompAttnCfg = AttnConfig
 from .compressor import CompressorState, CompressorWeights, compressor
 from .indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer, select_candidate_blocks
 from .attention import (CompAttnRun, attention_any, attention_rows, output_projection, sparse_attn,
                         window_index_rows)
 from .stack import AttentionStack, AttnWeights, LayerAttnState, SharedRuntime, weight_specs
+from .batch import BatchRow
+from .batched import BatchedStack
 
 __version__ = "0.1.0"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import re
 import signal
@@ -26,8 +28,10 @@ from . import golden
 from .config import AttnConfig, preset
 from .golden.files import ranges_text
 from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError, RunInterrupted
+from .golden.inputs_file import InputsFile
+from .golden.weights_dir import WeightsDir, dir_config_differences, load_dir_config
 
-__all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config"]
+__all__ = ["main", "parse_layers", "parse_rows", "default_run", "load_config", "run_config"]
 
 PROG = "ds41numba"
 _EPILOG = ("Exit status: 0 ok, 1 disagreement, 2 bad usage, unreadable input, a failing disk or "
@@ -43,20 +47,40 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message}")
 
 
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: ``golden``, ``replay``, ``compare``, ``export-paged`` and
+    ``suite`` (the CLI reference of the documentation is generated from it)."""
     p = _Parser(prog=PROG, description="A CPU reference for DeepSeek-V4.1 compressed attention: "
                 "write, replay and compare golden files.", epilog=_EPILOG)
-    sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare}")
+    p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="{golden,replay,compare,export-paged,suite}")
 
-    g = sub.add_parser("golden", help="run a layer stack on generated weights and inputs and "
-                       "write a golden file", epilog=_EPILOG,
+    g = sub.add_parser("golden", help="run a layer stack on generated (or given) weights and "
+                       "inputs and write a golden file", epilog=_EPILOG,
                        description="Build a layer stack with deterministic weights and inputs "
-                       "from --seed, run a prefill and --decode steps, and write one "
+                       "from --seed (or a checkpoint's weights, --weights, and a file's "
+                       "inputs, --inputs), run a prefill and --decode steps, and write one "
                        "self-contained safetensors file.")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
     src.add_argument("--config", metavar="FILE", help="a JSON config in the reference's ModelArgs "
                      "names or a Hugging Face V4.1 config.json")
+    g.add_argument("--weights", metavar="DIR", help="run on the attention weights of a model "
+                   "checkpoint directory in the released layout (config.json, "
+                   "model.safetensors.index.json, shards; fp8 weights dequantized to bf16); its "
+                   "config.json is the config unless --preset/--config is given, which must "
+                   "then agree with it")
+    g.add_argument("--no-weights", action="store_true", help="with --weights, leave the "
+                   "weights out of the file (it records their checksums; replay then needs "
+                   "--weights DIR)")
+    g.add_argument("--inputs", metavar="FILE", help="layer inputs from a safetensors file: "
+                   "x.layers.{i} (or one x for every layer) [tokens, dim], BF16 or F32, row t "
+                   "the input at position t")
     g.add_argument("--layers", metavar="LIST", help="layers to run, e.g. 20 or 2,3,20-24 "
                    "(default: all); every source they read must be included")
     g.add_argument("--prefill", type=int, metavar="N", help="prefill tokens (default: 12, or the "
@@ -72,7 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rows", metavar="SPEC", help="with --capture io or caches, answer and "
                    "store only these prefill query rows (every other row runs its key side "
                    "only): none, last:N, first:N, every:N, random:N (drawn with --seed) or "
-                   "positions and ranges (0-127,1000); the decode steps run as usual")
+                   "positions and ranges (0-127,1000); the decode steps run as usual; "
+                   "one sequence only, not with --batch")
     g.add_argument("--chunk", type=int, default=golden.DEFAULT_CHUNK, metavar="N",
                    help=f"with --capture io, run the prefill N rows at a time through every "
                    f"layer, streaming each chunk's rows to the file (default: "
@@ -80,6 +105,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-rows", metavar="ROWS", help="also record, for these query "
                    "positions of every step, what each kernel consumes and produces (sample.*): "
                    "a list and ranges (0,5,100-120) or random:N (N positions drawn with --seed)")
+    g.add_argument("--batch", type=int, default=1, metavar="B", help="B sequences in lockstep, "
+                   "as the reference runs a batch (their products over B x seqlen rows); every "
+                   "tensor but the weights gets a leading batch axis (default: 1, one sequence, "
+                   "no batch axis; docs/batches.md)")
     g.add_argument("--profile", choices=PROFILES, default="default", help="generator profile: "
                    "default, or ties (tie-heavy index scores, NaN and +-inf rows)")
     g.add_argument("--out", metavar="FILE", help="output file (default: "
@@ -115,6 +144,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        "inputs and report agreement", epilog=_EPILOG)
     r.add_argument("file", metavar="FILE", help="a ds41numba golden (.safetensors) or a "
                    "reference golden (.npz)")
+    r.add_argument("--weights", metavar="DIR", help="the checkpoint directory a golden made "
+                   "with --no-weights ran on (its tensors' checksums are checked)")
     r.add_argument("--json", action="store_true", help="machine-readable report")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     index_rules(r)
@@ -122,7 +153,7 @@ def _build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="compare a candidate's tensors with a golden's",
                        epilog=_EPILOG, description="Index rows must be identical or differ by "
                        "boundary swaps (tie-aware, with the scores the golden records); float "
-                       f"tensors within the SPEC tolerance ({golden.TOLERANCE}). Either file may "
+                       f"tensors within the bf16 tolerance ({golden.TOLERANCE}). Either file may "
                        "be a ds41numba .safetensors golden or a reference .npz golden.")
     c.add_argument("golden", metavar="GOLDEN")
     c.add_argument("candidate", metavar="CANDIDATE")
@@ -132,19 +163,68 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="FILE.png", help="draw where the differences sit "
                    "(needs matplotlib: pip install 'ds41numba[plot]')")
     index_rules(c)
+
+    e = sub.add_parser("export-paged", help="lay out a golden's caches in shuffled pages with a "
+                       "block table and slot mapping", epilog=_EPILOG,
+                       description="For every cache a --capture all golden records "
+                       "(shared.compress_kv, shared.index_k, state.window_kv), write its pages, "
+                       "block table (logical -> physical page) and slot mapping (slot = "
+                       "physical_page * P + offset), and the index selections as slots.")
+    e.add_argument("golden", metavar="GOLDEN")
+    e.add_argument("--page-size", type=int, required=True, metavar="P",
+                   help="rows per page; must divide the window")
+    e.add_argument("--shuffle", type=int, metavar="SEED", help="shuffle the physical page "
+                   "order with this seed (default: pages in logical order)")
+    e.add_argument("--out", required=True, metavar="FILE")
+    e.add_argument("--force", action="store_true", help="overwrite an existing output file")
+
+    s = sub.add_parser("suite", help="write the edge-case suite: small goldens at the places "
+                       "kernels get wrong, and a manifest", epilog=_EPILOG,
+                       description="Write one small golden per edge case (named for what it "
+                       "covers) and manifest.json (each case's file, what it covers, its "
+                       "lengths, layers and positions, its sha256) into DIR. The same arguments "
+                       "give the same bytes; an interrupted suite continues where it stopped.")
+    ssrc = s.add_mutually_exclusive_group()
+    ssrc.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
+    ssrc.add_argument("--config", metavar="FILE", help="a JSON config (as for golden)")
+    s.add_argument("--layers", metavar="LIST", help="the layers the cases are about (default: "
+                   "all); each case also runs the layers they read")
+    s.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")
+    s.add_argument("--out", metavar="DIR", help="the suite's directory (made if missing; an "
+                   "existing one must be empty or this suite's)")
+    s.add_argument("--check", metavar="DIR", help="only check a suite directory: its manifest "
+                   "and every case file's checksum")
+    s.add_argument("--quiet", action="store_true", help="no line per case")
     return p
 
 
 def main(argv=None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    """Run the ``ds41numba`` command line.
+
+    Args:
+        argv: the arguments after the program name (default ``sys.argv[1:]``), e.g.
+            ``["golden", "--preset", "mixed"]``.
+
+    Returns:
+        The exit status: 0 success; 1 a replay or comparison that disagrees; 2 a bad argument,
+        an unreadable input, an existing output without ``--force``, a failing disk or a lost
+        Dask scheduler (one line on stderr); 130 interrupted (143 by SIGTERM). Nothing is
+        raised for those.
+
+    Example:
+        >>> main(["--version"])
+        ds41numba 0.1.0
+        0
+    """
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise _UsageError(f"{PROG}: error: choose a command: golden, replay or compare "
+            raise _UsageError(f"{PROG}: error: choose a command: golden, replay, compare, export-paged, suite "
                               f"(see {PROG} --help)")
         with _sigterm_as_exit():
-            return {"golden": _golden, "replay": _replay, "compare": _compare}[args.command](args)
+            return {"golden": _golden, "replay": _replay, "compare": _compare,
+                    "export-paged": _export_paged, "suite": _suite}[args.command](args)
     except _UsageError as e:
         print(e, file=sys.stderr)
         return 2
@@ -185,29 +265,56 @@ def _sigterm_as_exit():
         signal.signal(signal.SIGTERM, old)
 
 
+#: The bar while numba compiles: no rate or ETA (a rate from those steps promised hours).
+_COMPILING_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}, compiling{postfix}]"
+
+
 @contextlib.contextmanager
 def _progress(total: int, quiet: bool, desc: str):
     """A progress callback ``(n, where)`` drawing a tqdm bar with an ETA on stderr.
 
     The bar shows itself only once a run has lasted two seconds, counts work in key-side
     token-layers (a query row weighs what its projections and indexer width cost:
-    :func:`~ds41numba.golden.run.work_units`), and names the step and layer in progress (a long
-    prefill is a single forward call).
+    :func:`~ds41numba.golden.work.work_units`), and names the step and layer in progress (a long
+    prefill is a single forward call). ``where`` is ``"<piece> layer <i>"``
+    (:func:`golden.run.piece_name`). The first piece of a run (the prefill, or its first chunk)
+    and the first decode step run numba compiling (on a first run) or loading the kernels they
+    need: while they run the bar says "compiling" and their work is counted without entering
+    the rate, so the ETA comes from the steps after them. The bar is drawn once more when the
+    run is complete, so it ends at 100%.
     """
     with tqdm(total=total, disable=quiet, delay=2.0, unit="tok", unit_scale=True, desc=desc,
-              file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
+              file=sys.stderr, dynamic_ncols=True, leave=False,
+              bar_format=_COMPILING_FORMAT) as bar:
+        warming, seen = set(), set()
+
         def report(n: int, where: str):
-            if n:
-                bar.update(n)
-            else:
+            if bar.disable:
+                return
+            piece = where.rsplit(" layer ", 1)[0]
+            if piece not in seen:
+                seen.add(piece)
+                if len(seen) == 1 or piece == "step 1" or piece == "resumed":
+                    warming.add(piece)
+                bar.bar_format = _COMPILING_FORMAT if piece in warming else None
+            if not n:
                 bar.set_postfix_str(where, refresh=False)
+            elif piece in warming:   # counted, but not a sample of the rate
+                bar.n += n
+                bar.last_print_n, bar.last_print_t = bar.n, bar._time()
+                if bar.last_print_t >= bar.start_t + bar.delay:
+                    bar.refresh()
+            else:
+                bar.update(n)
+            if bar.n >= total and bar._time() >= bar.start_t + bar.delay:
+                bar.refresh()
         yield report
 
 
 def _golden(args) -> int:
     if args.chunk < 1:
         raise GoldenError(f"--chunk must be at least 1, got {args.chunk}")
-    config, preset_name = load_config(args.preset, args.config)
+    config, preset_name = run_config(args.preset, args.config, args.weights)
     layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
               else tuple(range(config.n_layers)))
     prefill, decode = default_run(preset_name)
@@ -219,20 +326,32 @@ def _golden(args) -> int:
                 parse_rows(args.rows, prefill, args.seed, flag="--rows", what="prefill"))
     plan = golden.GoldenPlan(config=config, layers=layers, prefill=prefill, decode=decode,
                              seed=args.seed, capture=args.capture, preset=preset_name,
-                             profile=args.profile, capture_rows=rows, rows=answered)
+                             profile=args.profile, capture_rows=rows, batch=args.batch,
+                             rows=answered)
+    if args.no_weights and args.weights is None:
+        raise GoldenError("--no-weights: only a golden made from a checkpoint directory "
+                          "(--weights DIR) may leave its weights out")
+    if args.weights is not None or args.inputs is not None:
+        plan = dataclasses.replace(
+            plan, store_weights=not args.no_weights,
+            weights=None if args.weights is None else WeightsDir(args.weights, config, plan.layers),
+            inputs=None if args.inputs is None else InputsFile(args.inputs, config, plan.layers,
+                                                              prefill + decode, args.batch))
     if args.out is not None:
         out = args.out
     else:
-        stem = preset_name or os.path.splitext(os.path.basename(args.config))[0]
+        source = args.config or os.path.abspath(args.weights or "")
+        stem = preset_name or os.path.splitext(os.path.basename(source))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
     with _cluster(args, plan) as cluster, \
             _progress(plan.total_work, args.quiet, f"golden {preset_name or 'config'}") as progress:
         info = golden.write_golden(plan, out, force=args.force, progress=progress,
                                    chunk=args.chunk, resume=args.resume,
                                    checkpoint_every=args.checkpoint_every, cluster=cluster)
-    what = preset_name or args.config
+    what = preset_name or args.config or args.weights
     print(f"wrote {info['path']}  ({what}, layers {ranges_text(plan.layers)}, prefill {plan.prefill} "
-          f"+ {plan.decode} decode steps, capture {plan.capture}, {info['tensors']} tensors, "
+          f"+ {plan.decode} decode steps{f', batch {plan.batch}' if plan.batch > 1 else ''}, "
+          f"capture {plan.capture}, {info['tensors']} tensors, "
           f"{_size(info['bytes'])}, {info['seconds']:.1f} s)")
     return 0
 
@@ -243,7 +362,7 @@ def _cluster(args, plan):
     if args.workers is None and args.scheduler is None:
         yield None
         return
-    golden.check_cluster_capture(plan.capture)
+    golden.check_cluster_capture(plan.capture, plan.batch)
     from .golden.cluster import Cluster
     with Cluster(scheduler=args.scheduler, workers=args.workers) as cluster:
         yield cluster
@@ -252,10 +371,10 @@ def _cluster(args, plan):
 def _replay(args) -> int:
     with golden.GoldenFile(args.file) as f:
         info = f.run_info()
-    total = golden.total_work(info.config, info.layers, info.prefill, info.decode)
+    total = golden.total_work(info.config, info.layers, info.prefill, info.decode) * info.batch
     with _progress(total, args.quiet, "replay") as progress:
         report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
-                               exact_index=args.exact_index)
+                               exact_index=args.exact_index, weights_dir=args.weights)
     _print(report.to_json() if args.json else report.table() + "\n" + report.text())
     return 0 if report.ok else 1
 
@@ -271,11 +390,49 @@ def _compare(args) -> int:
     if bad:
         raise GoldenError(f"{args.candidate!r} cannot be compared: {bad[0].line()}"
                           + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
+    wrote = None
     if args.plot is not None:
         from .golden.plot import plot_report
-        plot_report(report, args.golden, args.candidate, args.plot)
+        wrote = plot_report(report, args.golden, args.candidate, args.plot)
     _print(report.to_json() if args.json else report.text())
+    if wrote is not None:   # stderr under --json, whose stdout is the JSON alone
+        print(f"wrote {wrote}  (where {args.candidate} differs from {args.golden})",
+              file=sys.stderr if args.json else sys.stdout)
     return 0 if report.ok else 1
+
+
+def _export_paged(args) -> int:
+    from .golden.paged import export_paged
+    info = export_paged(args.golden, args.out, args.page_size, args.shuffle, force=args.force)
+    print(f"wrote {info['path']}  ({info['caches']} caches in pages of {args.page_size} rows, "
+          f"{info['tensors']} tensors)")
+    return 0
+
+
+def _suite(args) -> int:
+    from .golden.suite import read_manifest, write_suite
+    if args.check is not None:
+        if args.out is not None:
+            raise GoldenError("give --out DIR (write) or --check DIR (check), not both")
+        m = read_manifest(args.check)
+        print(f"{args.check}: a suite of {len(m['cases'])} cases, every file as its manifest says")
+        return 0
+    if args.out is None:
+        raise GoldenError("--out DIR is required (or --check DIR)")
+    config, preset_name = load_config(args.preset, args.config)
+    layers = (parse_layers(args.layers, config.n_layers) if args.layers is not None
+              else tuple(range(config.n_layers)))
+
+    def report(case, status, seconds):
+        if not args.quiet:
+            print(f"{status:>9}  {case.name}" + (f"  ({seconds:.1f} s)" if status == "written"
+                                                 else ""), flush=True)
+
+    m = write_suite(config, preset_name, layers, args.out, args.seed, report=report)
+    print(f"suite {args.out}: {len(m['cases'])} cases" + (
+        f", {len(m['not_built'])} not built (they need: "
+        f"{'; '.join(sorted({e['needs'] for e in m['not_built']}))})" if m["not_built"] else ""))
+    return 0
 
 
 def _print(text: str):
@@ -313,17 +470,42 @@ def _number_list(text: str, flag: str, noun: str, limit: int, past: str) -> tupl
 
 
 def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
-    """``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``; sorted, duplicates dropped."""
+    """The layers ``--layers`` names.
+
+    Args:
+        text: numbers and ranges, e.g. ``"2,3,20-24"``.
+        n_layers: the config's layer count (every layer must be below it).
+
+    Returns:
+        The layers, sorted, duplicates dropped: ``"2,3,20-24"`` -> ``(2, 3, 20, 21, 22, 23, 24)``.
+
+    Raises:
+        GoldenError: a part is not a number or range, a range runs backwards, or a layer is
+            not one of the config's.
+    """
     return _number_list(text, "--layers", "a layer number or range (write e.g. 20 or 2,3,20-24)",
                         n_layers, f"layer {{i}} is not a layer of this config (0..{n_layers - 1})")
 
 
 def parse_rows(text: str, total: int, seed: int = 0, flag: str = "--capture-rows",
                what: str = "run's") -> tuple[int, ...]:
-    """Positions of ``0 .. total - 1``, sorted, duplicates dropped: ``"0,5,100-120"``,
-    ``"none"``, ``"first:N"``, ``"last:N"``, ``"every:N"`` (0, N, 2N, ...) or ``"random:N"``: N
-    distinct positions drawn with ``seed`` (numpy's ``default_rng(seed).choice``). ``flag`` and
-    ``what`` name the option and its positions in the one-line errors."""
+    """The positions ``--capture-rows`` (or ``--rows``) names.
+
+    Args:
+        text: ``"0,5,100-120"`` (positions and ranges), ``"none"``, ``"first:N"``,
+            ``"last:N"``, ``"every:N"`` (0, N, 2N, ...) or ``"random:N"``.
+        total: the positions' count (the run's tokens; for ``--rows`` the prefill's); every
+            position must be below it.
+        seed: for ``random:N``, the seed of numpy's ``default_rng(seed).choice``.
+        flag: the option, ``what``: whose positions, as the one-line errors name them.
+
+    Returns:
+        The positions, sorted, duplicates dropped (``random:N``: N distinct ones).
+
+    Raises:
+        GoldenError: a malformed part, a backward range, a position past the run, or ``N``
+            outside ``1 .. total``.
+    """
     text = str(text).strip()
     if text == "none":
         return ()
@@ -346,12 +528,32 @@ def parse_rows(text: str, total: int, seed: int = 0, flag: str = "--capture-rows
 
 
 def default_run(preset_name: str | None) -> tuple[int, int]:
-    """``(prefill, decode)`` when not given: the reference goldens' runs for their presets."""
+    """The run's length when ``--prefill`` / ``--decode`` are not given.
+
+    Args:
+        preset_name: a preset's name, or None / "" for a config file.
+
+    Returns:
+        ``(prefill, decode)``: the reference goldens' runs for their presets (``mixed``: 203 and
+        48), else 12 and 40.
+    """
     return {"tiny": (12, 40), "mixed": (203, 48)}.get(preset_name or "", (12, 40))
 
 
 def load_config(preset_name: str | None, config_path: str | None) -> tuple[AttnConfig, str]:
-    """The config of a run and the preset name for the metadata ("" for a config file)."""
+    """The config of a run.
+
+    Args:
+        preset_name: ``--preset`` (None: ``tiny`` unless a config file is given).
+        config_path: ``--config``, a JSON file in the reference's ``ModelArgs`` names or a
+            Hugging Face ``config.json``; wins over ``preset_name``.
+
+    Returns:
+        ``(config, preset name)``; the name is "" for a config file (the file's metadata says so).
+
+    Raises:
+        GoldenError: an unknown preset, an unreadable file, or an invalid config (one line).
+    """
     try:
         if config_path is not None:
             return AttnConfig.from_json(config_path), ""
@@ -360,6 +562,26 @@ def load_config(preset_name: str | None, config_path: str | None) -> tuple[AttnC
     except ValueError as e:
         msg = str(e)
         raise GoldenError(msg if msg.startswith(("config", "unknown preset")) else f"config: {msg}") from None
+
+
+def run_config(preset_name: str | None, config_path: str | None,
+               weights_dir: str | None) -> tuple[AttnConfig, str]:
+    """:func:`load_config`, or with ``--weights DIR`` its ``config.json``: alone, or checked
+    against the ``--preset``/``--config`` given, field by attention field."""
+    if weights_dir is None:
+        return load_config(preset_name, config_path)
+    found = load_dir_config(weights_dir)
+    if preset_name is None and config_path is None:
+        return found, ""
+    config, name = load_config(preset_name, config_path)
+    differ = dir_config_differences(config, found)
+    if differ:
+        key = differ[0]
+        given = f"--preset {name}" if name else f"--config {config_path}"
+        raise GoldenError(f"--weights: {os.path.join(weights_dir, 'config.json')} has {key} "
+                          f"{json.dumps(found.to_dict()[key])}, {given} has {key} "
+                          f"{json.dumps(config.to_dict()[key])}")
+    return config, name
 
 
 def _size(n: int) -> str:

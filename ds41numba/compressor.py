@@ -15,6 +15,7 @@ import numpy as np
 from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
+from .batch import SINGLE, BatchRow, checked_batch
 from .numerics import linear_bf16, linear_f32, rms_norm, to_bf16_rne
 
 __all__ = ["CompressorWeights", "CompressorState", "compressor", "latent_positions"]
@@ -122,7 +123,7 @@ def _check_args(x, start_pos, ratio, weights, state, prefill_len):
 
 def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWeights,
                state: CompressorState, norm_eps: float,
-               prefill_len: int | None = None) -> np.ndarray | None:
+               prefill_len: int | None = None, batch: BatchRow = SINGLE) -> np.ndarray | None:
     """Compress the step's tokens; return the new pre-RoPE latents ``[groups, hd]`` or None.
 
     Prefill (``start_pos == 0``) pools every complete group and keeps the trailing
@@ -134,14 +135,20 @@ def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWei
     the state holds, the groups they complete are pooled, the new partial group is kept (the
     slots after it fresh, as a one-shot prefill leaves them), and every product sums as the
     one-shot prefill's does; the chunks' latents are the one-shot prefill's, in order.
+
+    ``batch``: this is one sequence of a batch run in lockstep; the projections sum as rows
+    ``batch.first(steprows, s)`` of the batch's ``batch.rows(steprows)``-row products
+    (:mod:`ds41numba.batch`: the reference's ``[B, seqlen, dim]`` input flattened).
     """
     _check_args(x, start_pos, ratio, weights, state, prefill_len)
+    batch = checked_batch(batch, "compressor")
     seqlen = x.shape[0]
     chunk = prefill_len is not None
-    ref_rows = prefill_len if chunk else (seqlen if start_pos == 0 else 1)
+    steprows = prefill_len if chunk else (seqlen if start_pos == 0 else 1)
+    ref_rows = batch.rows(steprows)
     if ratio == 1:
         return rms_norm(linear_bf16(x, weights.wkv, ref_rows=ref_rows), weights.norm, norm_eps)
-    first = start_pos if chunk else 0
+    first = batch.first(steprows, start_pos if chunk else 0)
     kv = linear_f32(x, weights.wkv, ref_rows=ref_rows, first_row=first)
     score = linear_f32(x, weights.wgate, ref_rows=ref_rows, first_row=first)
     if chunk or start_pos == 0:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from .numerics import FP4_BLOCK, LATENT_BLOCK
 
-__all__ = ["AttnConfig", "PRESETS", "preset", "IGNORED_KEYS", "FALLBACK_KEY_OWNER"]
+__all__ = ["AttnConfig", "PRESETS", "preset", "IGNORED_KEYS", "IGNORED_PREFIXES",
+           "FALLBACK_KEY_OWNER"]
 
 _INT_MAX = 2**31 - 1
 
@@ -35,14 +36,32 @@ IGNORED_KEYS = frozenset({
     "n_layers", "n_dense_layers", "n_routed_experts", "n_shared_experts", "n_activated_experts",
     "n_expert_groups", "n_limited_groups", "score_func", "route_scale", "kv_lora_rank",
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mscale", "hc_mult",
+    # The V4.1 reference's further non-attention fields: the draft (MTP) layers, expert and
+    # scale dtypes, sampling, the router, the hash layers, the hyper-connections' Sinkhorn.
+    "n_mtp_layers", "n_hash_layers", "expert_dtype", "scale_dtype", "temperature", "gate_temp",
+    "norm_topk_prob", "swiglu_limit", "hc_sinkhorn_iters", "hc_eps", "image_token_id",
+    # Hugging Face's keys of a released config.json.
+    "architectures", "model_type", "torch_dtype", "transformers_version", "quantization_config",
+    "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+    "use_cache", "initializer_range", "attention_bias", "attention_dropout",
     # The run a reference golden's ``config`` entry records beside the attention fields (so
     # that entry is a config file as it is, see README "--config").
     "prefill", "decode", "seed",
 })
 
+#: Prefixes of the V4.1 reference's non-attention field families (engram memory, the vision
+#: tower, the dspark draft head): any key starting with one is kept in ``extra`` too. None of
+#: them starts an attention field, so a misspelt attention field is still refused.
+IGNORED_PREFIXES = ("engram_", "vision_", "dspark_")
+
 #: The role :meth:`AttnConfig.sources_of` gives a key owner that a layer reads only on a step
 #: where it writes no index keys itself (:meth:`AttnConfig.fallback_key_owners`).
 FALLBACK_KEY_OWNER = "key owner it may score against"
+
+
+def _ignored(key) -> bool:
+    """A key :meth:`AttnConfig.from_dict` keeps in ``extra`` instead of refusing it."""
+    return key in IGNORED_KEYS or str(key).startswith(IGNORED_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -114,7 +133,7 @@ class AttnConfig:
             return cls.from_hf_dict(mapping)
         names = cls.field_names()
         for key in mapping:
-            if key not in names and key not in IGNORED_KEYS:
+            if key not in names and not _ignored(key):
                 close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
                 raise ValueError(f"config: unknown field {key!r}{hint}")
@@ -125,7 +144,9 @@ class AttnConfig:
         if missing:
             raise ValueError(f"config: missing field(s) {', '.join(missing)}")
         extra = {k: v for k, v in mapping.items() if k not in names}
-        return cls(**known, extra=extra)
+        config = cls(**known, extra=extra)
+        config.draft_layers()        # n_layers and n_mtp_layers checked against the ratios
+        return config
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "AttnConfig":
@@ -203,7 +224,34 @@ class AttnConfig:
     # ------------------------------------------------------------------ the layer-role graph
     @property
     def n_layers(self) -> int:
+        """Layers of the stack: one per ``compress_ratios`` entry, draft layers included (not
+        the reference's ``n_layers`` field, which counts its main layers only and is kept in
+        ``extra``; see :meth:`draft_layers`)."""
         return len(self.compress_ratios)
+
+    def draft_layers(self) -> range:
+        """The draft (MTP) layers among this stack's layers, as the reference numbers them.
+
+        The reference builds its main layers ``Block(i)`` for ``i < n_layers`` and its draft
+        layers ``MTPBlock(n_layers + k)`` for ``k < n_mtp_layers``, each taking its ratio from
+        ``compress_ratios[layer_id]``. So layer ids here are the reference's ``layer_id``s and
+        every ``compress_ratios`` entry is a layer; ``n_layers`` and ``n_mtp_layers`` (kept in
+        ``extra``) only say which of them are draft layers. A config that gives
+        ``n_mtp_layers`` is a V4.1 one and must not ask for more layers than it has ratios
+        (the reference would index past ``compress_ratios``; entries past its layers are the
+        draft layers a larger ``n_mtp_layers`` would build). Empty unless the config gives both.
+        """
+        main, drafts = self.extra.get("n_layers"), self.extra.get("n_mtp_layers")
+        if drafts is None or main is None:
+            return range(0)
+        for name, v in (("n_layers", main), ("n_mtp_layers", drafts)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"config: {name} must be a non-negative integer, got {v!r}")
+        if main + drafts > len(self.compress_ratios):
+            raise ValueError(f"config: n_layers ({main}) + n_mtp_layers ({drafts}) layers, but "
+                             f"compress_ratios has {len(self.compress_ratios)} entries (the "
+                             f"reference takes layer i's ratio from compress_ratios[i])")
+        return range(int(main), int(main) + int(drafts))
 
     def ratio(self, layer_id: int) -> int:
         return self.compress_ratios[layer_id]
@@ -408,7 +456,23 @@ PRESETS: dict[str, dict] = {"tiny": _TINY, "mixed": _MIXED, "v41-flash": _V41_FL
 
 
 def preset(name: str, **overrides) -> AttnConfig:
-    """The named preset as an :class:`AttnConfig`, with any field overridden."""
+    """The named preset as an :class:`AttnConfig`, with any field overridden.
+
+    Args:
+        name: ``"tiny"`` and ``"mixed"`` (the reference goldens' stacks) or ``"v41-flash"``
+            (V4.1-Flash's 43 production layers).
+        **overrides: fields to replace, e.g. ``max_seq_len=65536``.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ValueError: an unknown preset, or an override that makes the config invalid.
+
+    Example:
+        >>> preset("v41-flash").n_layers
+        43
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return AttnConfig.from_dict({**PRESETS[name], **overrides})

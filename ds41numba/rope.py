@@ -17,7 +17,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numerics import bf16_scalar, worth_parallel
+from .numerics import bf16_scalar, is_int, worth_parallel
 
 __all__ = ["yarn_freqs_cis", "apply_rotary", "fma_f32"]
 
@@ -47,7 +47,7 @@ def fma_f32(typingctx, a, b, c):
 
 
 def _check_int(value, name, minimum):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"yarn_freqs_cis: {name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"yarn_freqs_cis: {name} must be >= {minimum}, got {value}")
@@ -107,7 +107,7 @@ def _table_kernel(freqs, cos, sin, chunk):
 
 def yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow):
     """The rotary table ``(cos, sin)``, each float32 ``[seqlen, dim // 2]``, for positions
-    ``0 .. seqlen - 1`` (SPEC "RoPE"). ``original_seq_len == 0`` gives the plain table (no YaRN;
+    ``0 .. seqlen - 1``. ``original_seq_len == 0`` gives the plain table (no YaRN;
     factor and betas are then unused). Row p depends only on p, so a longer table serves shorter needs.
     """
     dim = _check_int(dim, "dim", 2)

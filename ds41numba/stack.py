@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .attention import CompAttnRun, attention_any
+from .batch import SINGLE, BatchRow, checked_batch
 from .compressor import CompressorState, CompressorWeights
 from .config import FALLBACK_KEY_OWNER, AttnConfig
 from .indexer import IndexerWeights, IndexKeyCache, candidate_mask
@@ -229,10 +230,35 @@ class AttentionStack:
 
     ``weights`` maps ``layers.{i}.attn.NAME`` to arrays (see :func:`weight_specs`). ``layers``
     restricts the stack to a subset of the config's layers (default: all); a layer outside it
-    cannot be run, and every source a member needs must be a member too.
+    cannot be run, and every source a member needs must be a member too. ``batch`` makes the
+    stack one sequence of a batch run in lockstep (:class:`~ds41numba.batched.BatchedStack`
+    holds the others, :meth:`sibling`): its products then sum as the batch's do.
+
+    Args:
+        config: the stack's :class:`~ds41numba.AttnConfig` (:func:`~ds41numba.preset`).
+        weights: ``{"layers.{i}.attn.NAME": array}`` for every member layer (bf16 values where
+            the parameter is bf16), e.g. :func:`ds41numba.golden.make_weights`.
+        layers: the member layers (default: all); closed under the layers' sources
+            (:meth:`AttnConfig.missing_sources` lists what a subset lacks).
+        tile: query rows per tile of the prefill's attention (default: the stack's own).
+        batch: which rows of a batch's products this sequence's rows are (default: a
+            sequence on its own).
+
+    Raises:
+        TypeError: ``config`` or ``weights`` of the wrong kind.
+        ValueError: a missing, misshapen or non-bf16 weight, a layer out of range, or a subset
+            that lacks a source of its members.
+
+    Example:
+        >>> cfg = preset("tiny")
+        >>> stack = AttentionStack(cfg, make_weights(cfg))
+        >>> run = stack.forward(0, make_input("x", (12, cfg.dim)), start_pos=0, capture=True)
+        >>> run.out.shape
+        (12, 64)
     """
 
-    def __init__(self, config: AttnConfig, weights, layers=None, tile: int | None = None):
+    def __init__(self, config: AttnConfig, weights, layers=None, tile: int | None = None,
+                 batch: BatchRow = SINGLE):
         if not isinstance(config, AttnConfig):
             raise TypeError(f"config must be an AttnConfig, got {type(config).__name__}")
         if not hasattr(weights, "get"):
@@ -246,7 +272,25 @@ class AttentionStack:
         self.states = {i: LayerAttnState.fresh(config, i) for i in self.layers}
         self.shared = SharedRuntime()
         self.tile = None if tile is None else int(tile)
+        self.batch = checked_batch(batch, "AttentionStack")
         self._order = StepOrder(config, self.layers, self.states, self.shared)
+
+    @property
+    def sequences(self) -> tuple["AttentionStack", ...]:
+        """The stacks of the batch's sequences, one per batch row: this stack alone."""
+        return (self,)
+
+    def sibling(self, batch: BatchRow) -> "AttentionStack":
+        """Another sequence of a batch: a stack of the same config, layers, tile and weights
+        (the same objects, not copies) with fresh states and shared slots, at ``batch``."""
+        other = object.__new__(AttentionStack)
+        other.config, other.layers, other.weights, other.tile = (self.config, self.layers,
+                                                                 self.weights, self.tile)
+        other.batch = checked_batch(batch, "AttentionStack.sibling")
+        other.states = {i: LayerAttnState.fresh(self.config, i) for i in self.layers}
+        other.shared = SharedRuntime()
+        other._order = StepOrder(other.config, other.layers, other.states, other.shared)
+        return other
 
     def weight_bytes(self) -> int:
         """Bytes the stack's parameters hold: 2 a parameter for every bf16 projection (plus its
@@ -294,6 +338,25 @@ class AttentionStack:
         None: the rows' outputs and selection are then :func:`~ds41numba.attention.attention_rows`'
         to compute, wherever they run. Only a chunk of a prefill (``prefill_len``) may skip
         its queries: a decode step's selection is read by the layers after it.
+
+        Args:
+            layer_id: a member layer.
+            x: ``[seqlen, dim]``, bf16 values (any float dtype holding them).
+            start_pos: the position of ``x``'s first row.
+            capture: also keep the intermediates (``q``, ``kv_rows``, ``idx``, ``o``,
+                ``index_score``) in the result.
+            prefill_len: the whole prefill's length when ``x`` is a chunk of it.
+            queries: False runs only the key side (see above).
+
+        Returns:
+            The layer's :class:`~ds41numba.CompAttnRun` (``.out [seqlen, dim]``, ``.idx``, and
+            with ``capture`` the intermediates), or None with ``queries=False``.
+
+        Raises:
+            ValueError: a bad shape or non-bf16 input, or a step out of the order the reference
+                could run (a decode before the prefill is complete, a chunk that does not
+                start where the layer's last one ended, several rows at ``start_pos > 0``
+                without ``prefill_len``, ...).
         """
         c = self.config
         layer_id = _checked_int("layer_id", layer_id)
@@ -324,7 +387,7 @@ class AttentionStack:
             else prefill_len
         run = attention_any(c, layer_id, self.weights[layer_id], self.states[layer_id],
                             self.shared, x, start_pos, capture=capture, tile=self.tile,
-                            prefill_len=chunk, queries=queries)
+                            prefill_len=chunk, queries=queries, batch=self.batch)
         self._order.ran(layer_id, start_pos, x.shape[0], prefill_len)
         return run
 

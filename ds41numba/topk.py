@@ -21,10 +21,10 @@ kernels call from inside their own ``prange`` loops.
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 from numba import njit, prange
+
+from .numerics import is_int
 
 __all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partial_sort_set_into",
            "partial_sort_set_hinted",
@@ -396,7 +396,7 @@ def _as_float32(vals, name):
 
 
 def _check_k(k, n, name="k"):
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral):
+    if not is_int(k):
         raise TypeError(f"{name} must be an integer, got {type(k).__name__}")
     k = int(k)
     if k < 0 or k > n:
@@ -453,7 +453,7 @@ def torch_cpu_topk_rows(vals, k):
         raise ValueError(f"vals must be 2-D [rows, n], got shape {arr.shape}")
     mat = np.ascontiguousarray(arr, dtype=np.float32)
     rows, n = mat.shape
-    if isinstance(k, numbers.Integral) and not isinstance(k, (bool, np.bool_)):
+    if is_int(k):
         kk = _check_k(k, n)
         ks = np.full(rows, kk, dtype=np.int64)
         max_k = kk

@@ -15,7 +15,7 @@ from ds41numba import AttentionStack, AttnConfig, to_bf16_rne, weight_specs
 from ds41numba.golden import make_weights
 
 DATA = Path(__file__).parent / "data"
-#: The reference's linears at production inner dimensions (../shared/golden/linear_cases.npz).
+#: The reference's linears at production inner dimensions (the reference's linear_cases.npz, copied into tests/data).
 LINEAR_CASES = DATA / "linear_cases.npz"
 
 
@@ -31,7 +31,7 @@ def linear_case(cases, name: str):
     m, k, n = (int(v[1:]) for v in name.split(".")[1:])
     return cases["x"][:m, :k], cases["w"][:n, :k], cases[name]
 #: The reference goldens in DATA (DeepSeek's reference's own outputs, copied unchanged from
-#: ../shared/golden); the other .npz files there are not goldens of a stack.
+#: the reference's goldens); the other .npz files there are not goldens of a stack.
 REFERENCE_GOLDENS = ("tiny", "mixed", "edge_prefill1", "edge_prefill_window", "edge_r128_short",
                      "edge_r128_groups", "prod_dev")
 EPS = 1e-20

@@ -1,7 +1,7 @@
 """Slow, obviously-correct pure-Python references the fast kernels are tested against.
 
 Each slow twin is named after the package function it mirrors: ``naive.sparse_attn`` is the twin
-of ``ds41numba.sparse_attn``, ``naive.tile_scores`` of the indexer's ``_tile_scores``. Where a
+of ``ds41numba.sparse_attn``, ``naive.tile_scores`` of the indexer's ``tile_scores``. Where a
 twin returns a new array for a function that works in place (the quantisers) or covers a whole
 run (``compressor``), its docstring says so. The sections follow the package's modules.
 """
@@ -340,7 +340,7 @@ def linear_bf16(x, w):
 
 
 def bf16_k_block(ref_rows, k):
-    """numerics.bf16_k_block: the reference's run length over K (../shared/orders/README.md, Q2)."""
+    """numerics.bf16_k_block: the reference's run length over K (docs/exactness.md, "bf16 linears")."""
     if k <= 512:
         return k
     return 512 if ref_rows == 1 or k <= 1024 else 1024
@@ -404,6 +404,9 @@ def libm_cosf_sinf():
     return libm.cosf, libm.sinf
 
 
+# NaN and infinities propagate through this reference as IEEE arithmetic says (the kernels'
+# behaviour under test), so numpy's warnings about them are expected here.
+@np.errstate(invalid="ignore", over="ignore")
 def fma_f32(a, b, c):
     """rope's ``_fma_f32``: exact a * b + c rounded once to f32. The f32 product is exact in float64; the float64 sum's
     rounding error is recovered with TwoSum and decides the one case where rounding that sum to f32
@@ -425,6 +428,9 @@ def fma_f32(a, b, c):
     return r
 
 
+# NaN and infinities propagate through this reference as IEEE arithmetic says (the kernels'
+# behaviour under test), so numpy's warnings about them are expected here.
+@np.errstate(invalid="ignore", over="ignore")
 def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
     """Pair by pair, as torch's complex64 multiply (AVX2 build) runs the reference's broadcast
     product: inner loops of rd/2 pairs per vector (one loop over all n * rd/2 pairs when x has one
@@ -457,7 +463,7 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None):
 
 # --- f32 products ---
 # The reference's f32 linears and NN matmuls in the summation order measured for its MKL sgemm
-# (shared/orders/README.md, Q1), written out row by row: numpy f32 arithmetic over all output
+# (docs/exactness.md, "f32 linears"), written out row by row: numpy f32 arithmetic over all output
 # columns at once, the fused multiply-add through fma_f32 above.
 
 
@@ -515,7 +521,7 @@ def linear_f32_ordered(x, w, nn=False):
 # selection, the window index rows and ring, sparse attention with a sink and the grouped output
 # projection. Dot products are computed in float64 (every product of two f32 values is exact
 # there) and rounded once to f32: a summation-order-free f32 accumulation. bf16 rounding, RMSNorm
-# and top-k come from the package (``ds.``; tested on their own in test_numerics / test_topk).
+# and top-k come from the package (``ds.``; tested on their own in the numerics tests / test_topk).
 
 
 def _dot_f32(a, b):
@@ -615,8 +621,11 @@ def visible_lengths(start_pos, seqlen, r):
     return np.full(seqlen, (start_pos + seqlen) // r, np.int64)
 
 
+# NaN and infinities propagate through this reference as IEEE arithmetic says (the kernels'
+# behaviour under test), so numpy's warnings about them are expected here.
+@np.errstate(invalid="ignore", over="ignore")
 def tile_scores(iq, w, keys, clen):
-    """The indexer's scores (its ``_tile_scores`` kernels): SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
+    """The indexer's scores (its ``tile_scores`` kernels): SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
     ``keys [n, id]``: ``bf16(sum_h bf16(relu(bf16(iq[s,h] . keys[t])) * w[s,h]))``, the head sum
     in f32 in head order; ``-inf`` for ``t >= clen[s]``. Returns ``[T, n]`` f32."""
     T, ih, _ = iq.shape
@@ -764,7 +773,7 @@ def output_projection(o, wo_a, wo_b, groups):
 
 
 # --- sparse attention in the reference's order ---
-# The reference's per-query order (../shared/orders/README.md, Q1; torch 2.13's AVX512 softmax):
+# The reference's per-query order (docs/exactness.md, "f32 linears"; torch 2.13's AVX512 softmax):
 # scores = q [H, hd] . rows^T and o = P [H, W] @ rows by MKL sgemm over the FULL index list (a -1
 # entry's row taken as zeros), the kernel of each head row chosen by the row count H; between
 # them torch's _vec_softmax_lastdim over [scores * scale with -inf at -1 entries, sink]. Literal and

@@ -21,7 +21,8 @@ from helpers import (DATA, assert_bf16_close, bf16, captured_steps, nan_rows, na
 from ds41numba import (AttentionStack, act_quant_fp8_inplace, apply_rotary, fp4_quant_e4m3_inplace,
                        linear_bf16, linear_f32, output_projection, sparse_attn, to_bf16_rne,
                        window_index_rows)
-from ds41numba.attention import _expf_u10, _head_groups, layer_rope_table
+from ds41numba.attention import layer_rope_table
+from ds41numba.sparse_attention import _expf_u10, _head_groups
 from ds41numba.numerics import Bf16Matrix
 
 

@@ -165,6 +165,30 @@ def test_parse_layers():
             parse_layers(bad, 43)
 
 
+def test_version(capsys):
+    from ds41numba import __version__
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"ds41numba {__version__}\n"
+
+
+def test_progress_says_compiling_until_the_first_pieces_end_and_ends_at_100(capsys):
+    """The first piece (the prefill) and the first decode step: no rate, "compiling"; the ETA
+    comes from the steps after them; the last drawing is 100%."""
+    import time
+    from ds41numba.cli import _progress
+    with _progress(40, False, "golden") as report:
+        report(0, "step 0 layer 0")
+        time.sleep(2.1)                       # past the bar's delay: the first piece is slow
+        report(10, "step 0 layer 0")
+        for s in (1, 2, 3):
+            report(0, f"step {s} layer 0")
+            report(10, f"step {s} layer 0")
+    frames = [f for f in capsys.readouterr().err.split("\r") if "golden" in f]
+    assert "compiling, step 0 layer 0" in frames[0] and "<" not in frames[0]
+    assert "compiling, step 1 layer 0" in frames[1]
+    assert "compiling" not in frames[-1] and " 100%|" in frames[-1]
+
+
 # --------------------------------------------------------------------------- errors: exit 2, one line
 
 
@@ -179,8 +203,12 @@ def test_parse_layers():
     (["golden", "--config", "does-not-exist.json"], "cannot read"),
     (["golden", "--capture", "some"], "invalid choice"),
     (["golden", "--layers", "1-x"], "--layers"),
-    (["golden", "--layers", "5"], "layer 5 needs layer 4"),
-    (["golden", "--preset", "v41-flash", "--layers", "24"], "layer 24 needs layer 20"),
+    (["golden", "--layers", "5"], "lacks layer 4 (layer 5's kv source"),
+    (["golden", "--preset", "v41-flash", "--layers", "24"], "lacks layer 20 (layer 24's kv source"),
+    (["golden", "--preset", "v41-flash", "--layers", "5"],
+     "lacks layer 2 (layer 5's kv source, layer 5's index source); layer 8 (layer 2's key owner "
+     "it may score against); layer 14 (layer 2's key owner it may score against); layer 20 "
+     "(layer 2's key owner it may score against); every source is needed, e.g. --layers 2,5,8,14,20"),
     (["golden", "--prefill", "60", "--decode", "10"], "max_seq_len"),
     (["golden", "--out", "no/such/dir/g.safetensors"], "does not exist"),
     (["replay", "missing.safetensors"], "cannot read"),
@@ -324,13 +352,38 @@ def test_compare_self_passes_and_perturbed_copy_fails(tmp_path, capsys):
     assert any(l.startswith("step2.layers.3.out [1, 64]:") and "> tolerance" in l for l in lines)
     assert any(l.startswith("step0.layers.2.shared.topk_idxs") and "1 of 6 rows wrong (row 3: "
                "2 -1 where the golden has a position" in l for l in lines)
-    assert any(l.startswith("step1.layers.0.q:") and "missing" in l for l in lines)
-    assert lines[-1].startswith("FAIL (3 tensors disagree)")
+    assert f"missing from {bad}: step1.layers.0.q" in lines
+    assert "  1 row over tolerance; worst element of each (row: position got want steps):" in lines
+    assert any(l.startswith("    row 0: [0, 5] got ") for l in lines)
+    assert lines[-1].startswith("FAIL (2 tensors disagree, 1 missing): ")
     assert main(["compare", "--json", str(path), str(bad)]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["summary"]["failing_tensors"] == 3 and not report["summary"]["ok"]
+    s = report["summary"]
+    assert (s["failing_tensors"], s["disagreeing_tensors"], s["missing_tensors"]) == (3, 2, 1)
+    assert not s["ok"]
     bad_out = next(r for r in report["tensors"] if r["name"] == "step2.layers.3.out")
     assert bad_out["kind"] == "float" and bad_out["over_tolerance"] == 1
+    assert bad_out["first_rows"] == [0] and bad_out["rows_differ"] == 1
+    worst = bad_out["row_worst"][0]
+    assert worst["position"] == [0, 5] and worst["got"] - worst["want"] == pytest.approx(0.5, abs=0.01)
+    assert worst["steps"] > 1
+    assert 0.9 < bad_out["cosine"] < 1 and bad_out["max_abs_diff"] == pytest.approx(0.5, abs=0.01)
+    assert bad_out["max_rel_diff"] == pytest.approx(0.5 / abs(worst["want"]), rel=0.05)
+    same = next(r for r in report["tensors"] if r["name"] == "step2.layers.2.out")
+    assert (same["cosine"], same["max_rel_diff"], same["first_rows"]) == (1.0, 0.0, [])
+
+
+@pytest.mark.parametrize("drop, verdict", [
+    (1, "FAIL (1 tensor missing)"), (3, "FAIL (3 tensors missing)")])
+def test_compare_counts_missing_tensors_apart(tmp_path, capsys, drop, verdict):
+    path = _golden(tmp_path, "g.safetensors", "--prefill", "4", "--decode", "1")
+    names = [f"step1.layers.{i}.q" for i in range(drop)]
+    bad = tmp_path / "bad.safetensors"
+    _rewrite(path, bad, lambda t: [t.pop(n) for n in names])
+    capsys.readouterr()
+    assert main(["compare", str(path), str(bad)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith(verdict + ": ")
+    assert main(["compare", "--subset", str(path), str(bad)]) == 0
 
 
 def test_compare_accepts_reference_npz(tmp_path, capsys):
@@ -401,7 +454,10 @@ def test_compare_plot_writes_a_png(tmp_path, capsys):
     bad = tmp_path / "bad.safetensors"
     _rewrite(path, bad, perturb)
     png = tmp_path / "where.png"
+    capsys.readouterr()
     assert main(["compare", str(path), str(bad), "--plot", str(png)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("FAIL") and out[-1] == f"wrote {png}  (where {bad} differs from {path})"
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     from PIL import Image
@@ -479,7 +535,7 @@ def test_python_dash_m_smoke(tmp_path):
 
 
 PRODUCTION = [
-    # (reference file, the run that made it (../shared/golden/README.md), index rows and float
+    # (reference file, the run that made it (as the reference recorded it), index rows and float
     # elements the comparison covers)
     ("v41flash_L20_ref.safetensors",
      ["--layers", "20", "--prefill", "2048", "--decode", "3", "--seed", "11"], 4102, 10_501_120),
@@ -494,7 +550,7 @@ def test_production_references_through_the_cli(tmp_path, capsys, ref, run, rows,
     """The reference at V4.1-Flash's real dimensions (inner dimensions 1280 to 8192), run on this
     package's generator (the golden README's commands): every index row identical and every
     float bit-identical (`out` of the prefill and of each decode step, the caches and window
-    ring the file records), with the reference's own product orders (README, "How exact").
+    ring the file records), with the reference's own product orders (docs/exactness.md).
     Nothing here is statistical any more; before those orders: 84.9% / 48.7% and 98.4% / 67.0%.
     The files' ``sample.*`` tensors (q, o, index scores of a few rows) are not in an io capture
     and are checked stage by stage in test_attention / test_indexer."""

@@ -129,8 +129,15 @@ def test_missing_sources_are_named():
     assert golden.missing_sources(cfg, [0, 1, 41]) == []
     msgs = golden.missing_sources(cfg, [24])
     assert msgs and "layer 24 needs layer 20" in msgs[0]
-    with pytest.raises(GoldenError, match="layer 24 needs layer 20"):
+    with pytest.raises(GoldenError, match=r"lacks layer 20 \(layer 24's kv source"):
         GoldenPlan(cfg, (24,), prefill=4, decode=0)
+    # Every missing layer at once, the sources' own sources too, and a selection that runs.
+    assert golden.closed_selection(cfg, [5]) == ((2, 5, 8, 14, 20), {
+        2: ["layer 5's kv source", "layer 5's index source"],
+        8: ["layer 2's key owner it may score against"],
+        14: ["layer 2's key owner it may score against"],
+        20: ["layer 2's key owner it may score against"]})
+    assert golden.missing_sources(cfg, golden.closed_selection(cfg, [5])[0]) == []
 
 
 @pytest.mark.parametrize("kw, msg", [(dict(prefill=0), "--prefill"), (dict(decode=-1), "--decode"),
@@ -365,8 +372,8 @@ def _candidate(tmp_path, name, tensors, meta_from):
 
 def _made_with(tmp_path, monkeypatch, name, plan=None, **patches):
     """A candidate golden of ``plan`` (default: the small stack's) made by the stack with
-    ``patches`` applied to ``ds41numba.indexer``."""
-    indexer = importlib.import_module("ds41numba.indexer")   # (ds41numba.indexer is also a function)
+    ``patches`` applied to the indexer's driver (``ds41numba.indexer.lightning``)."""
+    indexer = importlib.import_module("ds41numba.indexer.lightning")
     with monkeypatch.context() as m:
         for attr, value in patches.items():
             m.setattr(indexer, attr, value)
@@ -443,11 +450,12 @@ def test_another_head_order_passes_as_boundary_swaps(tmp_path, monkeypatch):
     path = tmp_path / "golden.safetensors"
     golden.write_golden(plan, path)
     indexer = importlib.import_module("ds41numba.indexer")
+    block_maxima = importlib.import_module("ds41numba.indexer.block_maxima")
 
     def scores(self, iq, w, clen, width, out=None, qbuf=None, dirty_to=None, maxima=None):
         got = _reversed_head_sum_scores(iq, w, self.keys[:width], clen, width, out)
         if maxima is not None:      # the candidate source's block maxima, of these scores
-            indexer._visible_block_maxima(got, clen, *maxima)
+            block_maxima.visible_block_maxima(got, clen, *maxima)
         return got
 
     monkeypatch.setattr(indexer.IndexKeyCache, "scores", scores)
@@ -462,9 +470,9 @@ def test_breaking_every_tie_the_other_way_passes(tmp_path, monkeypatch):
     plan = _tie_plan(profile="ties", decode=2)
     path = tmp_path / "ties.safetensors"
     golden.write_golden(plan, path)
-    indexer = importlib.import_module("ds41numba.indexer")
+    lightning = importlib.import_module("ds41numba.indexer.lightning")
     with monkeypatch.context() as m:
-        m.setattr(indexer, "_select_rows", _other_way_select)
+        m.setattr(lightning, "select_rows", _other_way_select)
         cand = tmp_path / "other_way.safetensors"
         golden.write_golden(plan, cand)
     report = golden.compare_files(path, cand)

@@ -25,6 +25,11 @@ from ds41numba.numerics import (BACKENDS, amx_enabled, backend, bf16_dot_enabled
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
 indexer_mod = importlib.import_module("ds41numba.indexer")
+blas_scores = importlib.import_module("ds41numba.indexer.blas_scores")
+candidates = importlib.import_module("ds41numba.indexer.candidates")
+lightning = importlib.import_module("ds41numba.indexer.lightning")
+query_layouts = importlib.import_module("ds41numba.indexer.query_layouts")
+tier_scores = importlib.import_module("ds41numba.indexer.tier_scores")
 
 
 # =============================================================================== candidate blocks
@@ -84,7 +89,7 @@ def test_candidate_bits_of_masked_rows_are_the_naive_mask_packed():
             scores[0, int(rng.integers(0, width))] = np.nan
         scores[np.arange(width)[None, :] >= clen[:, None]] = -np.inf
         got = np.zeros((rows, (n_blocks + 7) // 8), np.uint8)
-        indexer_mod._candidate_block_bits(scores, clen, topk_blocks, block, got)
+        candidates.candidate_block_bits(scores, clen, topk_blocks, block, got)
         want = naive.select_candidate_blocks(scores, clen, topk_blocks, block)[:, ::block]
         assert np.array_equal(got, np.packbits(want, axis=1)), (width, block, topk_blocks, clen)
         branches.add(min(topk_blocks, n_blocks) * 64 <= n_blocks)
@@ -130,7 +135,7 @@ ALL_TIERS = [pytest.param(b, marks=pytest.mark.skipif(b not in TIERS, reason=f"t
 def int8_tile_scores(iq, w, keys, clen, n):
     """The VNNI kernel's scores, or None where it declines (products not exact as integers)."""
     quads, scales, rng = pack_int8_blocks(keys)
-    return indexer_mod._tile_scores_int8(iq, w, (quads, scales), rng, clen, n)
+    return tier_scores.tile_scores_int8(iq, w, (quads, scales), rng, clen, n)
 
 
 def amx_tile_scores(iq, w, keys, clen, n):
@@ -139,7 +144,7 @@ def amx_tile_scores(iq, w, keys, clen, n):
     if keys.shape[1] % 64:
         return None
     quads, scales, rng = pack_folded_blocks(keys)
-    return indexer_mod._tile_scores_amx(iq, w, (quads, scales), rng, clen, n)
+    return tier_scores.tile_scores_amx(iq, w, (quads, scales), rng, clen, n)
 
 
 def vnni_folded_tile_scores(iq, w, keys, clen, n):
@@ -147,7 +152,7 @@ def vnni_folded_tile_scores(iq, w, keys, clen, n):
     if keys.shape[1] % 64:
         return None
     quads, scales, rng = pack_offset_folded_blocks(keys)
-    return indexer_mod._tile_scores_offset_folded(iq, w, (quads, scales), rng, clen, n)
+    return tier_scores.tile_scores_vnni_folded(iq, w, (quads, scales), rng, clen, n)
 
 
 # The kernels that mix folded rows' products as they form them: AMX's, and VNNI's.
@@ -163,15 +168,15 @@ def package_tile_scores(path, monkeypatch, iq, w, keys, clen, n):
                 got = indexer_mod.IndexKeyCache(keys).scores(iq, w, clen, n)
         return got
     if path == "avx512-bf16":
-        return indexer_mod._tile_scores_bf16(iq, w, pack_bf16_pairs(keys), clen, n)
+        return tier_scores.tile_scores_bf16(iq, w, pack_bf16_pairs(keys), clen, n)
     if path == "avx512-vnni":
         got = int8_tile_scores(iq, w, keys, clen, n)
         if got is None:     # not fp4 values (a NaN key): the cache runs the bf16 kernel
             with use_backend("avx512vnni"):
                 got = indexer_mod.IndexKeyCache(keys).scores(iq, w, clen, n)
         return got
-    monkeypatch.setattr(indexer_mod, "_HEAD_MAJOR_MIN", LAYOUTS[path])
-    return indexer_mod._tile_scores(iq, w, keys, clen, n)
+    monkeypatch.setattr(blas_scores, "_HEAD_MAJOR_MIN", LAYOUTS[path])
+    return blas_scores.tile_scores(iq, w, keys, clen, n)
 
 
 @pytest.mark.parametrize("path", SCORE_PATHS)
@@ -263,9 +268,11 @@ def test_a_reused_score_buffer_is_masked_only_where_it_was_written(tier):
 
 
 @pytest.mark.parametrize("path", SCORE_PATHS)
+# The keys hold NaN and infinities on purpose; numpy's BLAS path warns as it multiplies them.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
     """Small chunks, split across the workers: every chunk boundary, a NaN and an inf key."""
-    monkeypatch.setattr(indexer_mod, "_SCORE_CHUNK_ELEMS", 64)
+    monkeypatch.setattr(blas_scores, "_SCORE_CHUNK_ELEMS", 64)
     monkeypatch.setattr(workers, "POOL_MIN_MACS", 0)
     rng = np.random.default_rng(12)
     T, ih, idim, n = 3, 2, 32, 600
@@ -294,7 +301,7 @@ def test_packed_tile_scores_do_not_depend_on_the_thread_count(path):
     try:
         for threads in (1, before):
             numba.set_num_threads(threads)
-            got.append(indexer_mod._tile_scores_bf16(iq, w, packed, clen, n) if path == "avx512-bf16"
+            got.append(tier_scores.tile_scores_bf16(iq, w, packed, clen, n) if path == "avx512-bf16"
                        else int8_tile_scores(iq, w, keys, clen, n) if path == "avx512-vnni"
                        else amx_tile_scores(iq, w, keys, clen, n))
     finally:
@@ -321,7 +328,7 @@ def test_int8_scores_fall_back_to_bf16_where_integer_products_are_not_exact():
     keys = _spread(keys[:, None], 0, [1], 2.0 ** 4)[:, 0]        # every key: spread 4 or 5
     clen = np.full(T, n)
     wide = _spread(iq, 1, [2, 3], 2.0 ** 6)                      # one head: spread 6 or 7
-    bf16_scores = indexer_mod._tile_scores_bf16(wide, w, pack_bf16_pairs(keys), clen, n)
+    bf16_scores = tier_scores.tile_scores_bf16(wide, w, pack_bf16_pairs(keys), clen, n)
     assert int8_tile_scores(wide, w, keys, clen, n) is None
     with use_backend("avx512vnni"):
         cache = indexer_mod.IndexKeyCache(keys)
@@ -331,7 +338,7 @@ def test_int8_scores_fall_back_to_bf16_where_integer_products_are_not_exact():
     narrow = _spread(iq, 1, [2, 3], 2.0 ** 3)
     got = int8_tile_scores(narrow, w, keys, clen, n)
     assert got is not None
-    assert np.array_equal(got, indexer_mod._tile_scores_bf16(narrow, w, pack_bf16_pairs(keys), clen, n))
+    assert np.array_equal(got, tier_scores.tile_scores_bf16(narrow, w, pack_bf16_pairs(keys), clen, n))
     assert np.array_equal(got, naive.tile_scores(narrow, w, keys, clen))
 
 
@@ -373,11 +380,11 @@ def test_folded_scores_round_on_the_conversion_where_the_guard_allows(monkeypatc
     clen = np.sort(rng.integers(1, n + 1, size=T))
     want = naive.tile_scores(iq, w, keys, clen)
     asked = []
-    guard = indexer_mod.converted_mix_exact
-    monkeypatch.setattr(indexer_mod, "converted_mix_exact", lambda *a: asked.append(guard(*a)) or asked[-1])
+    guard = tier_scores.converted_mix_exact
+    monkeypatch.setattr(tier_scores, "converted_mix_exact", lambda *a: asked.append(guard(*a)) or asked[-1])
     assert np.array_equal(folded_scores(iq, w, keys, clen, n), want)
     assert asked == [True]
-    monkeypatch.setattr(indexer_mod, "converted_mix_exact", lambda *a: False)
+    monkeypatch.setattr(tier_scores, "converted_mix_exact", lambda *a: False)
     assert np.array_equal(folded_scores(iq, w, keys, clen, n), want)
 
 
@@ -395,14 +402,14 @@ def test_folded_scores_fall_back_to_the_per_block_layout_where_rows_do_not_fold(
     clen = np.full(T, n)
     with use_backend(tier):
         cache = indexer_mod.IndexKeyCache(keys)
-        held = cache.folded if tier == "amx" else cache.vfolded
+        held = cache.folded if tier == "amx" else cache.vnni_folded
         assert held is not None and cache.int8 is None and cache.blocks is None
-        assert (cache.folded is None) == (tier != "amx") and (cache.vfolded is None) == (tier == "amx")
+        assert (cache.folded is None) == (tier != "amx") and (cache.vnni_folded is None) == (tier == "amx")
         assert np.array_equal(cache.scores(iq, w, clen, n), naive.tile_scores(iq, w, keys, clen))
         wide_q = _spread(iq, 3, [1], 2.0 ** 5)
         declined = (amx_tile_scores(wide_q, w, keys, clen, n) if tier == "amx" else
-                    indexer_mod._tile_scores_offset_folded(wide_q, w, cache.vfolded,
-                                                           cache.vfolded_range, clen, n))
+                    tier_scores.tile_scores_vnni_folded(wide_q, w, cache.vnni_folded,
+                                                           cache.vnni_folded_range, clen, n))
         assert declined is None
         assert np.array_equal(cache.scores(wide_q, w, clen, n), naive.tile_scores(wide_q, w, keys, clen))
         assert cache.int8 is not None                            # packed once, on demand
@@ -420,10 +427,10 @@ def test_a_tiles_scores_stay_within_budget_at_a_million_positions():
     """At 1,048,576 positions a tile's [tile, width] f32 scores (the indexer's largest buffer
     per tile) still fit in _TILE_ELEMS (64 MB); so do the packed queries beside them."""
     width = 1 << 20
-    tile = indexer_mod._tile_rows(width)
-    assert tile >= 1 and tile * width * 4 <= indexer_mod._TILE_ELEMS * 4 == 64 << 20
-    assert indexer_mod._query_pairs_size(tile, 64, 128) * 4 <= 1 << 20
-    assert indexer_mod._tile_rows(4096) == indexer_mod._TILE_MAX
+    tile = lightning._tile_rows(width)
+    assert tile >= 1 and tile * width * 4 <= lightning._TILE_ELEMS * 4 == 64 << 20
+    assert query_layouts.query_pairs_size(tile, 64, 128) * 4 <= 1 << 20
+    assert lightning._tile_rows(4096) == lightning._TILE_MAX
 
 
 # =============================================================================== the indexer

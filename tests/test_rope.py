@@ -45,7 +45,7 @@ def test_table_matches_naive(case):
 def test_table_is_the_c_librarys_cosf_not_the_correctly_rounded_cosine():
     """The reference's table (torch.polar) holds cosf/sinf of the f32 angles, which differ from
     the correctly rounded values by an ulp here and there: v41-flash's table at position 1228,
-    frequency 2, is one of them, and it decides bits of layer 20's output (README, "How exact")."""
+    frequency 2, is one of them, and it decides bits of layer 20's output (docs/exactness.md)."""
     cos, sin = rope.yarn_freqs_cis(64, 2048, 65536, 160000.0, 16.0, 32, 1)
     cosf, sinf = naive.libm_cosf_sinf()
     freqs = rope._inv_freqs(64, 65536, 160000.0, 16.0, 32, 1)

@@ -248,3 +248,38 @@ def test_cli_rows_and_plot(tmp_path, full, capsys):
     assert main(["golden", "--preset", "tiny", "--capture", "all", "--rows", "none",
                  "--out", str(tmp_path / "x.safetensors")]) == 2
     assert "--rows: only a streamed run" in capsys.readouterr().err
+
+
+def test_rows_with_a_batch_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "b.safetensors"
+    assert main(["golden", "--preset", "tiny", "--capture", "io", "--rows", "last:2",
+                 "--batch", "2", "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--rows: a batch (--batch > 1) answers every prefill row" in err
+    assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_a_batchs_caches_are_its_all_captures_states(tmp_path):
+    # --capture caches with --batch 2: each sequence's caches after the prefill, [2, ...], are
+    # the step-0 states and shared slots a --capture all batch golden records.
+    cfg = preset("tiny")
+    paths = {}
+    for capture in ("caches", "all"):
+        paths[capture] = tmp_path / f"{capture}.safetensors"
+        write_golden(GoldenPlan(cfg, tuple(range(cfg.n_layers)), 11, 2, seed=3, capture=capture,
+                                preset="tiny", batch=2), paths[capture])
+    with GoldenFile(paths["caches"]) as c, GoldenFile(paths["all"]) as a:
+        caches = [n for n in c.names if ".state." in n]
+        assert {n.rsplit(".", 1)[1] for n in caches} == {
+            "window_kv", "compress_kv", "index_k", "kv_state", "score_state"}
+        for name in caches:
+            i = int(name.split(".")[2])
+            what = name.split(".", 3)[3]
+            if what in ("state.compress_kv", "state.index_k"):
+                want = a.get(f"step0.layers.{i}.shared.{what[len('state.'):]}")
+            else:
+                want = a.get(name)
+            got = c.get(name)
+            assert got.shape[0] == 2 and got.shape == want.shape
+            assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    assert replay(paths["caches"]).ok

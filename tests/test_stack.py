@@ -3,7 +3,7 @@ every capture), its results independent of thread counts, the structural invaria
 and the rules of its step order (StepOrder), layer subsets, inputs and weights: a bad call gets
 a ValueError/TypeError that names the problem and changes nothing.
 
-The goldens are the reference's own outputs (tests/data, copied unchanged from shared/golden).
+The goldens are the reference's own outputs (tests/data, copied unchanged from the reference's goldens).
 Index tensors must be identical; float tensors within the SPEC's bf16 bar, and at least 99% of
 all float elements bit-identical.
 
@@ -365,7 +365,7 @@ def test_an_index_source_needs_every_key_owner_it_may_fall_back_on(tiny_weights)
     assert TINY.fallback_key_owners(2) == [4] and TINY.fallback_key_owners(4) == []
     refused(lambda: AttentionStack(TINY, tiny_weights, layers=[2, 3]), ValueError,
             "layer 2 needs layer 4")
-    with pytest.raises(GoldenError, match="layer 2 needs layer 4"):
+    with pytest.raises(GoldenError, match=r"lacks layer 4 \(layer 2's key owner"):
         GoldenPlan(config=TINY, layers=(2, 3), prefill=6, decode=3)
     st = AttentionStack(TINY, tiny_weights, layers=[2, 3, 4])
     st.forward(2, xs(6), 0)

@@ -91,7 +91,7 @@ def test_assert_candidate_file(tiny_golden, tmp_path):
     only["step2.layers.5.out"] = (only["step2.layers.5.out"].astype(np.float32) * 2).astype(
         ml_dtypes.bfloat16)
     save_file(only, tmp_path / "bad.safetensors")
-    with pytest.raises(AssertionError, match=r"(?s)step2.layers.5.out \[1, 64\].*\nFAIL \(1 tensors disagree\)"):
+    with pytest.raises(AssertionError, match=r"(?s)step2.layers.5.out \[1, 64\].*\nFAIL \(1 tensor disagrees\)"):
         testing.assert_candidate_file(tiny_golden, tmp_path / "bad.safetensors")
 
 

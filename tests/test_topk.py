@@ -1,6 +1,6 @@
 """torch_cpu_topk_set / torch_cpu_topk_rows against torch's goldens and a libstdc++ transcription.
 
-The goldens (tests/data/topk_cases.npz, topk_nan_cases.npz, copied from shared/golden) are the sets
+The goldens (tests/data/topk_cases.npz, topk_nan_cases.npz, copied unchanged from the reference's goldens) are the sets
 torch 2.13's CPU topk returned on tie-heavy bf16 rows; every row must match exactly, through both the
 single-row and the batched form. ``naive.torch_cpu_topk_set`` is a slow line-by-line transcription of the
 libstdc++ algorithms; the kernels must agree with it on random rows full of ties, NaN and infinities,

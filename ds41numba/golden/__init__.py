@@ -2,7 +2,7 @@
 
 A golden is one self-contained safetensors file: every weight of the layers that ran, every
 layer input ``x`` of every step, and what the stack computed from them (the *captures*), named
-exactly as in the reference goldens (``../shared/golden/README.md``):
+exactly as in the reference goldens (docs/golden-files.md, "Layout"):
 
 * ``layers.{i}.attn.NAME`` -- layer i's parameters (BF16, or F32 for the f32 parameters);
 * ``step{s}.layers.{i}.WHAT`` -- step 0 is the prefill (``prefill`` tokens at start_pos 0),
@@ -27,7 +27,11 @@ One module per part:
   use, and their ``CompareReport``;
 * :mod:`.run` -- ``GoldenPlan`` and the one step x layer driver (``drive``) that
   ``run_golden`` / ``write_golden`` and ``replay`` both run the stack through;
-* :mod:`.checkpoint` -- the checkpoints that make a streamed run resumable (``--resume``).
+* :mod:`.checkpoint` -- the checkpoints that make a streamed run resumable (``--resume``);
+* :mod:`.weights_dir` -- a model checkpoint directory in the released layout as a run's weights
+  (``WeightsDir``, ``--weights DIR``; not the resume checkpoints above);
+* :mod:`.inputs_file` -- layer inputs from a file (``InputsFile``, ``--inputs FILE``);
+* :mod:`.tensor_files` -- the tensors of files this tool did not write, memory-mapped one at a time.
 
 The command line (``ds41numba golden | replay | compare``, :mod:`ds41numba.cli`) parses its
 arguments and calls these.
@@ -44,18 +48,23 @@ from .errors import DiskError, GoldenError, RunInterrupted
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, checkpoint_dir, partial_path
 from .files import (FORMAT, FORMAT_VERSION, GoldenFile, RunInfo, StreamingGolden, load_golden,
                     write_tensors_atomic)
+from .files import BatchRowFile
+from .generator import BATCH_INPUTS, batch_input_name
 from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, make_input,
                         make_tensor, make_weight, make_weights, stream_key, weight_distribution)
-from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture, drive,
-                  io_layout, missing_sources, query_tiles, replay, run_golden, run_pieces,
-                  stream_golden, write_golden)
+from .weights_dir import WeightsDir, dequantize_fp8
+from .inputs_file import InputsFile
+from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture,
+                  closed_selection, drive, io_layout, missing_sources, query_tiles, replay,
+                  run_golden, run_pieces, stream_golden, write_golden)
 from .work import total_work, work_units
 from .rows import PER_ROW, held_positions, match_rows
 
 __all__ = [
     "GoldenError", "GENERATOR", "GENERATOR_SPEC", "CAPTURE_MODES", "FORMAT", "FORMAT_VERSION",
     "TOLERANCE", "make_tensor", "make_weights", "make_input", "weight_distribution", "stream_key",
-    "missing_sources", "GoldenPlan", "layer_captures", "storage_kind", "to_storage", "drive",
+    "missing_sources", "closed_selection", "GoldenPlan", "layer_captures", "storage_kind",
+    "to_storage", "drive",
     "run_golden", "write_golden", "write_tensors_atomic", "GoldenFile", "RunInfo", "load_golden",
     "TensorResult", "CompareReport", "compare_tensor", "compare_files", "replay", "PROFILES",
     "StreamingGolden", "stream_golden", "io_layout", "DEFAULT_CHUNK",
@@ -63,6 +72,7 @@ __all__ = [
     "DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_RANGE", "IndexJudgement", "RowBounds", "RowScores",
     "judge_index_rows", "DiskError", "RunInterrupted", "CHECKPOINT_EVERY", "Checkpoint",
     "checkpoint_dir", "partial_path", "GeneratedWeights", "make_weight", "StoredWeights",
-    "run_pieces", "check_cluster_capture", "total_work", "work_units", "query_tiles", "PER_ROW",
-    "held_positions", "match_rows", "CACHE_CAPTURES",
+    "run_pieces", "check_cluster_capture", "WeightsDir", "dequantize_fp8", "InputsFile",
+    "BatchRowFile", "BATCH_INPUTS", "batch_input_name", "total_work", "work_units",
+    "query_tiles", "PER_ROW", "held_positions", "match_rows", "CACHE_CAPTURES",
 ]

@@ -32,7 +32,8 @@ from ..attention import index_rows
 from ..config import AttnConfig
 from ..indexer import visible_lengths
 
-__all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "cache_layout", "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
+__all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "cache_layout",
+           "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
            "WEIGHT_NAME", "CHUNK", "StepObserver", "forward_capture", "layer_captures",
            "storage_kind", "to_storage"]
 
@@ -40,7 +41,7 @@ BF16 = ml_dtypes.bfloat16
 CHUNK = 1 << 22          # elements per piece when converting or comparing large tensors
 
 #: Runners-up recorded per index row: the measured swaps of the reference against itself reach
-#: rank 56 below the boundary (README, "Testing your kernel").
+#: rank 56 below the boundary (docs/testing.md).
 RUNNERS_UP = 64
 #: The scores behind an index source's selection (both modes).
 SCORE_CAPTURES = ("topk_scores", "runner_idxs", "runner_scores")

@@ -54,7 +54,8 @@ _RECORD = "record.pkl"
 _FLAGS = {"config": "the config (--preset/--config)", "preset": "--preset", "layers": "--layers",
           "prefill": "--prefill", "decode": "--decode", "seed": "--seed", "capture": "--capture",
           "profile": "--profile", "capture_rows": "--capture-rows", "chunk": "--chunk",
-          "schedule": "--workers/--scheduler"}
+          "schedule": "--workers/--scheduler", "weights": "--weights (or --no-weights)",
+          "inputs": "--inputs"}
 
 
 def partial_path(path: str) -> str:
@@ -108,14 +109,16 @@ def _caches(stack) -> dict[str, tuple[object, np.ndarray, int]]:
     """The stack's preallocated caches, ``{key: (object, rows array, rows filled)}``: each kv
     source's compressed cache and each key owner's index keys (an IndexKeyCache, whose packed
     copy is rebuilt from the keys on restore). A layer at ``end_pos`` has filled
-    ``end_pos // ratio`` rows of both."""
+    ``end_pos // ratio`` rows of both. A batch's sequence b > 0 has its own, keyed ``b{b}.``."""
     out = {}
-    for i, st in stack.states.items():
-        r = stack.config.ratio(i)
-        if st.compress_cache is not None:
-            out[f"compress.{i}"] = (st.compress_cache, st.compress_cache, st.end_pos // r)
-        if st.index_cache is not None:
-            out[f"index.{i}"] = (st.index_cache, st.index_cache.keys, st.end_pos // r)
+    for b, seq in enumerate(stack.sequences):
+        pre = f"b{b}." if b else ""
+        for i, st in seq.states.items():
+            r = seq.config.ratio(i)
+            if st.compress_cache is not None:
+                out[f"{pre}compress.{i}"] = (st.compress_cache, st.compress_cache, st.end_pos // r)
+            if st.index_cache is not None:
+                out[f"{pre}index.{i}"] = (st.index_cache, st.index_cache.keys, st.end_pos // r)
     return out
 
 

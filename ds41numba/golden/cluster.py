@@ -14,7 +14,8 @@ has three parts:
    with the generator and returns that tile's rows of the file (``out``, ``idx``, the selection
    and the scores behind it, samples), which the driver writes into place as they come back. A
    layer that reuses another's selection or candidates is given that layer's result for the
-   same tile, which stays on the workers;
+   same tile, which stays on the workers. With ``--inputs`` the driver sends each tile its
+   input rows (read from the file it has), else a tile makes them with the generator;
 3. the decode steps, on the driver (one token each: nothing to spread).
 
 A ``--rows`` run answers only some prefill rows: its tiles are the runs of those rows (cut into
@@ -290,12 +291,14 @@ def _threads(n: int | None):
 
 
 def run_tile(work: LayerWork, kv: CacheRows | None, keys: CacheRows | None, first_row: int,
-             rows: int, topk_from=None, candidates_from=None):
+             rows: int, topk_from=None, candidates_from=None, x=None):
     """One tile of a layer's prefill queries (rows ``first_row ..``), as a worker runs it.
 
     ``kv`` and ``keys``: the compressed KV rows and the index keys the layer reads (None where
     it reads none). ``topk_from`` / ``candidates_from``: the selection of the same rows at the layer's index
     source and candidate source (their tiles' second result), for a layer that reads them.
+    ``x``: the tile's input rows (from ``max(0, first_row - window_size + 1)`` on, bfloat16),
+    or None for the generator's.
     Returns ``(file_rows, selection)``: ``(first_row, {WHAT: rows in storage dtype}, (sample
     index, {sample.WHAT: rows}))`` for the driver to write, and this tile's selection
     ``(topk_idxs, candidate_blocks, candidate_width, candidate_block_size)`` for later layers.
@@ -303,8 +306,9 @@ def run_tile(work: LayerWork, kv: CacheRows | None, keys: CacheRows | None, firs
     c, i, P = work.config, work.layer, work.prefill
     first = max(0, first_row - c.window_size + 1)
     name = f"step0.layers.{i}.x"
-    x = to_storage(name, make_input(name, (first_row + rows - first, c.dim), work.seed,
-                                    work.profile, first, 0), "BF16")
+    if x is None:
+        x = to_storage(name, make_input(name, (first_row + rows - first, c.dim), work.seed,
+                                        work.profile, first, 0), "BF16")
     shared = SharedRuntime(compress_kv=None if kv is None else kv.rows,
                            index_k=None if keys is None else keys.index_cache())
     if topk_from is not None:
@@ -399,9 +403,13 @@ class _Queries:
     def submit(self, i: int, a: int, n: int):
         """Layer i's tile at rows ``a ..``: the future of its file rows."""
         topk, cands = self.sources(i)
+        x = None
+        if self.plan.inputs is not None:        # the workers may not see the inputs file
+            first = max(0, a - self.plan.config.window_size + 1)
+            x = self.plan.input_rows(f"step0.layers.{i}.x", first, a + n - first, 0)
         tile = self.client.submit(run_tile, self.work(i), *self.caches(i), a, n,
                                   None if topk is None else self.selection(topk, a, n),
-                                  None if cands is None else self.selection(cands, a, n),
+                                  None if cands is None else self.selection(cands, a, n), x,
                                   key=f"ds41numba-tile-{i}-{a}-{os.urandom(4).hex()}")
         self.selections[(i, a)] = self.client.submit(operator.getitem, tile, 1)
         rows = self.client.submit(operator.getitem, tile, 0)

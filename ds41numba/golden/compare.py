@@ -1,6 +1,6 @@
 """Comparing a candidate's tensors with a golden's, and the reports.
 
-Floats: SPEC's tolerance, ``|got - want| <= 2 * 2^-8 * max|want| + 1e-6`` per tensor. Index
+Floats: the bf16 tolerance (docs/testing.md), ``|got - want| <= 2 * 2^-8 * max|want| + 1e-6`` per tensor. Index
 selections (``idx``, ``shared.topk_idxs``): row by row, tie-aware (:mod:`.ties`): identical rows
 and boundary swaps pass, wrong rows fail; with ``exact_index`` every row must be identical (the
 rule before goldens carried scores). Rows of ``o``/``out`` (and ``sample.o``) downstream of a
@@ -22,17 +22,18 @@ import numpy as np
 from ..indexer import visible_lengths
 from .captures import CHUNK, SCORE_CAPTURES, STEP_NAME, WEIGHT_NAME
 from .errors import GoldenError
-from .files import GoldenFile, RunInfo
+from .files import BatchRowFile, GoldenFile, RunInfo
 from .rows import match_rows
 from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, RowBounds, RowScores,
                    judge_index_rows)
+from .where import (ROWS_LISTED, RowsOver, cosine, count as _count, fmt_steps as _fmt_steps,
+                    worst_lines)
 
 __all__ = ["TOLERANCE", "ROWS_LISTED", "SELECTIONS", "DOWNSTREAM", "TensorResult",
            "CompareReport", "Judge", "compare_tensor", "compare_files", "file_scores",
            "compare_order", "group_of"]
 
 TOLERANCE = "|got - want| <= 2 * 2^-8 * max|want| + 1e-6 per tensor"
-ROWS_LISTED = 1000   # differing index rows a result lists (the text line shows the first 10)
 #: Index tensors judged tie-aware, and the float tensors whose rows follow a query's selection.
 SELECTIONS = ("idx", "shared.topk_idxs")
 DOWNSTREAM = ("o", "out", "sample.o")
@@ -77,6 +78,12 @@ class TensorResult:
     swap_over_range: int = 0
     rows_not_compared: int = 0      # score captures: rows whose selection differs
     informational: bool = False     # the golden's evidence (score captures): never fails
+    # float tensors: engines' per-tensor figures (finite elements; relative where want != 0),
+    # and, aligned with first_rows (the first rows holding an element over tolerance), each
+    # row's worst element: {"row", "position", "got", "want", "steps"}
+    max_rel_diff: float = 0.0
+    cosine: float = 1.0
+    row_worst: list = field(default_factory=list)
 
     def line(self) -> str:
         """One human-readable line."""
@@ -113,24 +120,25 @@ class TensorResult:
                             if self.swap_over_range else ", all within the tensor's range)"))
             if self.rows_not_compared:
                 line += f"; {self.rows_not_compared} rows not compared (their selection differs)"
+            if self.row_worst:
+                line += "\n" + worst_lines(self.rows_differ, self.row_worst)
             return line
         return f"{self.name}: {self.detail}"
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        for k in ("differ_rows", "swap_list", "wrong_list"):
+        for k in ("differ_rows", "swap_list", "wrong_list", "_dots"):
             d.pop(k, None)
         for k in ("max_abs_diff", "max_bf16_steps", "tolerance", "max_score_gap",
-                  "max_relative_gap", "swap_max_abs_diff"):
-            if not math.isfinite(d[k]):
-                d[k] = str(d[k])   # JSON has no inf/nan
+                  "max_relative_gap", "swap_max_abs_diff", "max_rel_diff", "cosine"):
+            d[k] = _json_float(d[k])
+        d["row_worst"] = [{k: _json_float(v) if isinstance(v, float) else v for k, v in w.items()}
+                          for w in self.row_worst]
         return d
 
 
-def _fmt_steps(v: float) -> str:
-    if not math.isfinite(v):
-        return str(v)
-    return f"{v:.0f}" if v == int(v) else f"{v:.3g}"
+def _json_float(v: float):
+    return v if math.isfinite(v) else str(v)   # JSON has no inf/nan
 
 
 def _is_index(a: np.ndarray) -> bool:
@@ -154,7 +162,7 @@ def _candidate_problem(want: np.ndarray, got: np.ndarray) -> str:
 def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
                    bounds: RowBounds | None = None, index_tolerance: float | None = None,
                    relaxed_rows=None, rows=None) -> TensorResult:
-    """Compare ``got`` with ``want``: the SPEC tolerance for floats; for index tensors exact
+    """Compare ``got`` with ``want``: the bf16 tolerance for floats; for index tensors exact
     rows, or tie-aware rows when ``index_tolerance`` is given (:func:`.ties.judge_index_rows`,
     with the golden's ``scores`` and the rows' ``bounds``). ``relaxed_rows`` (first-axis rows)
     of a float tensor are held to the tensor's range (``SWAP_FLOAT_RANGE``); ``rows``, a boolean mask
@@ -171,8 +179,10 @@ def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
     if problem:
         res.kind, res.ok, res.detail = "unusable", False, problem
         return res
+    row_ids = None
     if rows is not None and want.ndim and not rows.all():
         res.rows_not_compared = int(np.count_nonzero(~rows))
+        row_ids = np.flatnonzero(rows)
         want, got = want[rows], got[rows]
         res.size = int(want.size)
         if want.shape[0] == 0:
@@ -183,7 +193,7 @@ def compare_tensor(name: str, want, got, *, scores: RowScores | None = None,
         return _judge_index(res, want, got, scores, bounds, index_tolerance)
     if index:
         return _compare_index(res, want, got)
-    return _compare_float(res, want, got, relaxed_rows)
+    return _compare_float(res, want, got, relaxed_rows, row_ids=row_ids)
 
 
 def _judge_index(res, want, got, scores, bounds, tolerance) -> TensorResult:
@@ -235,26 +245,37 @@ def _abs_max(a: np.ndarray) -> float:
 
 
 def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
-                   relaxed_rows=None, factor: float = 1.0, amax: float | None = None) -> TensorResult:
-    """Float agreement at ``factor`` x the SPEC tolerance of ``max|want|`` (``amax``, default
-    this tensor's); ``relaxed_rows`` are judged apart (:func:`_compare_float_relaxed`)."""
+                   relaxed_rows=None, factor: float = 1.0, amax: float | None = None,
+                   row_ids=None) -> TensorResult:
+    """Float agreement at ``factor`` x the bf16 tolerance of ``max|want|`` (``amax``, default
+    this tensor's); ``relaxed_rows`` are judged apart (:func:`_compare_float_relaxed`).
+
+    A chunk at a time (a memory-mapped tensor is never read whole); besides the counts it notes
+    which first-axis rows hold an element over the bound and each row's worst element
+    (``row_ids``: the tensor's row numbers of ``want``'s rows, when it is a selection of them).
+    """
     if relaxed_rows is not None and len(relaxed_rows) and want.ndim:
         return _compare_float_relaxed(res, want, got, np.asarray(relaxed_rows, np.int64))
     w_all, g_all = want.reshape(-1), got.reshape(-1)
     res.tolerance = 2 * 2.0 ** -8 * (_abs_max(want) if amax is None else amax) + 1e-6
     bound = factor * res.tolerance
+    rows = RowsOver(want.shape if want.ndim else (1,), row_ids)
+    dots = np.zeros(3)      # sum g*w, g*g, w*w over the finite elements: the cosine
     for lo in range(0, w_all.size, CHUNK):
         w = np.ascontiguousarray(w_all[lo:lo + CHUNK], dtype=np.float32)
         g = np.ascontiguousarray(g_all[lo:lo + CHUNK], dtype=np.float32)
         wn, gn = np.isnan(w), np.isnan(g)
         res.bit_identical += int(np.count_nonzero((w.view(np.uint32) == g.view(np.uint32)) | (wn & gn)))
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
-            diff = np.abs(g.astype(np.float64) - w.astype(np.float64))
+            diff = np.abs(g64 - w64)
         finite = np.isfinite(w) & np.isfinite(g)
         ok = (finite & (diff <= bound)) | (w == g) | (wn & gn)
         res.over_tolerance += int(ok.size - np.count_nonzero(ok))
         if finite.any():
             res.max_abs_diff = max(res.max_abs_diff, float(diff[finite].max()))
+            _figures(res, dots, g64, w64, diff, finite)
+        del g64, w64
         if (~finite & ~ok).any():
             res.max_abs_diff = math.inf
         steps = np.abs(_ordered(g.view(np.uint32)) - _ordered(w.view(np.uint32))) / 65536.0
@@ -262,29 +283,57 @@ def _compare_float(res: TensorResult, want: np.ndarray, got: np.ndarray,
         res.within_one_step += int(np.count_nonzero(steps <= 1.0))
         if steps.size:
             res.max_bf16_steps = max(res.max_bf16_steps, float(steps.max()))
+        if not ok.all():
+            rows.note(lo, np.flatnonzero(~ok), np.where(finite, diff, np.inf), g, w, steps)
+    res._dots = dots
+    res.cosine = cosine(dots)
+    rows.fill(res)
     res.ok = res.over_tolerance == 0
     return res
+
+
+def _figures(res: TensorResult, dots, g64, w64, diff, finite):
+    """Add a chunk's sums for the cosine to ``dots`` and its largest relative difference to
+    ``res``, over its finite elements (``g64``, ``w64`` are overwritten: no more copies of the
+    chunk than the comparison holds)."""
+    if not finite.all():
+        g64[~finite], w64[~finite] = 0.0, 0.0
+    dots += (np.dot(g64, w64), np.dot(g64, g64), np.dot(w64, w64))
+    moved = np.flatnonzero(diff > 0)          # NaN compares False: only finite differences
+    if moved.size:
+        want = np.abs(w64[moved])
+        keep = finite[moved] & (want != 0)
+        if keep.any():
+            res.max_rel_diff = max(res.max_rel_diff, float((diff[moved][keep] / want[keep]).max()))
 
 
 def _compare_float_relaxed(res: TensorResult, want, got, relaxed) -> TensorResult:
     """:func:`_compare_float` with the rows ``relaxed`` (downstream of a differing index row)
     judged apart: within ``SWAP_FLOAT_RANGE * max|want|`` (plus the tolerance) of the golden,
-    NaN and infinities as the golden's; the tolerance stays the whole tensor's."""
+    NaN and infinities as the golden's; the tolerance stays the whole tensor's. The rows over
+    are those of the strict rows over the tolerance and of the relaxed rows beyond the range."""
     mask = np.zeros(want.shape[0], bool)
     mask[relaxed[(relaxed >= 0) & (relaxed < want.shape[0])]] = True
+    kept, loosened = np.flatnonzero(~mask), np.flatnonzero(mask)
     amax = _abs_max(want)
     strict = _compare_float(TensorResult(res.name, "float", True), want[~mask], got[~mask],
-                            amax=amax)
+                            amax=amax, row_ids=kept)
     loose = _compare_float(TensorResult(res.name, "float", True), want[mask], got[mask],
                            amax=amax)
     tol = strict.tolerance
     ranged = _compare_float(TensorResult(res.name, "float", True), want[mask], got[mask],
-                            factor=(SWAP_FLOAT_RANGE * amax + tol) / tol, amax=amax)
+                            factor=(SWAP_FLOAT_RANGE * amax + tol) / tol, amax=amax,
+                            row_ids=loosened)
     res.tolerance = tol
     res.over_tolerance, res.max_abs_diff = strict.over_tolerance, strict.max_abs_diff
     res.within_one_step = strict.within_one_step + loose.within_one_step
     res.bit_identical = strict.bit_identical + loose.bit_identical
     res.max_bf16_steps = max(strict.max_bf16_steps, loose.max_bf16_steps)
+    res.max_rel_diff = max(strict.max_rel_diff, loose.max_rel_diff)
+    res.cosine = cosine(strict._dots + loose._dots)
+    res.rows, res.rows_differ = want.shape[0], strict.rows_differ + ranged.rows_differ
+    res.row_worst = sorted(strict.row_worst + ranged.row_worst, key=lambda w: w["row"])[:ROWS_LISTED]
+    res.first_rows = [w["row"] for w in res.row_worst]
     res.swap_rows = int(mask.sum())
     res.swap_over_tolerance, res.swap_max_abs_diff = loose.over_tolerance, loose.max_abs_diff
     res.swap_over_range = ranged.over_tolerance
@@ -343,6 +392,8 @@ class CompareReport:
             "shape_mismatches": sum(r.kind == "shape" for r in self.results),
             "unusable": sum(r.kind == "unusable" for r in self.results),
             "failing_tensors": len(self.failures),
+            "disagreeing_tensors": sum(r.kind != "only-golden" for r in self.failures),
+            "missing_tensors": sum(r.kind == "only-golden" for r in self.failures),
             "tolerance": TOLERANCE,
         }
 
@@ -355,7 +406,7 @@ class CompareReport:
             if s["float_rows_after_swaps"]:
                 rows += (f"; {s['float_rows_after_swaps']} float rows after swaps (max |diff| "
                          f"{s['max_abs_diff_after_swaps']:.3g})")
-        parts = [f"{s['compared']} tensors compared", rows,
+        parts = [_count(s['compared'], "tensor") + " compared", rows,
                  f"floats max {_fmt_steps(s['max_bf16_steps'])} bf16 steps, "
                  f"{100 * s['within_one_step_fraction']:.3f}% within 1 step, "
                  f"{100 * s['bit_identical_fraction']:.3f}% bit-identical"]
@@ -363,15 +414,32 @@ class CompareReport:
             parts.append(f"{s['only_in_golden']} only in {self.golden}")
         if s["only_in_candidate"]:
             parts.append(f"{s['only_in_candidate']} only in {self.candidate}")
-        verdict = "OK" if self.ok else (f"FAIL ({s['failing_tensors']} tensors disagree)"
-                                        if s["compared"] else "FAIL (no tensor in common)")
-        return f"{verdict}: " + "; ".join(parts)
+        return f"{self._verdict(s)}: " + "; ".join(parts)
+
+    def _verdict(self, s: dict) -> str:
+        """OK, or FAIL with how many tensors disagree and how many the candidate lacks."""
+        if self.ok:
+            return "OK"
+        if not s["compared"]:
+            return "FAIL (no tensor in common)"
+        n, missing = s["disagreeing_tensors"], s["missing_tensors"]
+        why = []
+        if n:
+            why.append(_count(n, "tensor") + (" disagrees" if n == 1 else " disagree"))
+        if missing:
+            why.append(f"{missing} missing" if n else _count(missing, "tensor") + " missing")
+        return f"FAIL ({', '.join(why) or 'nothing compared agrees'})"
 
     def text(self, limit: int = 50) -> str:
         """One line per failing tensor (at most ``limit``), then the summary line."""
-        lines = [r.line() for r in self.failures[:limit]]
-        if len(self.failures) > limit:
-            lines.append(f"... and {len(self.failures) - limit} more failing tensors (--json lists all)")
+        failing = [r for r in self.failures if r.kind != "only-golden"]
+        lines = [r.line() for r in failing[:limit]]
+        if len(failing) > limit:
+            lines.append(f"... and {len(failing) - limit} more failing tensors (--json lists all)")
+        missing = [r.name for r in self.failures if r.kind == "only-golden"]
+        if missing:
+            lines.append(f"missing from {self.candidate}: " + ", ".join(missing[:5])
+                         + (f" ... ({len(missing)} in all)" if len(missing) > 5 else ""))
         extra = [r.name for r in self.results if r.kind == "only-candidate"]
         if extra:
             lines.append(f"only in {self.candidate}: " + ", ".join(extra[:5])
@@ -569,27 +637,58 @@ def compare_files(golden_path, candidate_path, subset: bool = False,
     A golden of some prefill rows (``--rows``) is compared at the positions both files hold
     (:func:`~.rows.match_rows`); prefill rows of the golden the candidate lacks fail unless
     ``subset``.
+
+    A batch's golden (metadata ``batch`` > 1) is judged sequence by sequence: batch row b of
+    each ``step{s}.layers.{i}.*`` tensor by the rules above, reported as ``NAME[b]``; the
+    weights once.
+
+    Args:
+        golden_path: the golden (ds41numba ``.safetensors`` or reference ``.npz``).
+        candidate_path: the file to judge (safetensors or ``.npz``, the golden's tensor names).
+        subset: the candidate may leave out tensors of the golden.
+        index_tolerance: the boundary band of tie-aware index rows (default 1/16).
+        exact_index: index rows must be identical.
+
+    Returns:
+        A :class:`CompareReport`: ``.ok``, ``.results`` (one :class:`TensorResult` a tensor),
+        ``.text()`` (what ``compare`` prints), ``.to_json()``.
+
+    Raises:
+        GoldenError: either file cannot be read.
     """
-    with GoldenFile(golden_path) as golden_file, GoldenFile(candidate_path) as cand_file:
-        info = golden_file.step_info()
-        golden, cand, positions, lacking = match_rows(golden_file, cand_file,
-                                                      None if info is None else info.prefill)
-        judge = Judge(info, file_scores(golden, cand), index_tolerance, exact_index,
-                      positions=positions)
-        report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)
-        for i, missing in lacking.items():
-            report.add(TensorResult(f"step0.layers.{i}.rows", "only-golden", ok=subset,
-                                    detail=f"{missing.size} prefill rows of the golden are not in "
-                                    f"{cand.path} (first: position {missing[0]})"))
+    with GoldenFile(golden_path) as golden, GoldenFile(candidate_path) as cand:
+        info = golden.step_info()
+        batch = 1 if info is None else info.batch
+        report = None
         cand_names = set(cand.names)
-        for name in sorted(golden.names, key=compare_order):
-            if name.endswith(".rows") and _step_layer(name)[2] == "rows" and name not in cand_names:
-                continue                 # the other file holds every row: matched by position
-            if name in cand_names:
-                report.add(judge.compare(name, golden.get(name), cand.get(name), golden, cand))
+        for b in range(batch):
+            if batch == 1:          # a --rows golden (never a batch): matched by position
+                g, c, positions, lacking = match_rows(golden, cand,
+                                                      None if info is None else info.prefill)
             else:
-                report.add(TensorResult(name, "only-golden", ok=subset,
-                                        detail=f"missing from {cand.path}"))
+                g, c, positions, lacking = BatchRowFile(golden, b), BatchRowFile(cand, b), {}, {}
+            judge = Judge(g.step_info(), file_scores(g, c), index_tolerance, exact_index,
+                          positions=positions)
+            if report is None:
+                report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)
+            for i, missing in lacking.items():
+                report.add(TensorResult(f"step0.layers.{i}.rows", "only-golden", ok=subset,
+                                        detail=f"{missing.size} prefill rows of the golden are "
+                                        f"not in {cand.path} (first: position {missing[0]})"))
+            for name in sorted(golden.names, key=compare_order):
+                per_row = batch > 1 and STEP_NAME.fullmatch(name) is not None
+                if b and not per_row:
+                    continue                       # the weights: once
+                if name in cand_names:
+                    res = judge.compare(name, g.get(name), c.get(name), g, c)
+                elif name.endswith(".rows") and _step_layer(name)[2] == "rows":
+                    continue             # the other file holds every row: matched by position
+                else:
+                    res = TensorResult(name, "only-golden", ok=subset,
+                                       detail=f"missing from {cand.path}")
+                if per_row:
+                    res.name = f"{name}[{b}]"
+                report.add(res)
         report.results.sort(key=lambda r: _natural(r.name))
         gold_names = set(golden.names)
         for name in cand.names:

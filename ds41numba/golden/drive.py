@@ -13,7 +13,7 @@ from .rows import runs
 from .work import work_units
 
 __all__ = ["golden_steps", "prefill_chunks", "query_tiles", "run_pieces", "piece_name", "drive",
-           "drive_piece"]
+           "drive_piece", "step_observers"]
 
 
 def golden_steps(prefill: int, decode: int):
@@ -53,6 +53,19 @@ def piece_name(piece, split: bool) -> str:
     return f"step {s}" + (f" rows {a}-{a + n - 1}" if s == 0 and split else "")
 
 
+def step_observers(stack, capture_rows=(), observer=None) -> list:
+    """One :class:`StepObserver` per sequence of ``stack`` (``observer``: a restored one, or
+    a list of them for a batch), each set on its sequence's shared runtime."""
+    seqs = stack.sequences
+    if observer is None:
+        observers = [StepObserver(stack.config, capture_rows) for _ in seqs]
+    else:
+        observers = list(observer) if isinstance(observer, (list, tuple)) else [observer]
+    for seq, obs in zip(seqs, observers):
+        seq.shared.observer = obs
+    return observers
+
+
 def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, take,
           progress=None, capture_rows=(), chunk: int | None = None, observer=None,
           start: int = 0, boundary=None):
@@ -61,14 +74,16 @@ def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, 
     one), each chunk through every layer before the next (token-major, which gives the one-shot
     prefill's rows: ``AttentionStack.forward``'s ``prefill_len``).
 
-    ``x_of(name, first_row, rows, start_pos)`` gives those rows of the input
-    ``step{s}.layers.{i}.x``, the step's first row being at position ``start_pos``;
-    ``take(prefix, captures, first_row)`` receives the layer's :func:`layer_captures` (the
-    rows ``first_row ..`` of each per-row tensor) under their prefix ``step{s}.layers.{i}.``
+    ``x_of(name, first_row, rows, start_pos, batch_row)`` gives those rows of the input
+    ``step{s}.layers.{i}.x`` of sequence ``batch_row`` (0 but in a :class:`BatchedStack`:
+    within a layer the batch's sequences run in order), the step's first row being at position
+    ``start_pos``; ``take(prefix, captures, first_row, batch_row)`` receives the layer's
+    :func:`layer_captures` (the rows ``first_row ..`` of each per-row tensor) under their
+    prefix ``step{s}.layers.{i}.``
     (views of the stack's live state: convert or compare them before returning; nothing holds
     them after). ``progress(n, where)``, if given, is called before each forward with
-    ``n = 0`` and after it with the tokens it processed; ``where`` says which step, chunk and
-    layer.
+    ``n = 0`` and after it with the work it did (:func:`~.work.work_units`); ``where`` says
+    which step, chunk and layer.
 
     The index scores and the samples of the positions ``capture_rows`` are collected by a
     :class:`StepObserver` (``observer``, or a new one) set on the stack's shared runtime for
@@ -78,47 +93,54 @@ def drive(stack: AttentionStack, prefill: int, decode: int, capture: str, x_of, 
     ``first_row`` 0.
 
     A resumed run starts at piece ``start`` of :func:`run_pieces` (the stack and ``observer``
-    restored to where that piece begins); ``boundary(done, observer)``, if given, is called
-    after each piece with the number of pieces done.
+    restored to where that piece begins; a batch has a list of them, one per sequence);
+    ``boundary(done, observer)``, if given, is called after each piece with the number of
+    pieces done.
     """
     pieces = run_pieces(prefill, decode, chunk)
     split = len(pieces) - decode > 1
-    observer = StepObserver(stack.config, capture_rows) if observer is None else observer
-    stack.shared.observer = observer
+    observers = step_observers(stack, capture_rows, observer)
+    observer = observers if len(observers) > 1 else observers[0]
     try:
         for k in range(start, len(pieces)):
             drive_piece(stack, pieces[k], prefill, capture, x_of, take, progress, observer, split)
             if boundary is not None:
                 boundary(k + 1, observer)
     finally:
-        stack.shared.observer = None
+        for seq in stack.sequences:
+            seq.shared.observer = None
 
 
 def drive_piece(stack, piece, prefill, capture, x_of, take, progress, observer, split):
-    """One piece of :func:`drive` through every layer of the stack."""
+    """One piece of :func:`drive` through every layer of the stack (of a batch: every layer
+    through the batch's sequences in order, before the next layer). ``observer``: the
+    sequence's :class:`StepObserver`, or a list of one per sequence."""
     s, start_pos, first, n = piece
     a = start_pos + first
     chunked = s == 0 and split
     prefill_len = prefill if s == 0 else None
     last = s == 0 and a + n == prefill          # the prefill's last piece: its caches are done
+    seqs = stack.sequences
+    observers = observer if isinstance(observer, (list, tuple)) else [observer]
     for i in stack.layers:
         prefix = f"step{s}.layers.{i}."
-        where = f"{piece_name(piece, split)} layer {i}"
-        if progress is not None:
-            progress(0, where)
-        observer.begin(i, a, n, prefill_len)
-        run = stack.forward(i, x_of(prefix + "x", first, n, start_pos), a,
-                            capture=forward_capture(capture), prefill_len=prefill_len)
-        got = layer_captures(stack, i, run, a, capture, observer)
-        if chunked:
-            samples = {w: v for w, v in got.items() if w.startswith("sample.")}
-            take(prefix, {w: v for w, v in got.items() if w not in samples}, first)
-            if samples:
-                take(prefix, samples, 0)
-        else:
-            take(prefix, got, first)
-        if last and capture == "caches":
-            take(prefix, cache_captures(stack, i, prefill), 0)
-        del run, got
-        if progress is not None:
-            progress(work_units(stack.config, i, a, n, prefill=s == 0), where)
+        for b, (seq, obs) in enumerate(zip(seqs, observers)):
+            where = f"{piece_name(piece, split)} layer {i}" + (f" batch row {b}" if b else "")
+            if progress is not None:
+                progress(0, where)
+            obs.begin(i, a, n, prefill_len)
+            run = seq.forward(i, x_of(prefix + "x", first, n, start_pos, b), a,
+                              capture=forward_capture(capture), prefill_len=prefill_len)
+            got = layer_captures(seq, i, run, a, capture, obs)
+            if chunked:
+                samples = {w: v for w, v in got.items() if w.startswith("sample.")}
+                take(prefix, {w: v for w, v in got.items() if w not in samples}, first, b)
+                if samples:
+                    take(prefix, samples, 0, b)
+            else:
+                take(prefix, got, first, b)
+            if last and capture == "caches":
+                take(prefix, cache_captures(seq, i, prefill), 0, b)
+            del run, got
+            if progress is not None:
+                progress(work_units(stack.config, i, a, n, prefill=s == 0), where)

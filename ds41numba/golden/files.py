@@ -15,7 +15,7 @@ import re
 import struct
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import safetensors.numpy
@@ -24,12 +24,12 @@ from safetensors import safe_open
 
 from .. import __version__
 from ..config import AttnConfig
-from .captures import CAPTURE_MODES
+from .captures import CAPTURE_MODES, STEP_NAME
 from .rows import runs
 from .errors import GoldenError, disk_errors
-from .generator import GENERATOR, GENERATOR_SPEC, PROFILES
+from .generator import BATCH_INPUTS, GENERATOR, GENERATOR_SPEC, PROFILES
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "RunInfo", "GoldenFile", "load_golden",
+__all__ = ["FORMAT", "FORMAT_VERSION", "RunInfo", "GoldenFile", "BatchRowFile", "load_golden",
            "write_tensors_atomic", "check_target", "StreamingGolden", "SAFETENSORS_DTYPES",
            "fsync_dir"]
 
@@ -155,17 +155,22 @@ SAFETENSORS_DTYPES = {"BF16": np.dtype(BF16), "F32": np.dtype(np.float32),
 
 
 def _laid_out(layout, metadata: dict[str, str]) -> tuple[dict, bytes]:
-    """The entries ``{name: (dtype, shape, offset, row bytes)}`` of a layout and its header
-    (metadata keys sorted, padded with spaces to 8 bytes): all of a file's offsets."""
+    """The entries ``{name: (dtype, shape, offset, row bytes, rows, row axes)}`` of a layout
+    and its header (metadata keys sorted, padded with spaces to 8 bytes): all of a file's
+    offsets. A layout entry may add a fourth element, its row axes (default 1): a tensor's
+    rows are its first ``row axes`` axes taken together (2 for ``[batch, seqlen, ...]``,
+    whose row ``b * seqlen + s`` is sequence b's row s)."""
     header = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
     entries, offset = {}, 0
-    for name, dtype, shape in layout:
+    for name, dtype, shape, *axes in layout:
         shape = tuple(int(d) for d in shape)
+        axes = int(axes[0]) if axes else 1
         size = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
         if name in entries:
             raise ValueError(f"StreamingGolden: tensor {name} appears twice in the layout")
-        row = size // shape[0] if shape and shape[0] else size
-        entries[name] = (dtype, shape, offset, row)
+        rows = math.prod(shape[:axes]) if shape else 1
+        row = size // rows if rows else size
+        entries[name] = (dtype, shape, offset, row, rows, axes)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -181,8 +186,10 @@ class StreamingGolden:
     """A safetensors file laid out up front and filled in place, a block of rows at a time.
 
     ``layout`` lists every tensor, ``(name, dtype, shape)`` in file order (dtype a safetensors
-    name: ``BF16``, ``F32``, ``I32``, ``U8``); the header (metadata keys sorted, entries in
-    layout order, padded with spaces to 8 bytes) and every byte offset follow from it alone, so
+    name: ``BF16``, ``F32``, ``I32``, ``U8``; a fourth element 2 makes the first two axes the
+    rows, as for a batch's ``[batch, seqlen, ...]`` tensors); the header (metadata keys
+    sorted, entries in layout order, padded with spaces to 8 bytes) and every byte offset
+    follow from it alone, so
     the file is byte-identical whatever order or block sizes its rows are written in. It is
     made under a hidden temporary name beside ``path`` (``.NAME.*.tmp``), sized at once,
     :meth:`write_rows` puts rows in place, and :meth:`commit` checks every row was written,
@@ -240,12 +247,14 @@ class StreamingGolden:
 
     def write_rows(self, name: str, first_row: int, array) -> None:
         """Rows ``first_row ..`` of tensor ``name`` (a whole tensor at ``first_row`` 0), given in
-        its storage dtype; a wrong dtype, shape or row range is an error, not a corrupt file."""
-        dtype, shape, offset, row = self.entries[name]
+        its storage dtype; a wrong dtype, shape or row range is an error, not a corrupt file.
+        A tensor laid out with two row axes takes rows ``[n, ...]`` of its flattened first two
+        axes (sequence b's rows start at ``b * shape[1]``)."""
+        dtype, shape, offset, row, rows, axes = self.entries[name]
         a = np.ascontiguousarray(array)
         n = a.shape[0] if a.ndim else 1
-        if a.dtype != SAFETENSORS_DTYPES[dtype] or tuple(a.shape[1:]) != shape[1:] or \
-                not 0 <= first_row <= shape[0] - n:
+        if a.dtype != SAFETENSORS_DTYPES[dtype] or tuple(a.shape[1:]) != shape[axes:] or \
+                not 0 <= first_row <= rows - n:
             raise ValueError(f"StreamingGolden: {name} is {dtype} {list(shape)}; rows {first_row}.."
                              f"{first_row + n - 1} of {a.dtype} {list(a.shape)} do not fit it")
         data = memoryview(a.reshape(-1).view(np.uint8))
@@ -259,8 +268,8 @@ class StreamingGolden:
     def copy_tensor(self, source: str, name: str, block: int = 1 << 24) -> None:
         """Tensor ``name`` as a copy of the already written ``source`` (same dtype and shape),
         ``block`` bytes at a time."""
-        sdt, sshape, soff, _ = self.entries[source]
-        dt, shape, off, _ = self.entries[name]
+        sdt, sshape, soff = self.entries[source][:3]
+        dt, shape, off = self.entries[name][:3]
         if (sdt, sshape) != (dt, shape) or self.missing_rows(source):
             raise ValueError(f"StreamingGolden: cannot copy {source} ({sdt} {list(sshape)}) to "
                              f"{name} ({dt} {list(shape)})")
@@ -269,16 +278,14 @@ class StreamingGolden:
             for a in range(0, size, block):
                 data = os.pread(self._fd, min(block, size - a), self.data_start + soff + a)
                 os.pwrite(self._fd, data, self.data_start + off + a)
-        self.rows_written[name] = shape[0] if shape else 1
+        self.rows_written[name] = self.entries[name][4]
 
     def missing_rows(self, name: str) -> int:
-        shape = self.entries[name][1]
-        return (shape[0] if shape else 1) - self.rows_written[name]
+        return self.entries[name][4] - self.rows_written[name]
 
     def missing(self) -> list[str]:
         """Tensors not all of whose rows were written."""
-        return [n for n, (_, shape, _, _) in self.entries.items()
-                if self.rows_written[n] < (shape[0] if shape else 1)]
+        return [n for n, e in self.entries.items() if self.rows_written[n] < e[4]]
 
     def commit(self) -> None:
         """Check every tensor is complete, sync, and rename the file into place."""
@@ -334,12 +341,21 @@ class RunInfo:
     preset: str = ""
     profile: str = "default"
     capture_rows: tuple[int, ...] = ()
+    weights: dict | None = None     # where given weights came from (None: the generator's)
+    inputs: dict | None = None      # where given inputs came from (None: the generator's)
+    batch: int = 1                  # sequences in lockstep (docs/batches.md)
     rows: tuple[int, ...] | None = None      # the prefill rows answered (None: every one)
 
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing; what
-        :meth:`GoldenFile.run_info` reads back."""
-        return {
+        :meth:`GoldenFile.run_info` reads back. ``weights`` and ``inputs`` appear only for a
+        run whose weights or inputs were given (a checkpoint directory, an inputs file);
+        ``batch`` and ``batch_inputs`` only for a batch of more than one sequence."""
+        sources = {key: json.dumps(value, sort_keys=True) for key, value in
+                   (("weights", self.weights), ("inputs", self.inputs)) if value is not None}
+        if self.batch != 1:
+            sources |= {"batch": str(self.batch), "batch_inputs": BATCH_INPUTS}
+        return {**sources,
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "ds41numba_version": str(__version__),
@@ -430,11 +446,12 @@ class GoldenFile:
         try:
             cfg_dict = json.loads(meta["config"])
             config = AttnConfig.from_dict(cfg_dict)
-            profile, rows, answered = "default", (), None
+            profile, rows, batch, answered = "default", (), 1, None
             if self.kind == "npz":
                 layers = tuple(range(config.n_layers))
                 prefill, decode = int(cfg_dict["prefill"]), int(cfg_dict["decode"])
                 capture, seed, name = "all", cfg_dict.get("seed"), ""
+                sources = [None, None]
             else:
                 if meta.get("format_version") not in READABLE_VERSIONS:
                     raise GoldenError(f"{self.path!r} has format version {meta.get('format_version')!r}; "
@@ -444,6 +461,10 @@ class GoldenFile:
                 capture, seed, name = meta["capture"], int(meta["seed"]), meta.get("preset", "")
                 profile = meta.get("profile", "default")
                 rows = tuple(int(p) for p in json.loads(meta.get("capture_rows", "[]")))
+                sources = [json.loads(meta[k]) if k in meta else None for k in ("weights", "inputs")]
+                batch = int(meta.get("batch", "1"))
+                if batch < 1:
+                    raise ValueError(f"batch {batch}")
                 answered = None if "rows" not in meta else ranges_parsed(meta["rows"])
         except GoldenError:
             raise
@@ -453,7 +474,8 @@ class GoldenFile:
             raise GoldenError(f"{self.path!r}: unknown capture mode {capture!r}")
         if profile not in PROFILES:
             raise GoldenError(f"{self.path!r}: unknown generator profile {profile!r}")
-        return RunInfo(config, layers, prefill, decode, capture, seed, name, profile, rows, answered)
+        return RunInfo(config, layers, prefill, decode, capture, seed, name, profile, rows, *sources,
+                       batch=batch, rows=answered)
 
     def step_info(self) -> RunInfo | None:
         """The run as far as the file describes it, for judging index rows (which config, which
@@ -487,6 +509,36 @@ def ranges_parsed(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+class BatchRowFile:
+    """Sequence ``batch_row`` of a batch's golden (an open :class:`GoldenFile`, or any file
+    with its layout) read as a single sequence's: the same names, every ``step{s}.layers.{i}.*``
+    tensor (``[batch, ...]``) as its row ``batch_row``, the other tensors (the weights) as they
+    are. What compare, replay and :mod:`ds41numba.testing` judge a batch's sequence by."""
+
+    def __init__(self, golden: GoldenFile, batch_row: int):
+        self.golden, self.batch_row = golden, int(batch_row)
+        self.path, self.names, self.metadata = golden.path, golden.names, golden.metadata
+
+    def __contains__(self, name):
+        return name in self.golden
+
+    def get(self, name: str) -> np.ndarray:
+        a = self.golden.get(name)
+        if not STEP_NAME.fullmatch(name):
+            return a
+        if a.ndim == 0 or a.shape[0] <= self.batch_row:
+            raise GoldenError(f"{self.path!r}: {name} of shape {list(a.shape)} has no batch row "
+                              f"{self.batch_row} (a batch's tensors are [batch, ...])")
+        return np.ascontiguousarray(a[self.batch_row])
+
+    def run_info(self) -> RunInfo:
+        return replace(self.golden.run_info(), batch=1)
+
+    def step_info(self) -> RunInfo | None:
+        info = self.golden.step_info()
+        return None if info is None else replace(info, batch=1)
+
+
 def _natural_key(name: str):
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
@@ -494,6 +546,22 @@ def _natural_key(name: str):
 def load_golden(path) -> tuple[RunInfo, dict[str, np.ndarray]]:
     """A whole golden at once (a ds41numba safetensors file or a reference ``.npz``): how it
     was made and every tensor, ``{name: array}`` as stored. For files that fit in memory; use
-    :class:`GoldenFile` to read a large one a tensor at a time."""
+    :class:`GoldenFile` to read a large one a tensor at a time.
+
+    Args:
+        path: a ds41numba ``.safetensors`` golden or a reference ``.npz`` golden.
+
+    Returns:
+        ``(RunInfo, {name: array})``: the config, layers, prefill, decode, seed and capture of
+        the run, and every tensor (BF16 as ``ml_dtypes.bfloat16``, I32 as int32, ...).
+
+    Raises:
+        GoldenError: the file cannot be read, or is not a golden.
+
+    Example:
+        >>> info, t = load_golden("ds41numba-golden-tiny.safetensors")
+        >>> info.prefill, t["step0.layers.2.out"].shape
+        (12, (12, 64))
+    """
     with GoldenFile(path) as f:
         return f.run_info(), {name: f.get(name) for name in f.names}

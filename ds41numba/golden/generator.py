@@ -32,6 +32,10 @@ tensor                                        center  scale             why
 A tensor whose reference dtype is f32 (``attn_sink``, the ratio > 1 compressor's ``wkv`` and
 ``wgate``) keeps the float32 value; every other one is rounded to bf16.
 
+A batch of B sequences (``--batch B``, docs/batches.md) takes sequence 0's inputs as above and
+sequence b's (b >= 1) from the tensor named ``batch{b}.step{s}.layers.{i}.x`` (the same rule,
+seed and profile): ``batch_input_name``.
+
 Profiles (``--profile``; the default is ``default``, the table above). ``ties`` makes the
 indexer's scores tie-heavy, to stress top-k kernels, by changing the default tensors as follows
 (``c = dim - 1``, the last input feature; ``R(p) = p mod 61`` for the token at position p)::
@@ -62,8 +66,8 @@ from ..stack import weight_specs
 from .errors import GoldenError
 
 __all__ = ["GENERATOR", "GENERATOR_SPEC", "PROFILES", "stream_key", "make_tensor",
-           "weight_distribution", "make_weights", "make_weight", "GeneratedWeights", "make_input",
-           "checked_seed", "checked_profile"]
+           "weight_distribution", "make_weights", "make_weight", "GeneratedWeights", "LazyWeights",
+           "make_input", "batch_input_name", "BATCH_INPUTS", "checked_seed", "checked_profile"]
 
 #: Generator profiles: ``default`` (the table above) and ``ties`` (tie-heavy index scores).
 PROFILES = ("default", "ties")
@@ -193,7 +197,21 @@ def checked_profile(profile) -> str:
 
 def make_weights(config: AttnConfig, layers=None, seed: int = 0,
                  profile: str = "default") -> dict[str, np.ndarray]:
-    """Every parameter of ``layers`` (default: all) as float32 arrays, bf16 values where bf16."""
+    """Every parameter of ``layers`` (default: all) as float32 arrays, bf16 values where bf16.
+
+    Args:
+        config: the stack's :class:`~ds41numba.AttnConfig`.
+        layers: the layers whose parameters to make (default: all).
+        seed: the generator seed, 0 .. 2^64 - 1.
+        profile: ``"default"`` or ``"ties"`` (tie-heavy index scores).
+
+    Returns:
+        ``{"layers.{i}.attn.NAME": float32 array}``, the shapes of
+        :func:`~ds41numba.weight_specs`; the same values on any machine.
+
+    Raises:
+        ValueError: an unknown profile or a seed out of range.
+    """
     checked_profile(profile)
     layers = range(config.n_layers) if layers is None else layers
     return {name: make_weight(config, name, shape, kind, seed, profile)
@@ -211,20 +229,14 @@ def make_weight(config: AttnConfig, name: str, shape, kind: str, seed: int = 0,
     return w
 
 
-class GeneratedWeights:
-    """The parameters of ``layers`` as a mapping that makes each one when asked for it.
+class LazyWeights:
+    """Parameters as the mapping a stack takes, each made (or read) only when asked for:
+    subclasses set ``specs`` (:func:`weight_specs`' ``{name: (shape, kind)}``) and ``made``, and
+    define ``make(name, shape, kind)``. ``made(name, array, kind)``, if set, sees each tensor as
+    it is made (a streamed golden writes it into the file then)."""
 
-    A stack built from it holds its weights only in the forms it computes with, never a second
-    dict of every layer's float32 arrays (at v41-flash a layer's weights are hundreds of MB).
-    ``made(name, array, kind)``, if given, sees each tensor as it is made (a streamed golden
-    writes it into the file). Nothing is kept: asking twice makes the tensor twice.
-    """
-
-    def __init__(self, config: AttnConfig, layers, seed: int = 0, profile: str = "default",
-                 made=None):
-        self.config, self.seed, self.profile = config, checked_seed(seed), checked_profile(profile)
-        self.specs = {n: v for i in layers for n, v in weight_specs(config, i).items()}
-        self.made = made
+    specs: dict
+    made = None
 
     def __contains__(self, name) -> bool:
         return name in self.specs
@@ -239,7 +251,7 @@ class GeneratedWeights:
         if name not in self.specs:
             return default
         shape, kind = self.specs[name]
-        w = make_weight(self.config, name, shape, kind, self.seed, self.profile)
+        w = self.make(name, shape, kind)
         if self.made is not None:
             self.made(name, w, kind)
         return w
@@ -248,6 +260,25 @@ class GeneratedWeights:
         if name not in self.specs:
             raise KeyError(name)
         return self.get(name)
+
+
+class GeneratedWeights(LazyWeights):
+    """The parameters of ``layers`` as a mapping that makes each one when asked for it.
+
+    A stack built from it holds its weights only in the forms it computes with, never a second
+    dict of every layer's float32 arrays (at v41-flash a layer's weights are hundreds of MB).
+    ``made(name, array, kind)``, if given, sees each tensor as it is made (a streamed golden
+    writes it into the file). Nothing is kept: asking twice makes the tensor twice.
+    """
+
+    def __init__(self, config: AttnConfig, layers, seed: int = 0, profile: str = "default",
+                 made=None):
+        self.config, self.seed, self.profile = config, checked_seed(seed), checked_profile(profile)
+        self.specs = {n: v for i in layers for n, v in weight_specs(config, i).items()}
+        self.made = made
+
+    def make(self, name: str, shape, kind: str) -> np.ndarray:
+        return make_weight(self.config, name, shape, kind, self.seed, self.profile)
 
 
 def _tie_weight(config: AttnConfig, name: str, w: np.ndarray):
@@ -264,6 +295,19 @@ def _tie_weight(config: AttnConfig, name: str, w: np.ndarray):
         w[:, -1] = 1024.0
 
 
+#: How the inputs of a batch's sequences are made (recorded in a batched golden's metadata).
+BATCH_INPUTS = ("batch row 0: the tensor step{s}.layers.{i}.x (a single-sequence run's input); "
+                "batch row b >= 1: the tensor named batch{b}.step{s}.layers.{i}.x; same seed, "
+                "profile and rule (ties: R(p) of the row's own positions)")
+
+
+def batch_input_name(name: str, batch_row: int = 0) -> str:
+    """The generator's name for input ``name`` (``step{s}.layers.{i}.x``) of a batch's
+    sequence ``batch_row``: the name itself for row 0, so a batch's first sequence is the
+    single-sequence run's, ``batch{b}.NAME`` for the others (:data:`BATCH_INPUTS`)."""
+    return name if batch_row == 0 else f"batch{int(batch_row)}.{name}"
+
+
 def make_input(name: str, shape, seed: int = 0, profile: str = "default", first_row: int = 0,
                start_pos: int = 0) -> np.ndarray:
     """A layer input (``step{s}.layers.{i}.x``): bf16 values with unit variance; the ``ties``
@@ -272,7 +316,22 @@ def make_input(name: str, shape, seed: int = 0, profile: str = "default", first_
     ``first_row`` makes ``shape`` a block of rows of the whole input: rows ``first_row ..``,
     bit-identical to that slice of the whole (a chunked prefill makes its input a chunk at a
     time), for either profile. ``start_pos`` is the position of the step's first row (a decode
-    step's token), so row j of the block stands for position ``start_pos + first_row + j``."""
+    step's token), so row j of the block stands for position ``start_pos + first_row + j``.
+
+    Args:
+        name: the tensor's name, which seeds it with ``seed`` (e.g. ``"step0.layers.2.x"``).
+        shape: ``(rows, dim)``.
+        seed: the generator seed.
+        profile: ``"default"`` or ``"ties"``.
+        first_row: the block's first row within the whole input.
+        start_pos: the position of the step's first row.
+
+    Returns:
+        A float32 array of bf16 values.
+
+    Raises:
+        ValueError: an unknown profile or a seed out of range.
+    """
     row = math.prod(int(d) for d in tuple(shape)[1:])
     x = make_tensor(name, shape, seed, 0.0, math.sqrt(3.0), bf16=True, start=int(first_row) * row)
     if checked_profile(profile) == "ties":

@@ -16,6 +16,7 @@ its largest value). Needs matplotlib (``pip install 'ds41numba[plot]'``).
 from __future__ import annotations
 
 import os
+import textwrap
 
 import numpy as np
 
@@ -29,6 +30,7 @@ __all__ = ["plot_report", "check_plot_target"]
 
 _COLUMNS = 1024
 _VMAX = 4       # colour scale of |diff| / tolerance: 1 is the bar; more than 4 shows as 4
+_TITLE_CHARS = 140   # a title line at 9 points within the 13-inch figure
 
 
 def _pyplot():
@@ -98,10 +100,13 @@ def plot_report(report: CompareReport, golden_path, candidate_path, out_path) ->
                 _index_panel(ax, group, rs, prefill, total, held)
             else:
                 _float_panel(ax, group, rs, golden, cand, prefill, total, held)
-        fig.suptitle(f"{os.path.basename(str(candidate_path))} against "
-                     f"{os.path.basename(str(golden_path))}: {report.summary_line()[:150]}",
-                     fontsize=8)
-        fig.tight_layout()
+        # The whole summary, wrapped to the figure's width, above the panels.
+        title = textwrap.fill(f"{os.path.basename(str(candidate_path))} against "
+                              f"{os.path.basename(str(golden_path))}: {report.summary_line()}",
+                              width=_TITLE_CHARS)
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout(rect=(0, 0, 1, 1 - (0.15 * (title.count("\n") + 1) + 0.02)
+                               / fig.get_figheight()))
         fig.savefig(out_path, dpi=90)
         plt.close(fig)
     return os.fspath(out_path)

@@ -8,27 +8,34 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..batched import BatchedStack
 from ..config import AttnConfig
 from ..stack import AttentionStack, held_weight_bytes, weight_specs
-from .captures import (CAPTURE_MODES, RUNNERS_UP, STREAMED_MODES, WEIGHT_NAME, StepObserver,
+from .captures import (CAPTURE_MODES, RUNNERS_UP, STREAMED_MODES, WEIGHT_NAME,
                        cache_layout, records_shared, storage_kind, to_storage)
 from .compare import CompareReport, Judge, TensorResult, compare_order, file_scores
 from .checkpoint import CHECKPOINT_EVERY, Checkpoint, run_identity
 from .errors import DiskError, GoldenError, RunInterrupted
-from .files import GoldenFile, RunInfo, StreamingGolden, check_target, write_tensors_atomic
-from .drive import drive, golden_steps, piece_name, prefill_chunks, query_tiles, run_pieces
+from .files import (BatchRowFile, GoldenFile, RunInfo, StreamingGolden, check_target,
+                    write_tensors_atomic)
+from .drive import (drive, drive_piece, golden_steps, piece_name, prefill_chunks, query_tiles,
+                    run_pieces, step_observers)
 from .rows import PER_ROW, checked_rows
 from .work import total_work, work_units
-from .generator import GeneratedWeights, checked_profile, checked_seed, make_input, make_weights
+from .generator import (GeneratedWeights, LazyWeights, batch_input_name, checked_profile,
+                        checked_seed, make_input, make_weights)
+from .weights_dir import WeightsDir
 
-__all__ = ["GoldenPlan", "missing_sources", "golden_steps", "prefill_chunks", "run_pieces", "drive",
+__all__ = ["GoldenPlan", "missing_sources", "closed_selection", "golden_steps", "prefill_chunks",
+           "run_pieces", "drive",
            "drive_piece", "run_golden", "write_golden", "stream_golden", "io_layout",
            "check_cluster_capture", "query_tiles",
-           "DEFAULT_CHUNK", "minimum_bytes", "replay", "StoredWeights"]
+           "DEFAULT_CHUNK", "minimum_bytes", "replay", "replay_weights", "StoredWeights",
+           "make_stack"]
 
 
 def missing_sources(config: AttnConfig, layers) -> list[str]:
@@ -38,9 +45,29 @@ def missing_sources(config: AttnConfig, layers) -> list[str]:
                               for i, src, role in config.missing_sources(layers)))
 
 
+def closed_selection(config: AttnConfig, layers) -> tuple[tuple[int, ...], dict[int, list[str]]]:
+    """The smallest selection holding ``layers`` and every source its members read, theirs
+    included (what ``--layers`` must name for ``layers`` to run), and why each added layer is
+    needed: ``{source: ["layer 5's kv source", ...]}``."""
+    closed, why = set(layers), {}
+    while missing := config.missing_sources(closed):
+        for i, src, role in missing:
+            why.setdefault(src, []).append(f"layer {i}'s {role}")
+        closed |= {src for _, src, _ in missing}
+    return tuple(sorted(closed)), why
+
+
 @dataclass(frozen=True)
 class GoldenPlan:
-    """What a golden run does: the stack, which of its layers, how long, which seed, what to keep."""
+    """What a golden run does: the stack, which of its layers, how long, which seed, what to keep.
+
+    Weights and inputs are the generator's (``seed``, ``profile``) unless given: ``weights`` a
+    :class:`~.weights_dir.WeightsDir` (``--weights DIR``) or any mapping of parameter name ->
+    array (bf16 values where the parameter is bf16); ``inputs`` an
+    :class:`~.inputs_file.InputsFile` (``--inputs FILE``). ``store_weights=False``
+    (``--no-weights``, a checkpoint directory's weights only) leaves the weights out of the
+    file, which then records their checksums for ``replay --weights DIR``.
+    """
 
     config: AttnConfig
     layers: tuple[int, ...]
@@ -51,10 +78,21 @@ class GoldenPlan:
     preset: str = ""
     profile: str = "default"
     capture_rows: tuple[int, ...] = ()     # positions whose kernel inputs and outputs are sampled
+    weights: object = field(default=None, compare=False, repr=False)
+    inputs: object = field(default=None, compare=False, repr=False)
+    store_weights: bool = True
+    batch: int = 1                         # sequences in lockstep (docs/batches.md)
     rows: tuple[int, ...] | None = None    # the prefill rows answered (None: every one)
 
     def __post_init__(self):
         c = self.config
+        if isinstance(self.batch, bool) or not isinstance(self.batch, (int, np.integer)) \
+                or self.batch < 1:
+            raise GoldenError(f"--batch must be an integer >= 1, got {self.batch!r}")
+        object.__setattr__(self, "batch", int(self.batch))
+        if self.inputs is not None and getattr(self.inputs, "batch", 1) != self.batch:
+            raise GoldenError(f"--inputs: the file was opened for a batch of {self.inputs.batch}, "
+                              f"the run has --batch {self.batch}")
         for name in ("prefill", "decode"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -75,6 +113,9 @@ class GoldenPlan:
                               f"tokens), got {rows[0] if rows[0] < 0 else rows[-1]}")
         object.__setattr__(self, "capture_rows", rows)
         if self.rows is not None:
+            if self.batch != 1:
+                raise GoldenError("--rows: a batch (--batch > 1) answers every prefill row; "
+                                  "run --rows without --batch")
             object.__setattr__(self, "rows", checked_rows(self.rows, self.prefill, self.capture,
                                                           self.capture_rows))
         if self.capture not in CAPTURE_MODES:
@@ -87,8 +128,49 @@ class GoldenPlan:
         object.__setattr__(self, "layers", tuple(sorted(set(int(i) for i in self.layers))))
         missing = missing_sources(c, self.layers)
         if missing:
-            raise GoldenError(f"--layers: {missing[0]}, which is not in the selection"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            closed, why = closed_selection(c, self.layers)
+            lacking = "; ".join(f"layer {src} ({', '.join(dict.fromkeys(w))})"
+                                for src, w in sorted(why.items()))
+            raise GoldenError(f"--layers: the selection lacks {lacking}; every source is needed, "
+                              f"e.g. --layers {','.join(map(str, closed))}")
+        self._check_sources()
+
+    def _check_sources(self):
+        """The given weights and inputs cover the run; only a checkpoint's weights may be left
+        out of the file (they are found again by their checksums)."""
+        if not self.store_weights and not isinstance(self.weights, WeightsDir):
+            raise GoldenError("--no-weights: only a golden made from a checkpoint directory "
+                              "(--weights DIR) may leave its weights out")
+        if self.weights is not None:
+            names = [n for i in self.layers for n in weight_specs(self.config, i)]
+            absent = [n for n in names if n not in self.weights]
+            if absent:
+                raise GoldenError(f"weights: {absent[0]} is missing"
+                                  + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
+        if self.inputs is not None:
+            absent = [i for i in self.layers if i not in self.inputs.sources]
+            if absent or self.inputs.tokens < self.prefill + self.decode:
+                raise GoldenError("--inputs: opened for other layers or fewer tokens than the run")
+
+    def weight_mapping(self, made=None):
+        """The run's weights as the mapping the stack takes; ``made(name, array, kind)``, if
+        given, sees each as the stack takes it (a streamed golden writes it then)."""
+        if self.weights is None:
+            return GeneratedWeights(self.config, self.layers, self.seed, self.profile, made=made)
+        if isinstance(self.weights, WeightsDir):
+            return self.weights.with_made(made)
+        return _GivenWeights(self.weights, self.config, self.layers, made)
+
+    def input_rows(self, name: str, first_row: int, rows: int, start_pos: int,
+                   batch_row: int = 0) -> np.ndarray:
+        """Rows ``first_row ..`` of input ``name`` (``step{s}.layers.{i}.x``, its step starting
+        at ``start_pos``) of the batch's sequence ``batch_row``, as the file stores them:
+        bfloat16."""
+        if self.inputs is not None:
+            return self.inputs.rows(name, first_row, rows, start_pos, batch_row)
+        x = make_input(batch_input_name(name, batch_row), (rows, self.config.dim), self.seed,
+                       self.profile, first_row, start_pos)
+        return to_storage(name, x, "BF16")
 
     def steps(self):
         """``(step, start_pos, seqlen)``: the prefill, then one decode step per token."""
@@ -96,19 +178,48 @@ class GoldenPlan:
 
     @property
     def total_tokens(self) -> int:
-        """Token-layers the run processes."""
-        return (self.prefill + self.decode) * len(self.layers)
+        """Token-layers the run processes (the progress bar's unit), every sequence's."""
+        return (self.prefill + self.decode) * len(self.layers) * self.batch
 
     @property
     def total_work(self) -> float:
         """The run's work in the progress bar's unit (:func:`total_work`)."""
-        return total_work(self.config, self.layers, self.prefill, self.decode, self.rows)
+        return (total_work(self.config, self.layers, self.prefill, self.decode, self.rows)
+                * self.batch)
 
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata (str -> str) that makes the file self-describing."""
         return RunInfo(self.config, self.layers, self.prefill, self.decode, self.capture,
                        self.seed, self.preset, self.profile, self.capture_rows,
-                       self.rows).metadata()
+                       self._weights_provenance(),
+                       None if self.inputs is None else self.inputs.provenance(),
+                       batch=self.batch, rows=self.rows).metadata()
+
+    def _weights_provenance(self) -> dict | None:
+        if self.weights is None:
+            return None
+        if isinstance(self.weights, WeightsDir):
+            return self.weights.provenance(self.store_weights)
+        return {"source": "given to the Python API", "stored": True}
+
+
+class _GivenWeights(LazyWeights):
+    """A mapping of weights given to a plan, calling ``made`` as the stack takes each."""
+
+    def __init__(self, weights, config, layers, made):
+        self.weights, self.made = weights, made
+        self.specs = {n: v for i in layers for n, v in weight_specs(config, i).items()}
+
+    def make(self, name: str, shape, kind: str):
+        return self.weights[name]
+
+
+def make_stack(config: AttnConfig, weights, layers, batch: int = 1):
+    """The stack a run of ``batch`` sequences drives: an :class:`AttentionStack` for one (the
+    single-sequence run, unchanged), a :class:`BatchedStack` for more."""
+    if batch == 1:
+        return AttentionStack(config, weights, layers=layers)
+    return BatchedStack(config, weights, batch, layers=layers)
 
 
 def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
@@ -119,28 +230,36 @@ def run_golden(plan: GoldenPlan, progress=None) -> dict[str, np.ndarray]:
     ``progress`` as in :func:`drive`.
     """
     cfg = plan.config
-    weights = make_weights(cfg, plan.layers, plan.seed, plan.profile)
+    weights = (make_weights(cfg, plan.layers, plan.seed, plan.profile) if plan.weights is None
+               else plan.weight_mapping())
     kinds = {n: k for i in plan.layers for n, (_, k) in weight_specs(cfg, i).items()}
-    stack = AttentionStack(cfg, weights, layers=plan.layers)
+    stack = make_stack(cfg, weights, plan.layers, plan.batch)
+    rows: dict[str, list] = {}      # name -> its tensor of each batch row
     tensors: dict[str, np.ndarray] = {}
 
-    def stored_input(name, first_row, seqlen, start_pos):
+    def stored_input(name, first_row, seqlen, start_pos, batch_row=0):
         # The stack takes the stored bfloat16 copy: half the memory of float32.
-        x = make_input(name, (seqlen, cfg.dim), plan.seed, plan.profile, first_row, start_pos)
-        tensors[name] = to_storage(name, x, "BF16")
-        return tensors[name]
+        rows.setdefault(name, []).append(plan.input_rows(name, first_row, seqlen, start_pos,
+                                                         batch_row))
+        return rows[name][-1]
 
-    def store(prefix, captures, first_row):
+    def store(prefix, captures, first_row, batch_row=0):
         for what, value in captures.items():
-            tensors[prefix + what] = to_storage(prefix + what, value, storage_kind(prefix + what))
+            rows.setdefault(prefix + what, []).append(
+                to_storage(prefix + what, value, storage_kind(prefix + what)))
 
     drive(stack, plan.prefill, plan.decode, plan.capture, stored_input, store, progress,
           plan.capture_rows)
     del stack
-    # Weights last: the stack shared the float32 arrays, now they can go one by one.
+    for name in list(rows):         # a batch's tensors: the batch axis first (docs/batches.md)
+        got = rows.pop(name)
+        tensors[name] = got[-1] if plan.batch == 1 else np.stack(got)
+    # Weights last: the stack shared the float32 arrays, now they can go one by one (given
+    # weights are asked for again).
     stored = {}
-    for name in list(weights):
-        stored[name] = to_storage(name, weights.pop(name), storage_kind(name, kinds))
+    for name in (kinds if plan.store_weights else ()):
+        w = weights.pop(name) if isinstance(weights, dict) else weights[name]
+        stored[name] = to_storage(name, w, storage_kind(name, kinds))
     stored.update(tensors)
     return stored
 
@@ -163,10 +282,36 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
     queries on its workers, tile by tile; the file is the same. A plan of some ``rows`` runs
     the same drive with its tiles in this process when no cluster is given
     (:class:`~.cluster.InProcess`).
+
+    Args:
+        plan: the run (:class:`GoldenPlan`: config, layers, prefill, decode, seed, capture).
+        path: the file to write; it appears under this name only when complete.
+        force: replace an existing file (without ``resume``: also discard an earlier run's
+            partial file and checkpoint).
+        progress: ``progress(n, where)``, called before (``n == 0``) and after each forward.
+        chunk: prefill rows per forward for a streamed run (the file is the same for any).
+        resume: continue a streamed run from its checkpoint.
+        checkpoint_every: seconds of work between checkpoints (0: at every piece).
+        cluster: a Dask cluster for the prefill's query tiles, or None.
+
+    Returns:
+        ``{"path", "tensors", "bytes", "seconds"}`` of the written file.
+
+    Raises:
+        GoldenError: the target exists without ``force``, a partial run is in the way, nothing
+            to resume, the run would not fit in memory, or the disk fails (one line each).
+        RunInterrupted: a streamed run stopped by Ctrl-C or SIGTERM after a checkpoint (its
+            partial file and checkpoint are kept for ``resume``).
+
+    Example:
+        >>> plan = GoldenPlan(config=preset("tiny"), layers=tuple(range(6)), prefill=12,
+        ...                   decode=40, seed=0, capture="all")
+        >>> write_golden(plan, "tiny.safetensors")["tensors"]
+        2850
     """
     path = os.fspath(path)
     if cluster is not None:
-        check_cluster_capture(plan.capture)
+        check_cluster_capture(plan.capture, plan.batch)
     if resume and plan.capture not in STREAMED_MODES:
         raise GoldenError("--resume: only a streamed run (--capture io or caches) keeps a "
                           "checkpoint to resume from")
@@ -186,11 +331,16 @@ def write_golden(plan: GoldenPlan, path, force: bool = False, progress=None,
             "bytes": os.path.getsize(path), "seconds": time.perf_counter() - t0}
 
 
-def check_cluster_capture(capture: str) -> None:
-    """A cluster runs streamed (``io``) goldens only: refuse any other before a cluster starts."""
+def check_cluster_capture(capture: str, batch: int = 1) -> None:
+    """A cluster runs streamed (``io``, ``caches``) goldens of one sequence only: refuse any
+    other before a cluster starts (a batch's query tiles would need each sequence's caches on
+    the workers, which the cluster's broadcast does not carry)."""
     if capture not in STREAMED_MODES:
         raise GoldenError("--workers/--scheduler: only a streamed run (--capture io or caches) "
                           "runs on a cluster")
+    if batch != 1:
+        raise GoldenError("--workers/--scheduler: a batch (--batch > 1) runs in one process; "
+                          "run it without --workers")
 
 
 def _topk_width(config: AttnConfig, j: int, prefill: int, start_pos: int, seqlen: int) -> int:
@@ -209,7 +359,8 @@ def io_layout(plan: GoldenPlan):
     Besides ``out``, ``idx`` and ``shared.topk_idxs``: at every index source the scores behind
     its selection (``topk_scores``, ``runner_idxs``, ``runner_scores``) and, for a step holding
     ``capture_rows`` positions, the ``sample.*`` captures (their rows are few: the drive hands
-    them over from memory once the step's last chunk ran).
+    them over from memory once the step's last chunk ran). A batch (``plan.batch`` > 1) puts a
+    leading batch axis on every tensor but the weights (docs/batches.md).
 
     A ``rows`` plan holds of the prefill only its answered rows (``step0.layers.{i}.rows``, their
     positions, then each per-row tensor with those rows, in that order); the first decode step's
@@ -219,7 +370,7 @@ def io_layout(plan: GoldenPlan):
         raise ValueError("io_layout: only a streamed golden is laid out up front")
     c = plan.config
     layout, copies = [], {}
-    for i in plan.layers:
+    for i in (plan.layers if plan.store_weights else ()):
         for name, (shape, kind) in weight_specs(c, i).items():
             layout.append((name, "F32" if kind == "f32" else "BF16", shape))
     index_sources = [j for j in plan.layers if c.ratio(j) and c.is_index_source(j)]
@@ -280,6 +431,9 @@ def io_layout(plan: GoldenPlan):
     for n, kind, _ in layout:
         if not WEIGHT_NAME.fullmatch(n):
             assert kind == storage_kind(n), n
+    if plan.batch > 1:     # every tensor but the weights: a leading batch axis, two row axes
+        layout = [e if WEIGHT_NAME.fullmatch(e[0]) else (e[0], e[1], (plan.batch,) + tuple(e[2]), 2)
+                  for e in layout]
     return layout, copies
 
 
@@ -350,17 +504,18 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
     cfg = plan.config
 
     def put_weight(name, array, kind):
-        if out.missing_rows(name):       # a resumed run's file holds its weights already
-            out.write_rows(name, 0, to_storage(name, array, "F32" if kind == "f32" else "BF16"))
+        if name in out.entries and out.missing_rows(name):   # a resumed run's file has them
+            bf16 = kind == "bf16" and array.dtype.name == "bfloat16"
+            out.write_rows(name, 0, array if bf16 else
+                           to_storage(name, array, "F32" if kind == "f32" else "BF16"))
 
-    stack = AttentionStack(cfg, GeneratedWeights(cfg, plan.layers, plan.seed, plan.profile,
-                                                 made=put_weight), layers=plan.layers)
+    stack = make_stack(cfg, plan.weight_mapping(made=put_weight), plan.layers, plan.batch)
     observer = ckpt.restore(stack)
     pieces = run_pieces(plan.prefill, plan.decode, chunk)
     split = len(pieces) - plan.decode > 1
     if ckpt.saved and progress is not None and cluster is None:
         progress(sum(work_units(cfg, i, p + a, n, prefill=s == 0) for s, p, a, n in
-                     pieces[:ckpt.done] for i in plan.layers), "resumed")
+                     pieces[:ckpt.done] for i in plan.layers) * plan.batch, "resumed")
 
     def boundary(done, observer):
         if done < len(pieces) and (done == 0 or ckpt.due()):
@@ -368,13 +523,17 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
                       stack, observer, out)
             out.keep = True
 
+    batched = plan.batch > 1
     answered = None if plan.rows is None else np.asarray(plan.rows, np.int64)
 
-    def streamed_input(name, first_row, rows, start_pos):
-        x = to_storage(name, make_input(name, (rows, cfg.dim), plan.seed, plan.profile,
-                                        first_row, start_pos), "BF16")
+    def row_of(name, first_row, batch_row):
+        # A batch's tensor [B, seqlen, ...] takes sequence b's rows at b * seqlen + first_row.
+        return batch_row * out.shape(name)[1] + first_row if batched else first_row
+
+    def streamed_input(name, first_row, rows, start_pos, batch_row=0):
+        x = plan.input_rows(name, first_row, rows, start_pos, batch_row)
         if answered is None or start_pos:
-            out.write_rows(name, first_row, x)
+            out.write_rows(name, row_of(name, first_row, batch_row), x)
         else:                              # the answered rows of a prefill chunk, in their place
             lo, hi = np.searchsorted(answered, (first_row, first_row + rows))
             if hi > lo:
@@ -383,19 +542,21 @@ def _stream(plan: GoldenPlan, out: StreamingGolden, ckpt: Checkpoint, copies, pr
                 out.write_rows(name[:-len("x")] + "rows", 0, answered.astype(np.int32))
         return x
 
-    def write(prefix, captures, first_row):
+    def write(prefix, captures, first_row, batch_row=0):
         for what, value in captures.items():
             name = prefix + what
             if name in copies and copies[name] is None:
                 continue                   # a rows golden leaves the copy out
-            if name in copies and value.shape[0] != out.shape(name)[0]:
-                out.copy_tensor(copies[name], name)
+            if name in copies and value.shape[0] != out.shape(name)[int(batched)]:
+                if out.missing_rows(name):
+                    out.copy_tensor(copies[name], name)
             else:
-                out.write_rows(name, first_row, to_storage(name, value, storage_kind(name)))
+                out.write_rows(name, row_of(name, first_row, batch_row),
+                               to_storage(name, value, storage_kind(name)))
 
     if not ckpt.saved:
-        observer = StepObserver(cfg, plan.capture_rows)
-        stack.shared.observer = observer
+        observer = step_observers(stack, plan.capture_rows)
+        observer = observer if batched else observer[0]
     if cluster is not None:
         cluster.drive(plan, stack, ckpt, out, streamed_input, write, progress, chunk, observer)
     else:
@@ -421,7 +582,7 @@ def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:
     weights = held_weight_bytes(c, plan.layers) + 4 * max(math.prod(s) for s in shapes)
     tokens = plan.prefill + plan.decode
     caches = 0
-    for i in plan.layers:
+    for i in plan.layers * plan.batch:         # every sequence of a batch has its own
         caches += 2 * c.window_size * c.head_dim * 4
         if c.is_kv_source(i):
             rows = tokens // c.ratio(i)
@@ -429,7 +590,7 @@ def minimum_bytes(plan: GoldenPlan, chunk: int | None = DEFAULT_CHUNK) -> int:
             if c.is_index_source(i):
                 caches += rows * c.index_head_dim * 6      # f32 keys and the scorer's layout
     streamed = plan.capture in STREAMED_MODES
-    kept = 0 if streamed else 2 * 2 * tokens * len(plan.layers) * c.dim + 4 * params
+    kept = 0 if streamed else 2 * 2 * tokens * len(plan.layers) * c.dim * plan.batch + 4 * params
     rows = plan.prefill if not streamed or chunk is None else min(plan.prefill, chunk)
     tile = min(rows, 1024)
     working = (rows * (8 * c.dim + 4 * c.q_lora_rank + 4 * (c.window_size + c.index_topk))
@@ -478,46 +639,89 @@ class StoredWeights:
         return self.get(name)
 
 
+def replay_weights(golden: GoldenFile, info: RunInfo, weights_dir=None):
+    """The weights a replay of ``golden`` runs on: its own, or, for a golden that left them out
+    (``--no-weights``), those of the checkpoint directory ``weights_dir`` once their checksums
+    are those the golden recorded. ``weights_dir`` for any other golden is refused."""
+    recorded = info.weights or {}
+    from_dir = recorded.get("source") == "checkpoint directory"
+    if weights_dir is not None:
+        if not from_dir:
+            raise GoldenError(f"--weights: {golden.path!r} was not made from a checkpoint "
+                              f"directory; it replays on the weights it holds")
+        found = WeightsDir(weights_dir, info.config, info.layers)
+        found.verify(recorded, golden.path)
+        return found
+    if from_dir and not recorded.get("stored", True):
+        raise GoldenError(f"{golden.path!r} does not hold its weights (made with --no-weights): "
+                          f"replay it with --weights DIR, the checkpoint directory it was made "
+                          f"from ({recorded.get('directory')})")
+    return StoredWeights(golden)
+
+
 def replay(path, progress=None, index_tolerance: float | None = None,
-           exact_index: bool = False) -> CompareReport:
+           exact_index: bool = False, weights_dir=None) -> CompareReport:
     """Recompute every capture of a golden from its own weights and inputs and compare, by the
     rules of :func:`compare_files` (tie-aware index rows unless ``exact_index``), except that
     the recorded scores must agree too (in rows whose selection is identical).
 
     Works on this tool's safetensors goldens and on the reference's ``.npz`` goldens (whose
     captures are then checked against ds41numba). ``progress(n, where)`` as in :func:`drive`.
+    A golden made from a checkpoint directory with ``--no-weights`` needs ``weights_dir``
+    (:func:`replay_weights`).
 
     A ``--rows`` golden holds the inputs of its answered prefill rows only: the replay makes
     the prefill's inputs with the generator (the file's seed and profile), checks the stored
     ones against them, runs every row and compares the file's rows (so it costs the full run).
+
+    Args:
+        path: the golden to replay.
+        progress: ``progress(n, where)`` or None.
+        index_tolerance: the boundary band of tie-aware index rows (default 1/16).
+        exact_index: index rows must be identical.
+        weights_dir: the checkpoint directory of a golden made with ``--no-weights``.
+
+    Returns:
+        The :class:`~ds41numba.golden.CompareReport` (``.ok``, ``.table()``, ``.text()``).
+
+    Raises:
+        GoldenError: the file cannot be read or is not a golden.
     """
     with GoldenFile(path) as golden:
         info = golden.run_info()
         cfg = info.config
         names = set(golden.names)
+        weights = replay_weights(golden, info, weights_dir)
         try:
-            stack = AttentionStack(cfg, StoredWeights(golden), layers=info.layers)
+            stack = make_stack(cfg, weights, info.layers, info.batch)
         except ValueError as e:
             raise GoldenError(f"{golden.path!r}: {e}") from None
         answered = info.row_positions(0)
+        if answered is not None and info.inputs is not None:
+            raise GoldenError(f"{golden.path!r}: a --rows golden made with --inputs holds only "
+                              f"its answered rows' inputs; it cannot be replayed")
         positions = {} if answered is None else dict.fromkeys(info.layers, answered)
-        judge = Judge(info, file_scores(golden), index_tolerance, exact_index, strict_evidence=True,
-                      positions=positions)
-        report = CompareReport(golden.path, "replay", index_rule=judge.rule)
+        # A batch's sequences are judged one by one (BatchRowFile), as compare does.
+        files = ([golden] if info.batch == 1 else
+                 [BatchRowFile(golden, b) for b in range(info.batch)])
+        judges = [Judge(info, file_scores(f), index_tolerance, exact_index, strict_evidence=True,
+                        positions=positions) for f in files]
+        report = CompareReport(golden.path, "replay", index_rule=judges[0].rule)
         recomputed = set(f"step0.layers.{i}.rows" for i in positions)
 
-        def recorded_input(name, first_row, seqlen, start_pos):
+        def recorded_input(name, first_row, seqlen, start_pos, batch_row=0):
             if name not in names:
                 raise GoldenError(f"{golden.path!r}: input {name} is missing")
             recomputed.add(name)
             if answered is None or start_pos:
-                return np.asarray(golden.get(name), dtype=np.float32)
+                return np.asarray(files[batch_row].get(name), dtype=np.float32)
             x = to_storage(name, make_input(name, (seqlen, cfg.dim), info.seed, info.profile,
                                             first_row, start_pos), "BF16")
-            report.add(judge.compare(name, golden.get(name), x[answered], golden))
+            report.add(judges[0].compare(name, golden.get(name), x[answered], golden))
             return x
 
-        def compare(prefix, captures, first_row):
+        def compare(prefix, captures, first_row, batch_row=0):
+            f = files[batch_row]
             for what in sorted(captures, key=lambda w: compare_order(prefix + w)):
                 name = prefix + what
                 recomputed.add(name)
@@ -525,7 +729,10 @@ def replay(path, progress=None, index_tolerance: float | None = None,
                     got = captures[what]
                     if answered is not None and prefix.startswith("step0.") and what in PER_ROW:
                         got = got[answered]
-                    report.add(judge.compare(name, golden.get(name), got, golden))
+                    res = judges[batch_row].compare(name, f.get(name), got, f)
+                    if info.batch > 1:
+                        res.name = f"{name}[{batch_row}]"
+                    report.add(res)
 
         drive(stack, info.prefill, info.decode, info.capture, recorded_input, compare, progress,
               info.capture_rows)

@@ -36,7 +36,7 @@ __all__ = ["DEFAULT_INDEX_TOLERANCE", "SWAP_FLOAT_RANGE", "RowScores", "RowBound
 
 #: Default tolerance of a boundary swap, relative to the row's largest |selected score|. The
 #: reference against itself (two torch CPU backends, v41-flash layer 20, 2048-token prefill)
-#: needs 0.0353; 1/16 leaves a margin of 1.8 (README, "Testing your kernel").
+#: needs 0.0353; 1/16 leaves a margin of 1.8 (docs/testing.md).
 DEFAULT_INDEX_TOLERANCE = 1 / 16
 #: Float rows downstream of a differing index row (that query's ``o``/``out``, in the layer and
 #: the layers reusing its selection) attend other KV rows: they are held only to the golden

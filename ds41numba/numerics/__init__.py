@@ -32,7 +32,7 @@ from .int8_dot import (AMX_K, EMPTY_RANGE, FOLD_SPREAD, FOLDED_KEY_OFFSET, INT8_
                        pack_folded_blocks, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
-                      aligned_empty, as_f32_array, bf16_scalar, check_inplace, e2m1_scalar, e4m3_scalar,
+                      aligned_empty, as_f32_array, bf16_scalar, check_inplace, is_int, e2m1_scalar, e4m3_scalar,
                       is_bf16_valued, nan_max, output_buffer, pow2ceil, pow2ceil_scalar,
                       round_bf16_inplace, to_bf16_rne, to_e2m1_rne, to_e4m3_rne)
 from .linear import (MATVEC_MAX_ROWS, TINY_BF16_LINEAR, Bf16Matrix, bf16_k_block, linear_bf16,
@@ -56,7 +56,7 @@ __all__ = [
     "int8_dot_tile", "int8_rows", "merge_ranges", "pack_int8_blocks",
     "F32Matrix", "linear_f32_ordered", "matmul_nn_f32_ordered",
     "E2M1_MAX", "E4M3_MAX", "ELEMENT_COST", "FP4_BLOCK", "FP8_BLOCK", "LATENT_BLOCK",
-    "aligned_empty", "as_f32_array", "bf16_scalar", "check_inplace", "e2m1_scalar", "e4m3_scalar",
+    "aligned_empty", "as_f32_array", "bf16_scalar", "check_inplace", "is_int", "e2m1_scalar", "e4m3_scalar",
     "is_bf16_valued", "nan_max", "output_buffer", "pow2ceil", "pow2ceil_scalar",
     "round_bf16_inplace", "to_bf16_rne", "to_e2m1_rne", "to_e4m3_rne",
     "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR", "Bf16Matrix", "bf16_k_block", "linear_bf16", "linear_f32",

@@ -238,7 +238,7 @@ def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, block_max, converts,
     ``out[q, j] = bf16(sum_h bf16(relu(bf16(s[q * H + h, j])) * w[q * H + h, 0]))``, the heads h
     in order, f32 sums from zero, ``s`` the scores of :func:`amx_dot_tile` (row ``r`` of ``a``
     against lane ``j`` of ``b``), ``H = rows(a) / rows(out)`` heads a query, a multiple of
-    ``AMX_ROWS``. That is :func:`ds41numba.indexer._mix_heads_by_head` on those scores, for
+    ``AMX_ROWS``. That is :func:`ds41numba.indexer.blas_scores.mix_heads_by_head` on those scores, for
     every lane (the caller keeps the visible ones).
 
     ``a``, ``a_scale`` as for :func:`amx_dot_tile` (any multiple of ``AMX_ROWS`` rows), ``w``

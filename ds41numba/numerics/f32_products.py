@@ -38,6 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .formats import aligned_empty
+from .vector_ir import counted_loop, splat
 from .workers import worth_parallel
 
 __all__ = [
@@ -69,9 +70,11 @@ _CHUNK_ROWS = 8 * TILE_ROWS
 _MIN_ITEMS = 8
 
 
+@njit(cache=True)
 def blocked_rows(m: int) -> int:
     """How many leading rows of an M-row product the reference's two-thread MKL sends to its
-    blocked kernel (the rest go to the small kernel, or the NN chain)."""
+    blocked kernel (the rest go to the small kernel, or the NN chain); sparse attention's heads
+    too (its products have a row a head)."""
     if m <= 3:
         return 0
     if 4 < m < 12 and m % 4:
@@ -84,14 +87,13 @@ def blocked_rows(m: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 _F32 = ir.FloatType()
-_I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _V16 = ir.VectorType(_F32, 16)
 
 
 class _Emit:
-    """Small helpers over an llvmlite builder: integer addresses, typed loads and stores, splats
-    and a counted loop carrying values."""
+    """A kernel's operands over an llvmlite builder: integer addresses, typed loads and stores,
+    the broadcast step of a register tile (its loops and splats: :mod:`.vector_ir`)."""
 
     def __init__(self, context, builder, signature, args):
         self.b = builder
@@ -123,10 +125,6 @@ class _Emit:
     def store(self, value, addr):
         self.b.store(value, self.b.inttoptr(addr, value.type.as_pointer()), align=4)
 
-    def splat(self, scalar):
-        v = self.b.insert_element(ir.Constant(_V16, ir.Undefined), scalar, ir.Constant(_I32, 0))
-        return self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), None))
-
     def broadcast_step(self, x_rows, b_base, b_stride, nv, update):
         """The loop body of a register tile: at step k, ``nv`` vectors of row k of B against the
         broadcast element k of each x row, ``acc = update(x, b, acc)`` for every accumulator
@@ -137,7 +135,7 @@ class _Emit:
             k4 = self.b.mul(k, self.const(4))
             new = []
             for m, x_row in enumerate(x_rows):
-                xs = self.splat(self.load(self.addr(x_row, k4), _F32))
+                xs = splat(self.b, self.load(self.addr(x_row, k4), _F32), _V16)
                 new += [update(xs, bv[v], acc[m * nv + v]) for v in range(nv)]
             return new
         return body
@@ -148,36 +146,6 @@ class _Emit:
         return [self.b.add(base, self.b.mul(
             self.b.select(self.b.icmp_signed("<", self.const(m), rows), self.const(m), last), stride))
             for m in range(n)]
-
-    def loop(self, n, inits, body):
-        """``for i in range(n): vals = body(i, vals)``; returns the final vals (inits when n <= 0).
-        ``body`` emits straight-line code."""
-        b = self.b
-        pre = b.basic_block
-        loop = b.append_basic_block("loop")
-        done = b.append_basic_block("loop.done")
-        b.cbranch(b.icmp_signed(">", n, self.const(0)), loop, done)
-        b.position_at_end(loop)
-        i = b.phi(_I64)
-        i.add_incoming(self.const(0), pre)
-        phis = [b.phi(v.type) for v in inits]
-        for p, v in zip(phis, inits):
-            p.add_incoming(v, pre)
-        new = body(i, phis)
-        end = b.basic_block
-        i_next = b.add(i, self.const(1))
-        i.add_incoming(i_next, end)
-        for p, v in zip(phis, new):
-            p.add_incoming(v, end)
-        b.cbranch(b.icmp_signed("<", i_next, n), loop, done)
-        b.position_at_end(done)
-        outs = []
-        for v, w in zip(inits, new):
-            p = b.phi(v.type)
-            p.add_incoming(v, pre)
-            p.add_incoming(w, end)
-            outs.append(p)
-        return outs
 
     def for_rows(self, rows, n, store):
         """``store(m)`` for each m < min(rows, n); row 0 is always stored."""
@@ -219,7 +187,7 @@ def _fma_tile(typingctx, x, w, out, first):
         body = e.broadcast_step(x_rows, w_base, w_stride, _NV,
                                 lambda xs, wv, a: builder.call(fma, [xs, wv, a]))
 
-        acc = e.loop(e.shape(1, 0), [ir.Constant(_V16, None)] * (TILE_ROWS * _NV), body)
+        acc = counted_loop(builder, e.shape(1, 0), [ir.Constant(_V16, None)] * (TILE_ROWS * _NV), body)
 
         def store(m):
             o_row = e.addr(o_base, builder.mul(e.const(m), o_stride))
@@ -261,14 +229,14 @@ def _lanes_tile(typingctx, x, w, lane0, out):
             new = []
             for lane in range(4):
                 k = builder.add(builder.mul(q, e.const(4)), e.const(lane))
-                xs = e.splat(e.load(e.addr(x_base, builder.mul(k, e.const(4))), _F32))
+                xs = splat(builder, e.load(e.addr(x_base, builder.mul(k, e.const(4))), _F32), _V16)
                 w_row = e.addr(w_base, builder.mul(k, w_stride))
                 new += [builder.fadd(acc[lane * _NV + v],
                                      builder.fmul(xs, e.load(e.addr(w_row, 64 * v), _V16)))
                         for v in range(_NV)]
             return new
 
-        acc = e.loop(n_q, inits, body)
+        acc = counted_loop(builder, n_q, inits, body)
         o_base = e.base(3)
         for v in range(_NV):
             lane = [acc[i * _NV + v] for i in range(4)]
@@ -305,7 +273,8 @@ def _chain_tile(typingctx, x, v, out):
         body = e.broadcast_step(x_rows, v_base, v_stride, _CHAIN_NV,
                                 lambda xs, vv, a: builder.fadd(a, builder.fmul(xs, vv)))
 
-        acc = e.loop(e.shape(1, 0), [ir.Constant(_V16, None)] * (_CHAIN_ROWS * _CHAIN_NV), body)
+        acc = counted_loop(builder, e.shape(1, 0), [ir.Constant(_V16, None)] * (_CHAIN_ROWS * _CHAIN_NV),
+                           body)
         o_base, o_stride = e.base(2), e.stride(2, 0)
 
         def store(m):

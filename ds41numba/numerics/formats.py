@@ -12,12 +12,14 @@ parallel kernels. The array helpers at the end (``as_f32_array``, ``check_inplac
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 from numba import njit, prange
 
 from .workers import worth_parallel
 
-__all__ = ["FP4_BLOCK", "LATENT_BLOCK", "FP8_BLOCK", "E4M3_MAX", "E2M1_MAX", "bf16_scalar",
+__all__ = ["is_int", "FP4_BLOCK", "LATENT_BLOCK", "FP8_BLOCK", "E4M3_MAX", "E2M1_MAX", "bf16_scalar",
            "e4m3_scalar", "e2m1_scalar", "pow2ceil_scalar", "nan_max", "to_bf16_rne", "to_e4m3_rne",
            "to_e2m1_rne", "pow2ceil", "round_bf16_inplace", "is_bf16_valued", "as_f32_array",
            "check_inplace", "output_buffer", "aligned_empty", "ELEMENT_COST"]
@@ -110,7 +112,7 @@ def e4m3_scalar(v):
 @njit(cache=True)
 def e2m1_scalar(v):
     """f32 -> float4_e2m1fn (RNE) -> f32: |v| onto {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Binary RNE is the
-    SPEC's even-3-bit-code tie rule, since the codes 0..7 are the format's bit patterns in order.
+    reference's even-3-bit-code tie rule, since the codes 0..7 are the format's bit patterns in order.
     The sign is kept (-0.2 -> -0.0). Beyond 6 it saturates to +-6 (inf included), as ml_dtypes does.
     NaN -> NaN (ml_dtypes turns NaN into a zero; e2m1 has no NaN, but an f32 result can keep it)."""
     bits = np.int64(np.float32(v).view(np.uint32))
@@ -131,7 +133,7 @@ def pow2ceil_scalar(v):
     """The smallest power of two >= v, exactly: 2^e for v = 1.m * 2^e, times 2 when m != 0. Defined
     for v > 0: a subnormal v gives its exact (possibly subnormal) power of two, v > 2^127 and +inf give
     +inf. Outside the domain (v <= 0, -0.0, NaN) the result is NaN. The quantisers' amax floors keep
-    their arguments positive normal, where this is the SPEC's bit rule."""
+    their arguments positive normal, where this is the reference's bit rule."""
     bits = np.int64(np.float32(v).view(np.uint32))
     if bits == 0 or bits >= 0x7F800001:  # +0, NaN, or any negative (incl. -0.0, -inf)
         return np.float32(np.nan)
@@ -249,6 +251,13 @@ def is_bf16_valued(x):
     arr = as_f32_array(x, "is_bf16_valued")
     flat = np.ascontiguousarray(arr).reshape(-1)
     return bool(_bf16_valued_range(flat, 0, flat.shape[0]))
+
+
+def is_int(value, minimum=None) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's, not a bool) of at least ``minimum``
+    (any, when None): the one check behind every integer argument's error message."""
+    return (not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral)
+            and (minimum is None or value >= minimum))
 
 
 def check_inplace(x, name):

@@ -215,7 +215,7 @@ def pack_int8_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) ->
     n, d = x.shape
     shapes = int8_blocks_shape(n, d)
     out = _blocks_out(out, shapes, n, first, "pack_int8_blocks",
-                      lambda: (np.full(shapes[0], np.uint32(0x0C0C0C0C)), np.ones(shapes[1], np.float32)))
+                      lambda: (np.full(shapes[0], np.uint32(KEY_OFFSET * 0x01010101)), np.ones(shapes[1], np.float32)))
     return out[0], out[1], _blocks_kernel(x, out[0], out[1], first)
 
 

@@ -1,6 +1,6 @@
 """Linear projections as the reference computes them: bf16 weights (``Bf16Matrix``, its bf16
 linear ``linear_bf16``) and the ratio > 1 compressor's f32 weights (``linear_f32``), each summed
-in the reference's own order where that order is known (SPEC "How exact is exact").
+in the reference's own order where that order is known (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     through the kernel that reads the held bf16 pairs a row at a time, more rows of bf16 values
     through :meth:`Bf16Matrix.dot_bf16` (AVX512-BF16, or its FMA twin on any CPU). For a plain
     float32 ``w``, or x not bf16-valued, numpy's f32 BLAS sums in its own order: approximate
-    (README, "How exact"). So do products of at most ``TINY_BF16_LINEAR``
+    (docs/exactness.md). So do products of at most ``TINY_BF16_LINEAR``
     multiply-adds per group, which torch does not hand to oneDNN but sums in a kernel of its
     own (an order not pinned down; they occur only at toy shapes, where BLAS reproduces the
     reference's goldens).
@@ -143,7 +143,7 @@ def bf16_k_block(ref_rows: int, k: int) -> int:
 
     torch's CPU bf16 linear (oneDNN's brgemm on AVX512-BF16) splits K into runs, sums each
     from zero with ``vdpbf16ps`` (each pair as ``(acc + p[2i+1]) + p[2i]``) and adds the run
-    sums in order (../shared/orders/README.md, measured on the reference's machine):
+    sums in order (docs/exactness.md, measured on the reference's machine):
     K <= 512 one run; one row (every decode step) runs of 512; two or more rows runs of 512 up
     to K = 1024 and of 1024 above. ``ref_rows`` is the number of rows the *reference* multiplies
     in that call (a prefill's length, 1 at decode), not the rows of a tile of ours.
@@ -166,7 +166,7 @@ def bf16_k_block(ref_rows: int, k: int) -> int:
 #: many-row product.
 MATVEC_MAX_ROWS = 8
 #: bf16 products of at most this many multiply-adds (M * N * K, per group) are not oneDNN's in
-#: the reference but torch's own kernel (../shared/orders/README.md: "about 4096"; the toy
+#: the reference but torch's own kernel (docs/exactness.md: "about 4096"; the toy
 #: goldens agree: their 2,048-MAC decode products follow BLAS, their 8,192-MAC ones oneDNN).
 TINY_BF16_LINEAR = 4096
 # Rows of the caller's weight converted to bf16 bits at a time while packing: the only

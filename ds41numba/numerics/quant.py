@@ -1,4 +1,4 @@
-"""The reference's three quantise-then-dequantise schemes (SPEC "Quantisers"), in place.
+"""The reference's three quantise-then-dequantise schemes, in place.
 
 fp8 with power-of-two scales (``act_quant``: the window KV), fp4 with power-of-two (e8m0) scales
 (``fp4_act_quant``: the indexer's queries and keys) and fp4 with e4m3 scales (the compressed KV
@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from .formats import (ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK, bf16_scalar, check_inplace,
-                      e2m1_scalar, e4m3_scalar, nan_max, pow2ceil_scalar)
+                      e2m1_scalar, e4m3_scalar, is_int, nan_max, pow2ceil_scalar)
 from .workers import worth_parallel
 
 __all__ = ["act_quant_fp8_inplace", "fp4_quant_e8m0_inplace", "fp4_quant_e4m3_inplace", "quant_row",
@@ -87,7 +87,7 @@ def _quant_kernel(flat, block, kind):
 
 def _check_block(x, block, name):
     check_inplace(x, name)
-    if isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer)) or block < 1:
+    if not is_int(block, 1):
         raise ValueError(f"{name}: block must be a positive integer, got {block!r}")
     if x.ndim == 0 or x.shape[-1] % block != 0:
         raise ValueError(

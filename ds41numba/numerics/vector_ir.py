@@ -1,5 +1,7 @@
-"""The pieces of LLVM IR the vector micro-kernels (:mod:`.bf16_dot`, :mod:`.int8_dot`) build
-from: numba has no vector types, so those kernels address their 2-D operands by hand.
+"""The one toolkit every LLVM-IR micro-kernel builds from (:mod:`.bf16_dot`, :mod:`.int8_dot`,
+:mod:`.amx_dot`, :mod:`.f32_products`, sparse attention): numba has no vector types, so those
+kernels address their 2-D operands by hand. Loops (:func:`open_loop` / :func:`close_loop`, and
+:func:`counted_loop` carrying values), splats, lane masks, prefetches and the unroll hint.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import numba
 from numba.core import cgutils
 
 __all__ = ["I32", "I64", "F32", "V16I", "V16F", "compiles_for", "wide_registers", "row_operands",
-           "row_pointer", "i64", "splat", "open_loop", "close_loop", "not_unrolled", "prefetch"]
+           "row_pointer", "i64", "splat", "lane_masks", "open_loop", "close_loop", "counted_loop",
+           "not_unrolled", "prefetch"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
@@ -66,9 +69,52 @@ def prefetch(builder, ptr):
 
 
 def splat(builder, value, vty):
-    """``value`` in every lane of a 16-lane vector of type ``vty``."""
+    """``value`` in every lane of a 16-lane vector of type ``vty`` (its element's type)."""
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
     return builder.shuffle_vector(v, v, ir.Constant(V16I, None))
+
+
+def lane_masks(builder, width, n_vectors):
+    """Per 16-lane vector ``v < n_vectors``, the i1 mask of its lanes ``16 * v + l`` below
+    ``width`` (an i64): which lanes of a row ``width`` long a masked load may read."""
+    lane = ir.Constant(ir.VectorType(I64, 16), list(range(16)))
+    limit = splat(builder, width, ir.VectorType(I64, 16))
+    return [builder.icmp_signed("<", builder.add(lane, ir.Constant(lane.type, [16 * v] * 16)), limit)
+            for v in range(n_vectors)]
+
+
+def counted_loop(builder, n, inits, body, name="loop", unrolled=True):
+    """``for i in range(n): values = body(i, values)`` from ``inits``; returns the final values
+    (``inits`` when ``n`` <= 0). ``body`` emits straight-line code and returns as many values as
+    it is given (the loop's phis: a tile of sums carried in registers). ``unrolled=False`` marks
+    the loop with :func:`not_unrolled`."""
+    pre = builder.basic_block
+    loop = builder.append_basic_block(name)
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", n, i64(0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(I64)
+    i.add_incoming(i64(0), pre)
+    phis = [builder.phi(v.type) for v in inits]
+    for p, v in zip(phis, inits):
+        p.add_incoming(v, pre)
+    new = body(i, phis)
+    end = builder.basic_block
+    i_next = builder.add(i, i64(1))
+    i.add_incoming(i_next, end)
+    for p, v in zip(phis, new):
+        p.add_incoming(v, end)
+    back = builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+    if not unrolled:
+        not_unrolled(back)
+    builder.position_at_end(done)
+    outs = []
+    for v, w in zip(inits, new):
+        p = builder.phi(v.type)
+        p.add_incoming(v, pre)
+        p.add_incoming(w, end)
+        outs.append(p)
+    return outs
 
 
 def open_loop(builder, name):

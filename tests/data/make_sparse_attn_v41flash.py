@@ -1,7 +1,8 @@
 """How tests/data/sparse_attn_v41flash.npz was made (kept for the record; its inputs are not in the repo).
 
 For a few of the sampled prefill query rows of the reference's production-dimension goldens
-(../shared/golden/v41flash_L20_ref.safetensors layer 20, v41flash_kv_sources_ref.safetensors layer 2),
+(v41flash_L20_ref.safetensors layer 20, v41flash_kv_sources_ref.safetensors layer 2, in the directory
+``DS41_REFERENCE_GOLDENS`` names),
 everything sparse_attn needs and the reference's output, as bf16 bit patterns (uint16, the goldens' own
 bytes):
 * q, o: ``step0.layers.{L}.sample.q`` / ``sample.o`` rows, unchanged.
@@ -12,9 +13,10 @@ bytes):
   run of the same generator inputs (``attn_npz``), and checked here against the golden's window ring.
 * sink: ``layers.{L}.attn.attn_sink`` of ds41numba's generator (the reference ran on the same weights),
   remade here with ``make_tensor``.
-Run:  PYTHONPATH=. python tests/data/make_sparse_attn_v41flash.py L20_NPZ L2_NPZ
+Run:  DS41_REFERENCE_GOLDENS=DIR PYTHONPATH=. python tests/data/make_sparse_attn_v41flash.py L20_NPZ L2_NPZ
 """
 import json
+import os
 import sys
 
 import ml_dtypes
@@ -23,9 +25,9 @@ from safetensors import safe_open
 
 from ds41numba.golden import make_tensor, weight_distribution
 
-G = "/work/shared/golden/"
-SOURCES = [("L20", G + "v41flash_L20_ref.safetensors", 20, [1, 3, 4, 15]),
-           ("L2", G + "v41flash_kv_sources_ref.safetensors", 2, [1, 4, 9, 15])]
+G = os.environ.get("DS41_REFERENCE_GOLDENS", ".")
+SOURCES = [("L20", os.path.join(G, "v41flash_L20_ref.safetensors"), 20, [1, 3, 4, 15]),
+           ("L2", os.path.join(G, "v41flash_kv_sources_ref.safetensors"), 2, [1, 4, 9, 15])]
 
 
 def bits(a):

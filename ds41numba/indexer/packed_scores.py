@@ -1,0 +1,198 @@
+"""Index scores on the packed kernels: one parallel kernel a layout, chosen by the layout's name.
+
+Each kernel takes a tile's query heads (a layout of :mod:`.query_layouts`, query-major, padded
+rows) and the packed key blocks of the same layout, and writes a tile's scores after the
+visibility mask. Each worker takes a contiguous run of key blocks; for each block it forms the
+dot products of the queries that see any of it (a suffix of the tile, as ``clen`` grows with
+the query) and mixes them while they are in cache, in torch's head order
+(:func:`~.blas_scores.mix_heads_by_head`), or takes them mixed from a tile kernel that mixes as
+it forms them (AMX's and VNNI's folded rows). Every score is formed whole by one worker, in a
+fixed order, so the result does not depend on the thread count.
+
+The layouts (:data:`LAYOUTS`): ``"bf16"`` (bf16 pairs, AVX512-BF16), ``"int8"`` (VNNI's
+per-block layout, a scale a 32-value block), ``"vnni_folded"`` (VNNI's folded rows: one scale a
+row, unsigned key bytes), ``"amx"`` (AMX's folded rows).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, amx_begin, amx_dot_tile, amx_end,
+                        amx_mix_tile, bf16_dot_tile, int8_dot_into, vnni_mix_tile)
+from .blas_scores import mix_heads_by_head
+from .block_maxima import key_block_maxima, visible_block_maxima
+from .visibility import masked_buffer
+
+__all__ = ["LAYOUTS", "tile_scores_packed"]
+
+
+@njit(cache=True)
+def _first_seeing(clen, T, t0):
+    """The first of the ``T`` queries that sees a position of the key block at ``t0`` (``T``
+    when none does): ``clen`` grows with the query."""
+    s = 0
+    while s < T and clen[s] <= t0:
+        s += 1
+    return s
+
+
+@njit(cache=True)
+def _mix_dots(d, w, clen, t0, s_lo, out, block, block_max):
+    """The dot products ``d`` of a key block (a query head a row) of the queries ``s_lo ..``,
+    mixed into ``out`` where visible, and their block maxima when ``block`` > 0."""
+    T, ih = w.shape
+    mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
+    if block:
+        key_block_maxima(out, clen, t0, s_lo, block, block_max)
+
+
+@njit(cache=True)
+def _mix_target(out, mixed, clen, s_lo, t0, block, block_max):
+    """Where a mixing tile kernel writes the key block at ``t0``'s scores of the queries
+    ``s_lo ..``: ``(scores, maxima_out, maxima, whole)``.
+
+    Where every query sees the whole key block (``whole``) its scores go straight into the
+    score rows, and with ``block`` = ``MAX_BLOCK`` (``maxima``) the candidate blocks' maxima
+    come from the kernel's registers into ``maxima_out`` (otherwise a placeholder, unwritten);
+    else into ``mixed`` (room for ``[T, DOT_LANES]``), for :func:`_finish_mixed` to copy.
+    """
+    T = out.shape[0]
+    whole = t0 + DOT_LANES <= out.shape[1]
+    for s in range(s_lo, T):
+        whole = whole and clen[s] >= t0 + DOT_LANES
+    maxima = whole and block == MAX_BLOCK
+    j = t0 // MAX_BLOCK if maxima else 0
+    maxima_out = block_max[s_lo:T, j:j + DOT_LANES // MAX_BLOCK]
+    if whole:
+        return out[s_lo:T, t0:t0 + DOT_LANES], maxima_out, maxima, True
+    return mixed[:T - s_lo], maxima_out, maxima, False
+
+
+@njit(cache=True)
+def _finish_mixed(mixed, clen, s_lo, t0, out, whole, maxima, block, block_max):
+    """After a mixing tile kernel wrote :func:`_mix_target`'s scores: the visible ones of a
+    partly seen key block into ``out``, and the block maxima the kernel did not take."""
+    if not whole:
+        for s in range(s_lo, out.shape[0]):
+            for j in range(min(DOT_LANES, clen[s] - t0)):
+                out[s, t0 + j] = mixed[s - s_lo, j]
+    if block and not maxima:
+        key_block_maxima(out, clen, t0, s_lo, block, block_max)
+
+
+@njit(parallel=True, cache=True)
+def _bf16_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
+    """The scores on AVX512-BF16: ``q = (pairs,)``, ``keys = (blocks,)``."""
+    T, ih = w.shape
+    pairs, blocks = q[0], keys[0]
+    for wk in prange(workers):
+        d = np.empty((pairs.shape[0], DOT_LANES), np.float32)
+        for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
+            s_lo = _first_seeing(clen, T, b * DOT_LANES)
+            if s_lo == T:
+                continue
+            first = s_lo * ih // DOT_ROWS * DOT_ROWS
+            d[first:] = 0
+            for r in range(first, T * ih, DOT_ROWS):
+                bf16_dot_tile(pairs[r:r + DOT_ROWS], blocks[b], d[r:r + DOT_ROWS])
+            _mix_dots(d, w, clen, b * DOT_LANES, s_lo, out, block, block_max)
+
+
+@njit(parallel=True, cache=True)
+def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
+    """The scores on AVX512-VNNI: ``q = (quads, corr, scales)``, ``keys = (quads, scales)``,
+    per-block or folded. Folded rows (one correction a row) of whole row tiles a query are
+    mixed as they are formed (:func:`~ds41numba.numerics.vnni_mix_tile`)."""
+    T, ih = w.shape
+    quads, corr, scales = q
+    key_quads, key_scales = keys
+    on_tiles = ih % AMX_ROWS == 0 and corr.shape[1] == 1
+    w_rows = w.reshape((T * ih, 1))
+    for wk in prange(workers):
+        d = np.empty((quads.shape[0], DOT_LANES), np.float32)
+        mixed = np.empty((T, DOT_LANES), np.float32)
+        for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
+            t0 = b * DOT_LANES
+            s_lo = _first_seeing(clen, T, t0)
+            if s_lo == T:
+                continue
+            if on_tiles:
+                rows = slice(s_lo * ih, T * ih)
+                got, got_max, maxima, whole = _mix_target(out, mixed, clen, s_lo, t0, block, block_max)
+                vnni_mix_tile(quads[rows], corr[rows], scales[rows], w_rows[rows], key_quads[b],
+                              key_scales[b], got, got_max, converts, maxima)
+                _finish_mixed(mixed, clen, s_lo, t0, out, whole, maxima, block, block_max)
+                continue
+            for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, T * ih, DOT_ROWS):
+                int8_dot_into(quads[r:r + DOT_ROWS], corr[r:r + DOT_ROWS], scales[r:r + DOT_ROWS],
+                              key_quads[b], key_scales[b], d[r:r + DOT_ROWS])
+            _mix_dots(d, w, clen, t0, s_lo, out, block, block_max)
+
+
+@njit(parallel=True, cache=True)
+def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
+    """The scores on AMX: ``q = (quads, scales)``, ``keys = (quads, scales)``, both folded.
+    Queries of whole row tiles are mixed as they are formed
+    (:func:`~ds41numba.numerics.amx_mix_tile`); each worker holds the tile state throughout."""
+    T, ih = w.shape
+    quads, scales = q
+    key_quads, key_scales = keys
+    on_tiles = ih % AMX_ROWS == 0
+    w_rows = w.reshape((T * ih, 1))
+    for wk in prange(workers):
+        d = np.empty((quads.shape[0], DOT_LANES), np.float32)
+        mixed = np.empty((T, DOT_LANES), np.float32)
+        amx_begin()
+        for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
+            t0 = b * DOT_LANES
+            s_lo = _first_seeing(clen, T, t0)
+            if s_lo < T and not on_tiles:
+                first = s_lo * ih // AMX_ROWS * AMX_ROWS
+                d[first:] = 0
+                for r in range(first, T * ih, AMX_ROWS):
+                    amx_dot_tile(quads[r:r + AMX_ROWS], scales[r:r + AMX_ROWS], key_quads[b],
+                                 key_scales[b], d[r:r + AMX_ROWS])
+                _mix_dots(d, w, clen, t0, s_lo, out, block, block_max)
+            elif s_lo < T:
+                rows = slice(s_lo * ih, T * ih)
+                got, got_max, maxima, whole = _mix_target(out, mixed, clen, s_lo, t0, block, block_max)
+                amx_mix_tile(quads[rows], scales[rows], w_rows[rows], key_quads[b], key_scales[b],
+                             got, got_max, converts, maxima)
+                _finish_mixed(mixed, clen, s_lo, t0, out, whole, maxima, block, block_max)
+        amx_end()
+
+
+#: The packed layouts, each with the kernel that scores it.
+LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kernel,
+           "amx": _amx_kernel}
+
+# The kernel's block maxima buffer when none are asked for (one type for every call).
+_NO_MAXIMA = np.empty((1, 1), np.float32)
+
+
+def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray,
+                       width: int, out: np.ndarray | None = None, dirty_to: int | None = None,
+                       converts: bool = False, maxima: tuple | None = None) -> np.ndarray:
+    """A tile's scores ``[T, width]`` after the visibility mask, from queries and keys packed
+    in ``layout`` (a key of :data:`LAYOUTS`); ``converts``: AMX's and VNNI's mixers may round on
+    the CPU's conversion (:func:`~ds41numba.numerics.converted_mix_exact`). With ``maxima =
+    (block, block_max)`` also the rows' block maxima (:meth:`.IndexKeyCache.scores`): taken by
+    the kernel while each key block is in cache where ``block`` divides DOT_LANES, else by a
+    pass over the scores after them."""
+    T = w.shape[0]
+    block, block_max = maxima if maxima is not None and DOT_LANES % maxima[0] == 0 else (0, _NO_MAXIMA)
+    out = masked_buffer(out, (T, width), clen, dirty_to, "tile_scores_packed")
+    n_vis = int(clen.max(initial=0))
+    if keys[0].shape[0] * DOT_LANES < n_vis:
+        raise ValueError(f"tile_scores_packed: packed keys {keys[0].shape} do not cover {n_vis} "
+                         "positions")
+    if n_vis:
+        n_blocks = -(-n_vis // DOT_LANES)
+        LAYOUTS[layout](q, keys, np.ascontiguousarray(w, np.float32), clen, n_blocks,
+                        min(numba.get_num_threads(), n_blocks), converts, out, block, block_max)
+    if maxima is not None and not block:
+        visible_block_maxima(out, clen, *maxima)
+    return out

@@ -1,0 +1,44 @@
+"""The index selection: each query's top-k compressed positions, torch's CPU tie order."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ..topk import partial_sort_set_hinted, topk_set_into
+
+__all__ = ["select_rows", "top_k_sets"]
+
+
+def select_rows(scores, clen, k, out, maxima=None):
+    """The index selection: each row's top-k set (:func:`top_k_sets`). A name of its own, apart
+    from the candidate blocks' top-k, which uses the same rule: a kernel with its own tie order
+    replaces this one (tests/test_golden.py does) and must leave the candidates as they are.
+    ``maxima = (block, block_scores)``: the candidate source's block scores of these rows (each
+    at least its block's max), which let the scan skip runs of a row unread."""
+    block, block_scores = maxima if maxima is not None else (0, scores)
+    top_k_sets(scores, clen, k, out, block_scores, block)
+
+
+@njit(parallel=True, cache=True)
+def top_k_sets(scores, clen, k, out, block_scores, block):
+    """Each row's top-k set (torch's CPU tie order) into ``out [rows, k]``, ascending.
+
+    In the ``partial_sort`` branch (``k * 64 <= width``, every long row) the scan stops at the
+    row's visible length: past it every score is -inf, which never displaces the heap's top, so
+    the set is the one the whole row gives, at a cost that grows with what the query sees.
+    With ``block`` > 0 that scan skips runs by ``block_scores`` (each at least its block's max; see
+    :func:`~ds41numba.topk.partial_sort_set_hinted`).
+    """
+    rows, width = scores.shape
+    for s in prange(rows):
+        if k * 64 <= width:
+            n = min(width, max(k, clen[s]))
+            sv = np.empty(k, np.float32)
+            si = np.empty(k, np.int64)
+            partial_sort_set_hinted(scores[s, :n], k, out[s], sv, si, block_scores[s], block)
+        else:
+            sv = np.empty(width, np.float32)
+            si = np.empty(width, np.int64)
+            topk_set_into(scores[s], k, out[s], sv, si)
+

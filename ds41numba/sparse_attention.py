@@ -1,0 +1,552 @@
+"""Sparse attention in the reference's f32 order: ``sparse_attn``, the reference's
+sparse-attention kernel.
+
+Each query attends to its listed rows (the window's, then its selected compressed rows; -1
+entries skipped) with a per-head sink logit; q.k, torch's softmax and P @ rows are summed in
+the order the reference's CPU libraries sum them (MKL's blocked sgemm, torch's AVX512
+softmax), so the output is the reference's bit for bit.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .numerics import bf16_scalar, nan_max, output_buffer
+from .numerics.f32_products import KC, blocked_rows
+from .numerics.vector_ir import (counted_loop, lane_masks, prefetch as prefetch_line, splat,
+                                 wide_registers)
+from .rope import fma_f32
+
+__all__ = ["sparse_attn"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Sparse attention in the reference's f32 order
+#
+# The reference multiplies, per query, all H heads at once: scores = q [H, hd] . rows^T (MKL
+# sgemm, T layout), torch's AVX512 softmax over [H, W + 1] (the sink the last column), and
+# P [H, W] @ rows (MKL sgemm, NN layout) over every list position, -1 entries included (their
+# probability is exactly 0). MKL picks its kernel by the row count M = H
+# (docs/exactness.md, "f32 linears"):
+# * blocked (M >= 4): the inner dimension in blocks of 192 from its start, a fused multiply-add
+#   chain from zero inside each block, block results added in order. q.k blocks hd; P @ rows
+#   blocks the W list positions, so its block edges fall at list positions 192, 384, ...
+# * 2-3 rows: q.k a 4-lane dot without FMA (lane l takes k = peel + 4i + l), P @ rows one
+#   chain over all W positions without FMA; one row: q.k the gemv variant of the same dot.
+# * with the reference's 2 threads and 4 < M < 12, M % 4 != 0: rows 4 * (M // 4) .. M - 1 take
+#   the 2-3 row kernels, the rest the blocked one.
+# Only the blocked kernel is verified at attention shapes (V4.1 has 64 heads and every golden
+# 4): the emulation of this whole order reproduces 100% of the reference's production-dimension
+# samples (tests/data/sparse_attn_v41flash.npz). The other row kernels follow the measured MKL
+# rules for linears and are not verified here.
+#
+# Skipping -1 entries: a -1 entry's probability is exactly +0 and the reference's row for it
+# holds finite values (zeros in the emulation), so its q.k is never needed and in P @ rows each
+# of its multiply-adds is acc + (+0): an identity except that it turns an accumulated -0 into
+# +0, and a run of them does exactly what one does. Each maximal run of -1 entries inside a
+# product block is kept as one zero row with probability +0; every other -1 entry is skipped.
+# Block edges stay at list positions: the bits are those of the full list.
+#
+# MKL's block (KC) and its row-blocking rule (blocked_rows) are the ones the f32 products use
+# (:mod:`.numerics.f32_products`): one model of its order.
+
+#: Lanes of torch's Vectorized<float> on AVX512: the softmax's sum runs 16 lane accumulators.
+_LANES = 16
+# The tiles' sums stay in registers: AVX-512 has 32 of 16 floats, AVX2 16 of 8
+# (:func:`~.numerics.vector_ir.wide_registers`), where the AVX-512 tiles spilled at every step
+# (sparse attention at a quarter of the FMA rate, measured). The tile shape changes which sums
+# share a loop, never how one is summed.
+#: q.k micro-kernel tile: 6 listed rows x 64 heads (4 vectors), 24 vector accumulators; on AVX2
+#: 6 rows x 16 heads, 12 registers (its 2 rows of q and the broadcast make 15).
+_QK_ROWS = 6
+_QK_HEADS = 64 if wide_registers() else 16
+#: P @ rows micro-kernel tile: 8 heads x 48 hd columns (3 vectors), 24 vector accumulators
+#: (measured faster than 6 x 64 here: a block's 48-column slice of the rows stays in L1 while
+#: the head tiles pass over it); on AVX2 6 heads x 16 columns, 12 registers.
+_PV_HEADS = 8 if wide_registers() else 6
+_PV_COLS = 48 if wide_registers() else 16
+#: List rows ahead whose slice the P @ rows tile prefetches (the rows lie scattered in memory).
+_PV_PREFETCH = 4
+#: Entries of the address table past the list that the tiles may read.
+_LIST_SLACK = max(_QK_ROWS - 1, _PV_PREFETCH)
+
+
+# A generated-IR builder: one function, longer than the rest, because its codegen emits the
+# tile's whole loop nest in order (splitting it would scatter one kernel's IR over helpers).
+def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
+    """An intrinsic running MKL's blocked kernel inside one block on a tile of accumulators:
+    for ``i < rows`` and the ``16 * nvec`` lanes ``c``, the FMA chain ``acc = fma(a[k, i],
+    b[k, c], acc)`` over ``k = 0 .. K-1`` from +0, then ``out[i, c] = acc`` or, if
+    ``accumulate``, ``out[i, c] + acc`` (this block added to the earlier ones).
+
+    The listed KV rows are read where they lie, through a table of their addresses (int64),
+    as one operand, so they are never copied:
+    * ``by_address == "a"`` (q.k): ``tile(addr, offset, b, out, accumulate)``; ``a[k, i]`` is
+      the float at ``addr[i] + 4 * (offset + k)``; K is ``b.shape[0]``.
+    * ``by_address == "b"`` (P @ rows): ``tile(a, addr, offset, width, out, accumulate)``;
+      ``b[k, c]`` is the float at ``addr[k] + 4 * (offset + c)`` for ``c < width`` (lanes from
+      ``width`` on read nothing and hold 0); K is ``a.shape[0]``. Only a ``masked`` tile reads
+      part of a row (masked loads, slower); an unmasked one reads all its lanes and ignores
+      ``width``.
+    The array operands are float32 2-d views: ``a`` any strides, ``b`` and ``out`` contiguous
+    rows; the caller checks the shapes. numba has no vector types, so the loop is written in
+    LLVM IR: the accumulators stay in registers for the whole chain and each step is one vector
+    FMA per (row, vector), as in MKL's kernel.
+    """
+    def codegen(context, builder, signature, values):
+        i1, i8, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        f32 = ir.FloatType()
+        v16f = ir.VectorType(f32, 16)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
+
+        def const(v):
+            return ir.Constant(i64, v)
+
+        def at(base, offset, ty):
+            return builder.inttoptr(builder.add(base, offset), ty.as_pointer())
+
+        def view(n):
+            ary = context.make_array(signature.args[n])(context, builder, values[n])
+            return (builder.ptrtoint(ary.data, i64), cgutils.unpack_tuple(builder, ary.strides),
+                    cgutils.unpack_tuple(builder, ary.shape))
+
+        if by_address == "a":
+            addr, _, _ = view(0)
+            offset = builder.mul(values[1], const(4))
+            b_base, (b_k, _), (n_k, _) = view(2)
+            o_base, (o_i, _), _ = view(3)
+            accumulate = values[4]
+            a_rows = [builder.add(builder.load(at(addr, const(8 * i), i64)), offset)
+                      for i in range(rows)]
+
+            def load_a(k, i):
+                return builder.load(at(a_rows[i], builder.mul(k, const(4)), f32), align=4)
+
+            def load_b(k):
+                row = builder.add(b_base, builder.mul(k, b_k))
+                return [builder.load(at(row, const(64 * v), v16f), align=4) for v in range(nvec)]
+        else:
+            a_base, (a_k, a_i), (n_k, _) = view(0)
+            addr, _, _ = view(1)
+            offset = builder.mul(values[2], const(4))
+            o_base, (o_i, _), _ = view(4)
+            accumulate = values[5]
+            if masked:
+                masked_load = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(v16f, [v16f.as_pointer(), i32, ir.VectorType(i1, 16), v16f]),
+                    "llvm.masked.load.v16f32.p0v16f32")
+                masks = lane_masks(builder, values[3], nvec)
+
+            def load_a(k, i):
+                row = builder.add(a_base, builder.mul(k, a_k))
+                return builder.load(at(row, builder.mul(a_i, const(i)), f32), align=4)
+
+            def load_b(k):
+                row = builder.add(builder.load(at(addr, builder.mul(k, const(8)), i64)), offset)
+                if prefetch:
+                    ahead = builder.mul(builder.add(k, const(prefetch)), const(8))
+                    ahead = builder.add(builder.load(at(addr, ahead, i64)), offset)
+                    for line in range(0, 64 * nvec, 64):
+                        prefetch_line(builder, at(ahead, const(line), i8))
+                if not masked:
+                    return [builder.load(at(row, const(64 * v), v16f), align=4) for v in range(nvec)]
+                return [builder.call(masked_load, [at(row, const(64 * v), v16f), ir.Constant(i32, 4),
+                                                   masks[v], zero])
+                        for v in range(nvec)]
+
+        zero = ir.Constant(v16f, [ir.Constant(f32, 0.0)] * 16)
+
+        def step(k, acc):
+            bv = load_b(k)
+            sums = []
+            for i in range(rows):
+                a = splat(builder, load_a(k, i), v16f)
+                sums += [builder.call(fma, [a, bv[v], acc[i * nvec + v]]) for v in range(nvec)]
+            return sums
+
+        flat = counted_loop(builder, n_k, [zero] * (rows * nvec), step, "fmatile", unrolled=False)
+        result = [flat[i * nvec:(i + 1) * nvec] for i in range(rows)]
+        add = builder.icmp_signed("!=", accumulate, ir.Constant(accumulate.type, 0))
+        for i in range(rows):
+            for v in range(nvec):
+                p = at(o_base, builder.add(builder.mul(o_i, const(i)), const(64 * v)), v16f)
+                summed = builder.fadd(builder.load(p, align=4), result[i][v])
+                builder.store(builder.select(add, summed, result[i][v]), p, align=4)
+        return context.get_dummy_value()
+
+    if by_address == "a":
+        @intrinsic
+        def tile(typingctx, addr, offset, b, out, accumulate):
+            return types.void(addr, offset, b, out, accumulate), codegen
+    else:
+        @intrinsic
+        def tile(typingctx, a, addr, offset, width, out, accumulate):
+            return types.void(a, addr, offset, width, out, accumulate), codegen
+    return tile
+
+
+# q.k tiles for 16, 32, 48 and 64 heads; the P @ rows tile.
+_qk_tile1 = _fma_tile(_QK_ROWS, 1, "a")
+_qk_tile2 = _fma_tile(_QK_ROWS, 2, "a")
+_qk_tile3 = _fma_tile(_QK_ROWS, 3, "a")
+_qk_tile4 = _fma_tile(_QK_ROWS, _QK_HEADS // 16, "a")
+_pv_tile = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH)
+_pv_tile_masked = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH, masked=True)
+
+
+# Sleef_expf16_u10 (Sleef 3's xexpf), torch's Vectorized<float>::exp on AVX512; its multiply-adds
+# are fused (vfmadd).
+_R_LN2F = np.float32(1.442695040888963407359924681001892137426645954152985934135449406931)
+_L2UF = np.float32(0.693145751953125)
+_L2LF = np.float32(1.428606765330187045e-06)
+_EXP_C0 = np.float32(0.000198527617612853646278381)
+_EXP_C1 = np.float32(0.00139304355252534151077271)
+_EXP_C2 = np.float32(0.00833336077630519866943359)
+_EXP_C3 = np.float32(0.0416664853692054748535156)
+_EXP_C4 = np.float32(0.166666671633720397949219)
+_EXP_C5 = np.float32(0.5)
+# Adding and subtracting 1.5 * 2^23 rounds |t| < 2^22 to an integer, ties to even (as cvtps2dq).
+_RINT_MAGIC = np.float32(12582912.0)
+
+
+@njit(cache=True)
+def _pow2i(e):
+    """2^e as f32 for -126 <= e <= 127 (Sleef's vpow2i: the exponent field alone)."""
+    return np.uint32((e + 127) << 23).view(np.float32)
+
+
+@njit(cache=True)
+def _expf_u10(d):
+    """e^d as Sleef_expf16_u10 computes it, bit for bit (d float32)."""
+    t = d * _R_LN2F
+    if not abs(t) < np.float32(4096.0):
+        t = np.float32(0.0)          # non-finite or far out of range: the selects below decide
+    q = (t + _RINT_MAGIC) - _RINT_MAGIC
+    s = fma_f32(q, -_L2UF, d)
+    s = fma_f32(q, -_L2LF, s)
+    u = fma_f32(_EXP_C0, s, _EXP_C1)
+    u = fma_f32(u, s, _EXP_C2)
+    u = fma_f32(u, s, _EXP_C3)
+    u = fma_f32(u, s, _EXP_C4)
+    u = fma_f32(u, s, _EXP_C5)
+    u = np.float32(1.0) + fma_f32(s * s, u, s)
+    qi = np.int64(q)
+    h = qi >> 1
+    u = (u * _pow2i(h)) * _pow2i(qi - h)
+    if d < np.float32(-104.0):
+        u = np.float32(0.0)
+    if d > np.float32(100.0):
+        u = np.float32(np.inf)
+    return u
+
+
+@njit(cache=True, nogil=True)
+def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
+    """One query's list, compacted: its listed rows in list order and one zero row (``listed``
+    False) for each run of -1 entries inside a product block (see above). For each: ``addr``
+    the row's address, ``src`` the row (``zero_row`` for a run), ``pos`` its list position;
+    ``edges[b]`` the first of product block b. ``addr`` is filled with the zero row's address
+    past the end (the last q.k tile reads up to 5 more). ``parts`` are row blocks that stack to
+    the KV rows, ``starts`` their first row ids. Returns ``(n, number listed)``."""
+    W = row_idx.shape[0]
+    zero_addr = zero_row.ctypes.data
+    n = 0
+    n_listed = 0
+    for b in range(len(edges) - 1):
+        edges[b] = n
+        in_gap = False
+        for j in range(b * KC, min(W, (b + 1) * KC)):
+            r = row_idx[j]
+            if r >= 0:
+                p = len(starts) - 1
+                while starts[p] > r:
+                    p -= 1
+                part = parts[p]
+                addr[n] = part.ctypes.data + (r - starts[p]) * part.strides[0]
+                src[n, 0] = p
+                src[n, 1] = r - starts[p]
+                listed[n] = True
+                n_listed += 1
+            elif in_gap:
+                continue
+            else:
+                addr[n] = zero_addr
+                src[n, 0] = -1
+                listed[n] = False
+            in_gap = r < 0
+            pos[n] = j
+            n += 1
+    edges[len(edges) - 1] = n
+    addr[n:] = zero_addr
+    return n, n_listed
+
+
+@njit(cache=True, nogil=True)
+def _row(parts, src, zero_row, c):
+    """Row c of the compacted list (see _list_rows)."""
+    p = src[c, 0]
+    return zero_row if p < 0 else parts[p][src[c, 1]]
+
+
+@njit(cache=True, nogil=True)
+def _qk_blocked(qT, addr, n, x, lo, hi):
+    """``x[c, h] = q_h . row_c`` for ``c < n`` and the heads ``lo .. hi - 1`` (``lo`` a multiple
+    of 16; up to a multiple of 16 are computed: qT's extra columns are zero), MKL's blocked
+    order over hd."""
+    hd = qT.shape[0]
+    for d0 in range(0, hd, KC):
+        for h0 in range(lo, hi, _QK_HEADS):
+            nv = min(_QK_HEADS // 16, (hi - h0 + 15) // 16)
+            b = qT[d0:min(hd, d0 + KC), h0:h0 + 16 * nv]
+            for c0 in range(0, n, _QK_ROWS):
+                a = addr[c0:c0 + _QK_ROWS]
+                t = x[c0:c0 + _QK_ROWS, h0:h0 + 16 * nv]
+                if nv == 4:
+                    _qk_tile4(a, d0, b, t, d0 > 0)
+                elif nv == 3:
+                    _qk_tile3(a, d0, b, t, d0 > 0)
+                elif nv == 2:
+                    _qk_tile2(a, d0, b, t, d0 > 0)
+                else:
+                    _qk_tile1(a, d0, b, t, d0 > 0)
+
+
+@njit(cache=True, nogil=True)
+def _dot_no_fma(qh, row, hd, peel):
+    """MKL's small/gemv dot (no FMA): ``peel`` products summed first, then 4 lane sums (lane l
+    takes k = peel + 4i + l, lane 0 continuing the peel's sum) reduced ``(l0 + l2) + (l1 + l3)``,
+    then the leftover products one by one."""
+    s0 = np.float32(0.0)
+    for k in range(min(peel, hd)):
+        s0 += qh[k] * row[k]
+    s1 = s2 = s3 = np.float32(0.0)
+    k = peel
+    while k + 4 <= hd:
+        s0 += qh[k] * row[k]
+        s1 += qh[k + 1] * row[k + 1]
+        s2 += qh[k + 2] * row[k + 2]
+        s3 += qh[k + 3] * row[k + 3]
+        k += 4
+    r = (s0 + s2) + (s1 + s3)
+    while k < hd:
+        r += qh[k] * row[k]
+        k += 1
+    return r
+
+
+@njit(cache=True, nogil=True)
+def _qk_small(qs, parts, src, zero_row, listed, n, x, lo, hi):
+    """Heads ``lo .. hi - 1`` by the reference's 1-3 row kernels: one head alone the gemv dot, whose
+    peel follows the rows' alignment (64-byte aligned, ``hd`` apart); otherwise the small dot,
+    whose peel follows the query row's (q 64-byte aligned, head rows ``hd`` apart)."""
+    H, hd = qs.shape
+    for h in range(lo, hi):
+        peel = 4 - (-hd) % 4 if H == 1 else (-(h * hd)) % 4
+        for c in range(n):
+            if listed[c]:
+                x[c, h] = _dot_no_fma(qs[h], _row(parts, src, zero_row, c), hd, peel)
+
+
+@njit(cache=True, nogil=True)
+def _softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes):
+    """In place over ``x[:n, lo:hi]`` (the dot products of the compacted list): torch's AVX512
+    ``_vec_softmax_lastdim`` of each head's row ``[scores * scale (-inf at -1 entries), sink]``
+    of W + 1 columns, the sink's column dropped: ``x`` becomes the probabilities.
+
+    Max over the row (NaN wins), ``e = exp(v - max)`` (Sleef), the sum by ``vec::reduce_all``:
+    16 lane sums (lane l takes the columns l, l + 16, ... in order; the last partial vector,
+    the sink's column among it, joins lanes 0 ..), then lanes i + 8, i + 4, i + 2, i + 1 added
+    into lane i; a row shorter than 16 is summed column by column. Then ``p = e * (1 / sum)``.
+    The columns a compacted list leaves out are -1 entries: their e is +0, which leaves every
+    lane sum as it is (or the whole row is NaN anyway).
+    """
+    m = sink.copy()
+    for c in range(n):
+        for h in range(lo, hi):
+            v = x[c, h] * scale if listed[c] else np.float32(-np.inf)
+            x[c, h] = v
+            m[h] = nan_max(m[h], v)
+    e_sink = np.empty(sink.shape[0], np.float32)
+    for h in range(lo, hi):
+        e_sink[h] = _expf_u10(sink[h] - m[h])
+    for c in range(n):
+        for h in range(lo, hi):
+            x[c, h] = _expf_u10(x[c, h] - m[h])
+    total = np.zeros(sink.shape[0], np.float32)
+    if W + 1 < _LANES:
+        for c in range(n):
+            for h in range(lo, hi):
+                total[h] += x[c, h]
+        for h in range(lo, hi):
+            total[h] += e_sink[h]
+    else:
+        lanes[:, lo:hi] = 0
+        for c in range(n):
+            lane = lanes[pos[c] % _LANES]
+            for h in range(lo, hi):
+                lane[h] += x[c, h]
+        lane = lanes[W % _LANES]
+        for h in range(lo, hi):
+            lane[h] += e_sink[h]
+        half = _LANES // 2
+        while half:
+            for i in range(half):
+                for h in range(lo, hi):
+                    lanes[i, h] += lanes[i + half, h]
+            half //= 2
+        total[lo:hi] = lanes[0, lo:hi]
+    for h in range(lo, hi):
+        total[h] = np.float32(1.0) / total[h]
+    for c in range(n):
+        for h in range(lo, hi):
+            x[c, h] *= total[h]
+
+
+@njit(cache=True, nogil=True)
+def _pv_blocked(p, addr, edges, out, h_lo, h_hi, hd):
+    """``out[h] = sum_c p[c, h] row_c`` for the heads ``h_lo .. h_hi - 1`` (whole tiles of
+    _PV_HEADS heads from ``h_lo`` are computed), MKL's blocked order over the list: one FMA
+    chain per block, blocks added in order."""
+    for d0 in range(0, hd, _PV_COLS):
+        for b in range(len(edges) - 1):
+            lo, hi = edges[b], edges[b + 1]
+            for h0 in range(h_lo, h_hi, _PV_HEADS):
+                pt, o = p[lo:hi, h0:h0 + _PV_HEADS], out[h0:h0 + _PV_HEADS, d0:d0 + _PV_COLS]
+                if hd - d0 >= _PV_COLS:
+                    _pv_tile(pt, addr[lo:hi], d0, _PV_COLS, o, b > 0)
+                else:       # the rows' last columns: the tile's lanes past them read nothing
+                    _pv_tile_masked(pt, addr[lo:hi], d0, hd - d0, o, b > 0)
+
+
+@njit(cache=True, nogil=True)
+def _pv_small(p, parts, src, zero_row, n, out, lo, hi, hd):
+    """Heads ``lo .. hi - 1``: the reference's 1-3 row NN kernel, one chain over the whole list
+    without FMA (each product rounded, then added)."""
+    for h in range(lo, hi):
+        acc = out[h]
+        acc[:hd] = 0
+        for c in range(n):
+            w = p[c, h]
+            row = _row(parts, src, zero_row, c)
+            for d in range(hd):
+                acc[d] += w * row[d]
+
+
+def _head_groups(S: int, H: int, workers: int) -> int:
+    """Into how many groups of heads each query's work splits: one, unless there are fewer
+    queries than workers (a decode step), then as many as keep the workers busy, each a multiple
+    of 16 heads (the q.k tiles' columns). Every head's arithmetic is the same in any group."""
+    groups = 1
+    while S * groups * 2 <= workers and H % (32 * groups) == 0:
+        groups *= 2
+    return groups
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
+    """:func:`sparse_attn` into ``o``: the work items are the queries, or with fewer queries than
+    workers each query's ``groups`` groups of heads (:func:`_head_groups`); worker w takes the
+    items w, w + workers, ..., each whole (its arithmetic does not depend on which worker runs it), in
+    buffers of its own."""
+    S, H, hd = q.shape
+    W = idx.shape[1]
+    blocked = blocked_rows(H)
+    n_blocks = (W + KC - 1) // KC
+    hq = (H + 15) // 16 * 16                   # qT's columns: q.k tiles read 16 heads at a time
+    # P's columns (a multiple of 16: rows 64-byte aligned) and the output tile's rows: P @ rows
+    # tiles read and write _PV_HEADS heads at a time from a group's first head, the last up to
+    # _PV_HEADS - 1 past H where _PV_HEADS does not divide the group.
+    hp = (max(hq, H + _PV_HEADS - 1) + 15) // 16 * 16
+    hd_pad = (hd + _PV_COLS - 1) // _PV_COLS * _PV_COLS
+    cap = W + _LIST_SLACK
+    for w in prange(workers):
+        zero_row = np.zeros(hd_pad, np.float32)
+        addr = np.zeros(cap, np.int64)
+        src = np.zeros((cap, 2), np.int64)
+        pos = np.zeros(cap, np.int64)
+        listed = np.zeros(cap, np.bool_)
+        edges = np.zeros(n_blocks + 1, np.int64)
+        qT = np.zeros((hd, hq), np.float32)
+        x = np.zeros((cap, hp), np.float32)
+        acc = np.zeros((hp, hd_pad), np.float32)
+        lanes = np.zeros((_LANES, hp), np.float32)
+        for item in range(w, S * groups, workers):
+            s, g = item // groups, item % groups
+            lo, hi = g * H // groups, (g + 1) * H // groups
+            n, n_listed = _list_rows(parts, starts, idx[s], zero_row, addr, src, pos, listed, edges)
+            if n_listed == 0:
+                o[s, lo:hi] = 0
+                continue
+            qs = q[s]
+            for h in range(lo, hi):
+                for d in range(hd):
+                    qT[d, h] = qs[h, d]
+            _qk_blocked(qT, addr, n, x, lo, min(hi, blocked))
+            _qk_small(qs, parts, src, zero_row, listed, n, x, max(lo, blocked), hi)
+            _softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes)
+            _pv_blocked(x, addr, edges, acc, lo, min(hi, blocked), hd)
+            _pv_small(x, parts, src, zero_row, n, acc, max(lo, blocked), hi, hd)
+            for h in range(lo, hi):
+                for d in range(hd):
+                    o[s, h, d] = bf16_scalar(acc[h, d])
+
+
+def _check_sparse_attn(q, kv, idx, attn_sink):
+    """Shapes and index range, checked before any row is gathered: a bad entry is an error."""
+    parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
+    if not isinstance(q, np.ndarray) or q.dtype != np.float32 or q.ndim != 3:
+        raise ValueError(f"sparse_attn: q must be float32 [S, H, hd], got {getattr(q, 'shape', q)!r}")
+    S, H, hd = q.shape
+    for p in parts:
+        if not isinstance(p, np.ndarray) or p.dtype != np.float32 or p.ndim != 2 or p.shape[1] != hd:
+            raise ValueError(f"sparse_attn: kv rows must be float32 [rows, {hd}], got "
+                             f"{getattr(p, 'dtype', type(p).__name__)} {getattr(p, 'shape', '')}")
+    if not isinstance(idx, np.ndarray) or idx.dtype == np.bool_ or not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"sparse_attn: idx must be an integer array, got {getattr(idx, 'dtype', idx)!r}")
+    if idx.ndim != 2 or idx.shape[0] != S:
+        raise ValueError(f"sparse_attn: idx must be [{S}, W], got {list(idx.shape)}")
+    n_rows = sum(p.shape[0] for p in parts)
+    if idx.size and (idx.min() < -1 or idx.max() >= n_rows):
+        raise ValueError(f"sparse_attn: idx entries must be -1 (skip) or a row 0..{n_rows - 1}, "
+                         f"got {int(idx.min())}..{int(idx.max())}")
+    if np.shape(attn_sink) != (H,):
+        raise ValueError(f"sparse_attn: attn_sink must be [{H}], got {list(np.shape(attn_sink))}")
+
+
+def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.ndarray,
+                softmax_scale: float, out: np.ndarray | None = None) -> np.ndarray:
+    """Attention of each query over its listed KV rows, with a sink logit per head.
+
+    ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads; or a tuple of row blocks that
+    stack to it, e.g. the window rows and the compressed cache, so that they need not be copied
+    together), ``idx [S, W]`` (-1 = skip), ``attn_sink [H]``. Softmax in f32 over the listed
+    scores plus the sink, which joins only the denominator. A query with no listed row outputs
+    zeros. Result rounded to bf16, written into ``out`` (a C-contiguous float32 buffer) if given.
+
+    Every f32 operation is the reference's, in its order (see the notes above
+    ``_fma_tile``): the last bit of a score, a probability or an output is what the reference
+    computes, including NaN and inf propagation. Queries are spread over
+    ``numba.get_num_threads()`` workers, each query (with fewer queries than workers, each
+    group of a query's heads) computed whole by one of them, so the result does not depend on
+    the thread count.
+    """
+    _check_sparse_attn(q, kv, idx, attn_sink)
+    S, H, hd = q.shape
+    scale = np.float32(softmax_scale)
+    sink = np.ascontiguousarray(attn_sink, dtype=np.float32)
+    parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
+    starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
+    o = output_buffer(out, (S, H, hd), "sparse_attn")       # every query's row is written below
+    if S:
+        threads = numba.get_num_threads()
+        groups = _head_groups(S, H, threads)
+        _sparse_attn_kernel(np.ascontiguousarray(q), parts, starts,
+                            np.ascontiguousarray(idx, dtype=np.int64), sink, scale, o,
+                            max(1, min(S * groups, threads)), groups)
+    return o

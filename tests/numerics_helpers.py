@@ -1,0 +1,97 @@
+"""Helpers the numerics tests share: bit comparisons and the dot-product micro-kernels run
+over whole operands."""
+
+import numba
+import numpy as np
+import pytest
+
+from ds41numba import numerics as nm
+
+F32 = np.float32
+U32 = np.uint32
+
+
+def bits(a):
+    return np.ascontiguousarray(a, dtype=F32).view(U32)
+
+
+def assert_same_bits(got, want, *, nan_any=False):
+    """Bitwise equality; with ``nan_any`` a NaN only has to meet a NaN (payload and sign free)."""
+    got = np.asarray(got, F32)
+    want = np.asarray(want, F32)
+    assert got.shape == want.shape
+    same = bits(got) == bits(want)
+    if nan_any:
+        same |= np.isnan(got) & np.isnan(want)
+    if not same.all():
+        i = np.flatnonzero(~same.reshape(-1))
+        g, w = got.reshape(-1)[i[:5]], want.reshape(-1)[i[:5]]
+        pytest.fail(f"{i.size} mismatches, first: got {g} ({[hex(v) for v in bits(g)]}), "
+                    f"want {w} ({[hex(v) for v in bits(w)]})")
+
+
+needs_bf16_dot = pytest.mark.skipif(not nm.bf16_dot_enabled(), reason="the AVX512-BF16 kernel is off (no "
+                                    "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
+
+
+@numba.njit
+def bf16_dot_blocks(a, b, out):
+    """Each block of B against the same rows of A, through the micro-kernel."""
+    for k in range(b.shape[0]):
+        nm.bf16_dot_tile(a, b[k], out[k])
+
+
+def bf16_dot_rows(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0):
+    """``start + a_rows [DOT_ROWS, d] . b_rows [n, d]^T`` via the kernel (which adds to its
+    output); A's and the output's rows sit ``a_stride`` / ``out_stride`` elements further apart
+    than their length."""
+    R, L = nm.DOT_ROWS, nm.DOT_LANES
+    pairs = nm.bf16_pairs(a_rows)
+    a = np.zeros((R, pairs.shape[1] + a_stride), np.uint32)[:, :pairs.shape[1]]
+    a[:] = pairs
+    b = nm.pack_bf16_pairs(b_rows)
+    out = np.full((b.shape[0], R, L + out_stride), np.nan, F32)[:, :, :L]
+    out[:] = start
+    bf16_dot_blocks(a, b, out)
+    return out.transpose(1, 0, 2).reshape(R, -1)[:, :b_rows.shape[0]]
+
+
+needs_int8_dot = pytest.mark.skipif(not nm.int8_dot_enabled(), reason="the AVX512-VNNI kernel is off (no "
+                                    "such CPU, or DS41NUMBA_INT8_DOT=0)")
+
+
+@numba.njit
+def int8_dot_blocks(qa, ca, sa, qb, sb, out):
+    """Each block of B against the same rows of A, through the micro-kernel."""
+    for k in range(qb.shape[0]):
+        nm.int8_dot_tile(qa, ca, sa, qb[k], sb[k], out[k])
+
+
+def strided(x, extra):
+    """``x`` (2-D) as a view whose rows sit ``extra`` elements further apart than their length."""
+    out = np.zeros((x.shape[0], x.shape[1] + extra), x.dtype)[:, :x.shape[1]]
+    out[:] = x
+    return out
+
+
+def int8_dot_rows(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0):
+    """:func:`bf16_dot_rows` on the VNNI kernel (which also adds to its output); returns the products and
+    the two ranges."""
+    R, L = nm.DOT_ROWS, nm.DOT_LANES
+    *qa, ra = nm.int8_rows(a_rows)
+    qb, sb, rb = nm.pack_int8_blocks(b_rows)
+    out = np.full((qb.shape[0], R, L + out_stride), np.nan, F32)[:, :, :L]
+    out[:] = start
+    int8_dot_blocks(*(strided(x, a_stride) for x in qa), qb, sb, out)
+    return out.transpose(1, 0, 2).reshape(R, -1)[:, :b_rows.shape[0]], ra, rb
+
+
+def fp4_rows(rng, rows, d, spread=0):
+    """fp4 (e8m0) rows, each 32-value group scaled by a random power of two up to ``2^spread``."""
+    x = rng.standard_normal((rows, d)).astype(F32)
+    x *= np.exp2(rng.integers(0, spread + 1, size=(rows, d // 32))).repeat(32, axis=1).astype(F32)
+    return nm.fp4_quant_e8m0_inplace(x)
+
+
+needs_amx = pytest.mark.skipif(not nm.amx_enabled(), reason="the AMX kernel is off (no AMX-INT8, "
+                               "no tile state from Linux, or DS41NUMBA_AMX=0)")
