@@ -105,3 +105,44 @@ def test_a_golden_without_caches_is_refused(tmp_path, capsys):
     assert main(["export-paged", str(path), "--page-size", "4", "--out",
                  str(tmp_path / "p.safetensors")]) == 2
     assert "records no cache" in capsys.readouterr().err
+
+
+def test_a_caches_golden_pages_its_prefill_caches(tmp_path):
+    # --capture caches records each owner's caches once, as the prefill leaves them
+    # (state.compress_kv, state.index_k, state.window_kv); a --rows golden of three rows.
+    path, out = tmp_path / "c.safetensors", tmp_path / "p.safetensors"
+    assert main(["golden", "--preset", "tiny", "--prefill", "11", "--decode", "3", "--capture",
+                 "caches", "--rows", "0,5,10", "--quiet", "--out", str(path)]) == 0
+    assert main(["export-paged", str(path), "--page-size", "4", "--shuffle", "5",
+                 "--out", str(out)]) == 0
+    with GoldenFile(path) as g, GoldenFile(out) as p:
+        run = g.run_info()
+        caches = [n for n in g.names if STEP_NAME.fullmatch(n)
+                  and STEP_NAME.fullmatch(n).group(3) in PAGED_CACHES]
+        kinds = {STEP_NAME.fullmatch(n).group(3) for n in caches}
+        assert kinds == {"state.window_kv", "state.compress_kv", "state.index_k"}
+        assert all(n.startswith("step0.") for n in caches)
+        for name in caches:
+            _, layer, what = STEP_NAME.fullmatch(name).groups()
+            prefix = f"step0.layers.{layer}.paged.{PAGED_CACHES[what]}"
+            want = g.get(name)
+            got = unpage(p.get(prefix + ".pages"), p.get(prefix + ".block_table"), want.shape[0])
+            assert np.array_equal(_bits(got), _bits(want))
+        # The prefill's selections (the three rows held) as slots of the kv source's cache.
+        n = 0
+        for name in p.names:
+            if not name.endswith("topk_slots"):
+                continue
+            layer = int(name.split(".")[2])
+            entries = g.get(f"step0.layers.{layer}.shared.topk_idxs")
+            got = p.get(name)
+            assert entries.shape[0] == 3 and got.shape == entries.shape
+            src = run.config.kv_source_of(layer)
+            comp = g.get(f"step0.layers.{src}.state.compress_kv")
+            cpages = p.get(f"step0.layers.{src}.paged.compress_kv.pages")
+            sel = entries >= run.prefill
+            assert np.array_equal(got < 0, entries < 0) and sel.any()
+            assert np.array_equal(_bits(cpages.reshape(-1, comp.shape[1])[got[sel]]),
+                                  _bits(comp[entries[sel] - run.prefill]))
+            n += 1
+        assert n == 3                   # the 3 index sources' prefill selections

@@ -5,7 +5,8 @@ find them through a *block table* (logical page -> physical page); a row's *slot
 ``physical_page * P + offset``. A kernel that reads pages must find the same rows a
 contiguous cache holds, and must turn logical positions into slots. This module writes, for
 every cache a golden records at a step (``shared.compress_kv``, ``shared.index_k``,
-``state.window_kv``), its pages in a shuffled physical order, the block table and the slot of
+``state.window_kv``; a ``--capture caches`` golden's ``state.compress_kv`` and
+``state.index_k`` at the prefill), its pages in a shuffled physical order, the block table and the slot of
 every logical row, and the index selections as slots (``topk_slots``; at decode also the
 attention's whole index rows, ``idx_slots``), so a paged kernel can be tested against the
 golden's logical tensors. :func:`unpage` is the inverse, for tests.
@@ -34,7 +35,9 @@ __all__ = ["PAGED_FORMAT", "PAGED_CACHES", "page_cache", "unpage", "export_paged
 PAGED_FORMAT = "ds41numba-paged"
 #: The caches a step reads, by capture name -> their name in the paged file.
 PAGED_CACHES = {"shared.compress_kv": "compress_kv", "shared.index_k": "index_k",
-                "state.window_kv": "window_kv"}
+                "state.window_kv": "window_kv",
+                # a --capture caches golden: each owner's caches as the prefill leaves them
+                "state.compress_kv": "compress_kv", "state.index_k": "index_k"}
 
 
 def _permutation(pages: int, shuffle: int | None, name: str) -> np.ndarray:
@@ -117,7 +120,7 @@ def export_paged(golden_path, out, page_size: int, shuffle: int | None = None,
             recorded.setdefault((step, layer), {})[what] = paged["slot_mapping"]
         if not tensors:
             raise GoldenError(f"{f.path!r} records no cache (shared.compress_kv, shared.index_k, "
-                              f"state.window_kv): write it with --capture all")
+                              f"state.window_kv): write it with --capture all or caches")
         for step, layer in sorted(recorded):
             _selections_as_slots(f, run, step, layer, recorded, tensors)
         meta = {"format": PAGED_FORMAT, "page_size": str(page_size),
@@ -141,7 +144,11 @@ def _selections_as_slots(f: GoldenFile, run, step: int, layer: int, recorded, te
     rows: window ring slots, then compressed positions) of one step and layer, as slots."""
     c = run.config
     prefix = f"step{step}.layers.{layer}."
-    comp = _latest(recorded, step, layer, "compress_kv") if c.ratio(layer) else None
+    comp = None
+    if c.ratio(layer) and run.capture == "caches":   # only the owners record theirs
+        comp = recorded.get((step, c.kv_source_of(layer)), {}).get("compress_kv")
+    elif c.ratio(layer):
+        comp = _latest(recorded, step, layer, "compress_kv")
     offset = c.window_size if step else run.prefill
     if comp is not None and prefix + "shared.topk_idxs" in f:
         tensors[prefix + "paged.topk_slots"] = _as_slots(f.get(prefix + "shared.topk_idxs"),
