@@ -13,7 +13,7 @@ import pytest
 from ds41numba import testing
 from ds41numba.cli import main
 from ds41numba.config import preset
-from ds41numba.golden import GoldenError, replay
+from ds41numba.golden import GoldenError, GoldenFile, replay
 from ds41numba.golden.suite import (MANIFEST, PLANTED, plan_cases, visible_count, write_suite)
 from ds41numba.golden.suite_inputs import read_suite
 from test_suite_example import SUITE, numpy_indexer
@@ -72,8 +72,16 @@ def test_suite_is_deterministic_and_resumes(tmp_path, capsys):
     assert main(["suite", "--preset", "tiny", "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sum(l.strip().startswith("kept") for l in lines) == 3
-    assert sum(l.strip().startswith("written") for l in lines) == 13
+    assert sum(l.strip().startswith("written") for l in lines) == 15
     assert _tree(out) == _tree(SUITE)
+    # The long cases run their prefill's key side only (GoldenPlan rows=()): built, none left.
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["not_built"] == []
+    for name in ("int32-offsets-near-1m", "long-context-decode"):
+        entry = next(e for e in manifest["cases"] if e["name"] == name)
+        with GoldenFile(out / entry["file"]) as g:
+            assert g.run_info().rows == ()
+            assert g.get("step0.layers.5.out").shape[0] == 0
 
 
 def _copy(tmp_path):
