@@ -283,3 +283,26 @@ def test_a_batchs_caches_are_its_all_captures_states(tmp_path):
             assert got.shape[0] == 2 and got.shape == want.shape
             assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
     assert replay(paths["caches"]).ok
+
+
+def test_rows_from_an_inputs_file_are_that_files_full_runs_rows(tmp_path, full):
+    # --inputs (here the generator's inputs of another seed) feeds a rows run's key side and
+    # its answered tiles alike: the rows golden is the full golden of the same file at its
+    # rows; such a golden holds too few inputs to be replayed, which says so in one line.
+    from test_inputs_file import write_inputs
+    from ds41numba.golden.inputs_file import InputsFile
+    cfg = preset("tiny")
+    layers, (prefill, decode) = tuple(range(cfg.n_layers)), RUNS["tiny"]
+    inputs = write_inputs(tmp_path / "in.safetensors", cfg, layers, prefill, decode, seed=4)
+    paths = {}
+    for rows in (None, (0, 5, 6, 11)):
+        paths[rows] = tmp_path / f"{'full' if rows is None else 'rows'}.safetensors"
+        write_golden(GoldenPlan(cfg, layers, prefill, decode, seed=3, capture="caches",
+                                preset="tiny", rows=rows,
+                                inputs=InputsFile(inputs, cfg, layers, prefill + decode)),
+                     paths[rows], chunk=5)
+    part = assert_same_rows(paths[None], paths[(0, 5, 6, 11)])
+    _, generated = load_golden(full("tiny"))
+    assert not np.array_equal(part["step1.layers.0.x"], generated["step1.layers.0.x"])
+    with pytest.raises(GoldenError, match="cannot be replayed"):
+        replay(paths[(0, 5, 6, 11)])
