@@ -52,6 +52,14 @@ def _version() -> str:
     return __version__
 
 
+def _config_source(sub) -> None:
+    """``--preset`` or ``--config``, one of them at most: where a command's config comes from."""
+    src = sub.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
+    src.add_argument("--config", metavar="FILE", help="a JSON config in the reference's ModelArgs "
+                     "names or a Hugging Face V4.1 config.json")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     """The command line's parser: ``golden``, ``replay``, ``compare``, ``export-paged`` and
     ``suite`` (the CLI reference of the documentation is generated from it)."""
@@ -66,10 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        "from --seed (or a checkpoint's weights, --weights, and a file's "
                        "inputs, --inputs), run a prefill and --decode steps, and write one "
                        "self-contained safetensors file.")
-    src = g.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
-    src.add_argument("--config", metavar="FILE", help="a JSON config in the reference's ModelArgs "
-                     "names or a Hugging Face V4.1 config.json")
+    _config_source(g)
     g.add_argument("--weights", metavar="DIR", help="run on the attention weights of a model "
                    "checkpoint directory in the released layout (config.json, "
                    "model.safetensors.index.json, shards; fp8 weights dequantized to bf16); its "
@@ -184,9 +189,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        "covers) and manifest.json (each case's file, what it covers, its "
                        "lengths, layers and positions, its sha256) into DIR. The same arguments "
                        "give the same bytes; an interrupted suite continues where it stopped.")
-    ssrc = s.add_mutually_exclusive_group()
-    ssrc.add_argument("--preset", help="a built-in config: tiny (default), mixed, v41-flash")
-    ssrc.add_argument("--config", metavar="FILE", help="a JSON config (as for golden)")
+    _config_source(s)
     s.add_argument("--layers", metavar="LIST", help="the layers the cases are about (default: "
                    "all); each case also runs the layers they read")
     s.add_argument("--seed", type=int, default=0, metavar="S", help="generator seed (default: 0)")

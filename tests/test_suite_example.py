@@ -30,8 +30,9 @@ def index_scores(index_q, weights, keys, visible):
     """The indexer's scores: bf16(sum over heads, in order, of bf16(relu(bf16(q_h . k)) * w_h)),
     -inf past each row's visible positions."""
     dots = _bf16(np.einsum("thd,nd->thn", index_q.astype(np.float64), keys.astype(np.float64)))
-    terms = _bf16(np.where(np.isnan(dots) | (dots > 0), dots, 0).astype(np.float32)
-                  * weights[:, :, None])
+    with np.errstate(invalid="ignore"):      # 0 x an inf weight is NaN, as in the reference
+        terms = _bf16(np.where(np.isnan(dots) | (dots > 0), dots, 0).astype(np.float32)
+                      * weights[:, :, None])
     acc = np.zeros((index_q.shape[0], keys.shape[0]), np.float32)
     for h in range(index_q.shape[1]):
         acc = acc + terms[:, h]

@@ -79,12 +79,14 @@ _BLAS_MIN_ROWS = 64
 def _blas_product(x2, w32, y, ref_rows):
     """``y = x2 @ w32.T`` through numpy's BLAS, padded as ``_BLAS_MIN_ROWS`` says."""
     m = x2.shape[0]
-    if m >= _BLAS_MIN_ROWS or ref_rows <= MATVEC_MAX_ROWS or m == 0:
-        np.matmul(x2, w32.T, out=y)
-        return
-    padded = np.zeros((_BLAS_MIN_ROWS, x2.shape[1]), np.float32)
-    padded[:m] = x2
-    with np.errstate(invalid="ignore"):     # 0 * inf in the padding rows, which are dropped
+    # inf and NaN propagate as in the reference (torch does not warn): an f32 sum that overflows
+    # is inf, inf - inf is NaN; 0 * inf in the padding rows is dropped with them.
+    with np.errstate(over="ignore", invalid="ignore"):
+        if m >= _BLAS_MIN_ROWS or ref_rows <= MATVEC_MAX_ROWS or m == 0:
+            np.matmul(x2, w32.T, out=y)
+            return
+        padded = np.zeros((_BLAS_MIN_ROWS, x2.shape[1]), np.float32)
+        padded[:m] = x2
         y[...] = np.matmul(padded, w32.T)[:m]
 
 
