@@ -23,8 +23,10 @@ One module per part:
 * :mod:`.files` -- atomic writing (``write_tensors_atomic``), the metadata of a run
   (``RunInfo``) and reading (``GoldenFile``, ``load_golden``);
 * :mod:`.ties` -- the tie-aware judgement of index rows (``judge_index_rows``);
-* :mod:`.compare` -- ``compare_tensor``, ``compare_files``, the ``Judge`` both they and replay
-  use, and their ``CompareReport``;
+* :mod:`.tolerance` -- one tensor against the golden's (``compare_tensor``), recorded in a
+  :mod:`.tensor_result` (``TensorResult``);
+* :mod:`.compare` -- ``compare_files`` and the ``Judge`` both it and replay use; :mod:`.report`
+  -- their ``CompareReport``;
 * :mod:`.run` -- ``GoldenPlan`` and the one step x layer driver (``drive``) that
   ``run_golden`` / ``write_golden`` and ``replay`` both run the stack through;
 * :mod:`.checkpoint` -- the checkpoints that make a streamed run resumable (``--resume``);
@@ -40,8 +42,10 @@ arguments and calls these.
 from .captures import (CACHE_CAPTURES, CAPTURE_MODES, RUNNERS_UP, SAMPLE_CAPTURES, SCORE_CAPTURES,
                        StepObserver,
                        layer_captures, storage_kind, to_storage)
-from .compare import (TOLERANCE, CompareReport, Judge, TensorResult, compare_files,
-                      compare_tensor, file_scores)
+from .compare import Judge, compare_files, file_scores
+from .report import CompareReport
+from .tensor_result import TensorResult
+from .tolerance import TOLERANCE, compare_tensor
 from .ties import (DEFAULT_INDEX_TOLERANCE, SWAP_FLOAT_RANGE, IndexJudgement, RowBounds,
                    RowScores, judge_index_rows)
 from .errors import DiskError, GoldenError, RunInterrupted

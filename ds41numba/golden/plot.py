@@ -21,7 +21,7 @@ import textwrap
 import numpy as np
 
 from .captures import STEP_NAME
-from .compare import CompareReport, group_of
+from .report import CompareReport, group_of
 from .errors import GoldenError
 from .files import GoldenFile
 from .rows import match_rows

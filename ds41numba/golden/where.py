@@ -1,5 +1,5 @@
 """Where a float tensor disagrees: the rows (first axis) holding an element over the bound and
-each one's worst element, gathered a chunk at a time as :func:`.compare._compare_float` reads the
+each one's worst element, gathered a chunk at a time as :func:`.tolerance._compare_float` reads the
 tensor, and the cosine similarity engines' tests report."""
 
 from __future__ import annotations
