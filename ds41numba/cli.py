@@ -280,7 +280,7 @@ def _progress(total: int, quiet: bool, desc: str):
     token-layers (a query row weighs what its projections and indexer width cost:
     :func:`~ds41numba.golden.work.work_units`), and names the step and layer in progress (a long
     prefill is a single forward call). ``where`` is ``"<piece> layer <i>"``
-    (:func:`golden.run.piece_name`). The first piece of a run (the prefill, or its first chunk)
+    (``piece_name`` in ``golden/drive.py``). The first piece of a run (the prefill, or its first chunk)
     and the first decode step run numba compiling (on a first run) or loading the kernels they
     need: while they run the bar says "compiling" and their work is counted without entering
     the rate, so the ETA comes from the steps after them. The bar is drawn once more when the

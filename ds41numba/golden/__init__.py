@@ -27,8 +27,10 @@ One module per part:
   :mod:`.tensor_result` (``TensorResult``);
 * :mod:`.compare` -- ``compare_files`` and the ``Judge`` both it and replay use; :mod:`.report`
   -- their ``CompareReport``;
-* :mod:`.run` -- ``GoldenPlan`` and the one step x layer driver (``drive``) that
-  ``run_golden`` / ``write_golden`` and ``replay`` both run the stack through;
+* :mod:`.plan` -- ``GoldenPlan``, what a run does;
+* :mod:`.run` -- ``run_golden`` / ``write_golden``, through the one step x layer driver
+  (:mod:`.drive`, ``drive``) that :mod:`.stream` (``stream_golden``, the file laid out by
+  :mod:`.layout`'s ``io_layout``) and :mod:`.replaying` (``replay``) run the stack through too;
 * :mod:`.checkpoint` -- the checkpoints that make a streamed run resumable (``--resume``);
 * :mod:`.weights_dir` -- a model checkpoint directory in the released layout as a run's weights
   (``WeightsDir``, ``--weights DIR``; not the resume checkpoints above);
@@ -58,9 +60,12 @@ from .generator import (GENERATOR, GENERATOR_SPEC, PROFILES, GeneratedWeights, m
                         make_tensor, make_weight, make_weights, stream_key, weight_distribution)
 from .weights_dir import WeightsDir, dequantize_fp8
 from .inputs_file import InputsFile
-from .run import (DEFAULT_CHUNK, GoldenPlan, StoredWeights, check_cluster_capture,
-                  closed_selection, drive, io_layout, missing_sources, query_tiles, replay,
-                  run_golden, run_pieces, stream_golden, write_golden)
+from .drive import drive, query_tiles, run_pieces
+from .layout import io_layout
+from .plan import GoldenPlan, closed_selection, missing_sources
+from .replaying import StoredWeights, replay
+from .run import check_cluster_capture, run_golden, write_golden
+from .stream import DEFAULT_CHUNK, stream_golden
 from .work import total_work, work_units
 from .rows import PER_ROW, held_positions, match_rows
 
