@@ -129,26 +129,15 @@ def _row_reason(want, got, scores: RowScores | None, bounds: RowBounds | None, s
                 tolerance: float, judgement: IndexJudgement) -> str:
     """Why candidate row ``s`` is wrong, or "" for a swap (updating the judgement's gaps)."""
     g = np.asarray(got[s])
-    if g.dtype.kind == "f":
-        if np.isnan(g).any():
-            return "NaN where an index belongs"
-        if (g != np.round(g)).any():
-            return "an index that is not an integer"
+    why = _not_indices(g)
+    if why:
+        return why
     g = g.astype(np.int64)
     w = np.asarray(want[s]).astype(np.int64)
-    if (g < -1).any():
-        return f"index {int(g[g < -1][0])} out of range"
     gv, wv = g[g >= 0], w[w >= 0]
-    if np.unique(gv).size != gv.size:
-        vals, counts = np.unique(gv, return_counts=True)
-        return f"duplicate index {int(vals[counts > 1][0])}"
-    if bounds is not None:
-        lo = 0 if bounds.window else bounds.offset
-        hi = None if bounds.clen is None else bounds.offset + int(bounds.clen[s])
-        bad = gv[(gv < lo) | ((gv >= hi) if hi is not None else False)]
-        if bad.size:
-            return (f"index {int(bad[0])} past the query's {int(bounds.clen[s])} visible positions"
-                    if bad[0] >= lo else f"index {int(bad[0])} below the compressed entries")
+    why = _entries_reason(g, gv, bounds, s)
+    if why:
+        return why
     dropped = np.setdiff1d(wv, gv)
     added = np.setdiff1d(gv, wv)
     if bounds is not None and bounds.window:
@@ -156,10 +145,7 @@ def _row_reason(want, got, scores: RowScores | None, bounds: RowBounds | None, s
             return "a window entry differs"
     scored = kth = None
     if scores is not None:
-        sel, sel_scores = scores.topk_idxs[s].astype(np.int64), scores.topk_scores[s]
-        scored = (sel[sel >= 0], sel_scores[sel >= 0])
-        # A -1 in the scored row is an invisible position top-k chose: it scored -inf.
-        kth = -math.inf if (sel < 0).any() else _kth(scored[1])
+        scored, kth = _scored_row(scores, s)
     # Fewer (more) valid entries than the golden is a -1 where a position was visible (or the
     # reverse), unless the boundary is at -inf: invisible positions score -inf too, so a -1
     # and a visible position scoring -inf are the same tie.
@@ -173,6 +159,52 @@ def _row_reason(want, got, scores: RowScores | None, bounds: RowBounds | None, s
         # The scores are the candidate's, aligned with its own selection: judge from its side
         # (what it holds and the golden does not must lie at its boundary, and the reverse).
         dropped, added = added, dropped
+    return _swap_reason(dropped, added, scored, kth, scores, s, tolerance, judgement,
+                        missing=wv.size - gv.size)
+
+
+def _not_indices(g: np.ndarray) -> str:
+    """Why a float row holds no indices (NaN, a fraction), or ""."""
+    if g.dtype.kind == "f":
+        if np.isnan(g).any():
+            return "NaN where an index belongs"
+        if (g != np.round(g)).any():
+            return "an index that is not an integer"
+    return ""
+
+
+def _entries_reason(g: np.ndarray, gv: np.ndarray, bounds: RowBounds | None, s: int) -> str:
+    """Why row ``s``'s entries ``g`` (its positions ``gv``) cannot be a selection whatever the
+    scores: one below -1, a duplicate, one outside the row's bounds; or ""."""
+    if (g < -1).any():
+        return f"index {int(g[g < -1][0])} out of range"
+    if np.unique(gv).size != gv.size:
+        vals, counts = np.unique(gv, return_counts=True)
+        return f"duplicate index {int(vals[counts > 1][0])}"
+    if bounds is not None:
+        lo = 0 if bounds.window else bounds.offset
+        hi = None if bounds.clen is None else bounds.offset + int(bounds.clen[s])
+        bad = gv[(gv < lo) | ((gv >= hi) if hi is not None else False)]
+        if bad.size:
+            return (f"index {int(bad[0])} past the query's {int(bounds.clen[s])} visible positions"
+                    if bad[0] >= lo else f"index {int(bad[0])} below the compressed entries")
+    return ""
+
+
+def _scored_row(scores: RowScores, s: int):
+    """Row ``s`` of the record: ``(positions, their scores)`` and its k-th score."""
+    sel, sel_scores = scores.topk_idxs[s].astype(np.int64), scores.topk_scores[s]
+    scored = (sel[sel >= 0], sel_scores[sel >= 0])
+    # A -1 in the scored row is an invisible position top-k chose: it scored -inf.
+    kth = -math.inf if (sel < 0).any() else _kth(scored[1])
+    return scored, kth
+
+
+def _swap_reason(dropped, added, scored, kth: float, scores: RowScores, s: int,
+                 tolerance: float, judgement: IndexJudgement, missing: int) -> str:
+    """Why the positions ``dropped`` from and ``added`` to the scores' selection are not a swap
+    at its boundary ``kth`` (``missing``: how many fewer valid entries the candidate holds), or
+    "" when they are, updating the judgement's gaps."""
     sel, sel_scores = scored
     score_of = dict(zip(sel.tolist(), sel_scores.tolist()))
     finite = np.abs(sel_scores[np.isfinite(sel_scores)])
@@ -184,11 +216,25 @@ def _row_reason(want, got, scores: RowScores | None, bounds: RowBounds | None, s
             return f"the golden's selection does not hold its own entry {p} (scores misaligned)"
         gap = _gap(score_of[p], kth)
         if gap > tol:
-            if gv.size < wv.size:
-                return (f"{wv.size - gv.size} -1 where the golden has a position (dropped {p}, "
+            if missing > 0:
+                return (f"{missing} -1 where the golden has a position (dropped {p}, "
                         f"{gap:.3g} above the boundary)")
             return f"dropped {p}, {gap:.3g} above the boundary (tolerance {tol:.3g})"
         gaps.append(gap)
+    why = _added_reason(added, scores, s, kth, tol, judgement, gaps)
+    if why:
+        return why
+    if gaps:
+        judgement.max_gap = max(judgement.max_gap, max(gaps))
+        if scale > 0:
+            judgement.max_relative_gap = max(judgement.max_relative_gap, max(gaps) / scale)
+    return ""
+
+
+def _added_reason(added, scores: RowScores, s: int, kth: float, tol: float,
+                  judgement: IndexJudgement, gaps: list) -> str:
+    """Why a position ``added`` is not just below the boundary ``kth`` (within ``tol``, by the
+    recorded runners-up or, below them, by the last one's score), or ""; appends the gaps."""
     runners = scores.runner_idxs[s].astype(np.int64)
     runner_of = dict(zip(runners[runners >= 0].tolist(),
                          scores.runner_scores[s][runners >= 0].tolist()))
@@ -205,10 +251,6 @@ def _row_reason(want, got, scores: RowScores | None, bounds: RowBounds | None, s
         if gap > tol:
             return f"added {p}, {gap:.3g} below the boundary (tolerance {tol:.3g})"
         gaps.append(gap)
-    if gaps:
-        judgement.max_gap = max(judgement.max_gap, max(gaps))
-        if scale > 0:
-            judgement.max_relative_gap = max(judgement.max_relative_gap, max(gaps) / scale)
     return ""
 
 
