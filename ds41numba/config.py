@@ -19,7 +19,7 @@ import numbers
 import os
 from dataclasses import dataclass, field
 
-from .numerics import FP4_BLOCK, LATENT_BLOCK
+from .numerics import FP4_BLOCK, LATENT_BLOCK, is_int
 
 __all__ = ["AttnConfig", "PRESETS", "preset", "IGNORED_KEYS", "IGNORED_PREFIXES",
            "FALLBACK_KEY_OWNER"]
@@ -101,7 +101,7 @@ class AttnConfig:
             if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
                 raise ValueError(f"config: {name} must be a list of integers, got {value!r}")
             value = tuple(value)
-            if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in value):
+            if not all(is_int(v) for v in value):
                 raise ValueError(f"config: {name} must be a list of integers, got {list(value)!r}")
             object.__setattr__(self, name, tuple(int(v) for v in value))
         for f in dataclasses.fields(self):   # numpy scalars (read from arrays) as Python numbers
@@ -245,7 +245,7 @@ class AttnConfig:
         if drafts is None or main is None:
             return range(0)
         for name, v in (("n_layers", main), ("n_mtp_layers", drafts)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            if not is_int(v, 0):
                 raise ValueError(f"config: {name} must be a non-negative integer, got {v!r}")
         if main + drafts > len(self.compress_ratios):
             raise ValueError(f"config: n_layers ({main}) + n_mtp_layers ({drafts}) layers, but "
@@ -334,93 +334,116 @@ class AttnConfig:
 
     # ------------------------------------------------------------------ validation
     def _validate(self):
-        def bad(msg):
-            raise ValueError(f"config: {msg}")
+        """Refuse, with the first reason, a config the layers could not run as the reference
+        does: field types and ranges, YaRN's, the dimensions the kernels' blocks need, the
+        layers' roles and the candidate source."""
+        self._check_fields()
+        self._check_yarn()
+        self._check_dims()
+        self._check_roles()
+        self._check_candidates()
 
+    def _check_fields(self):
         positive = ("dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_lora_rank",
                     "o_groups", "window_size", "index_n_heads", "index_head_dim", "index_topk",
                     "max_seq_len", "candidate_topk_blocks", "candidate_block_size")
         for name in positive:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                bad(f"{name} must be a positive integer, got {v!r}")
+            if not is_int(v, 1):
+                _bad(f"{name} must be a positive integer, got {v!r}")
             if v > _INT_MAX:     # sizes and counts the kernels index with int64 arithmetic
-                bad(f"{name} must be at most 2**31 - 1, got {v}")
+                _bad(f"{name} must be at most 2**31 - 1, got {v}")
         for name in ("compress_rope_theta", "rope_theta", "rope_factor", "norm_eps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                bad(f"{name} must be a positive number, got {v!r}")
+                _bad(f"{name} must be a positive number, got {v!r}")
         for name in ("original_seq_len", "beta_fast", "beta_slow", "candidate_source_layer"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                bad(f"{name} must be an integer, got {v!r}")
+            if not is_int(v):
+                _bad(f"{name} must be an integer, got {v!r}")
+
+    def _check_yarn(self):
         if self.original_seq_len < 0:
-            bad(f"original_seq_len must be >= 0, got {self.original_seq_len}")
+            _bad(f"original_seq_len must be >= 0, got {self.original_seq_len}")
         if self.original_seq_len > 0:   # YaRN: log(original_seq_len / (beta * 2 pi)) / log(base)
             for name in ("beta_fast", "beta_slow"):
                 if getattr(self, name) <= 0:
-                    bad(f"{name} must be positive when YaRN is on (original_seq_len > 0), "
-                        f"got {getattr(self, name)}")
+                    _bad(f"{name} must be positive when YaRN is on (original_seq_len > 0), "
+                         f"got {getattr(self, name)}")
             if self.compress_rope_theta == 1:
-                bad("compress_rope_theta must not be 1 when YaRN is on (original_seq_len > 0): "
-                    "YaRN divides by log(compress_rope_theta)")
+                _bad("compress_rope_theta must not be 1 when YaRN is on (original_seq_len > 0): "
+                     "YaRN divides by log(compress_rope_theta)")
+
+    def _check_dims(self):
         if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
-            bad(f"rope_head_dim ({self.rope_head_dim}) must be even and at most head_dim ({self.head_dim})")
+            _bad(f"rope_head_dim ({self.rope_head_dim}) must be even and at most head_dim ({self.head_dim})")
         if self.rope_head_dim > self.index_head_dim:
-            bad(f"rope_head_dim ({self.rope_head_dim}) must be at most index_head_dim ({self.index_head_dim})")
+            _bad(f"rope_head_dim ({self.rope_head_dim}) must be at most index_head_dim ({self.index_head_dim})")
         if self.head_dim % 32:
-            bad(f"head_dim ({self.head_dim}) must be a multiple of 32 (the fp8 block and FP4_BLOCK)")
+            _bad(f"head_dim ({self.head_dim}) must be a multiple of 32 (the fp8 block and FP4_BLOCK)")
         if self.head_dim % LATENT_BLOCK:
-            bad(f"head_dim ({self.head_dim}) must be a multiple of LATENT_BLOCK ({LATENT_BLOCK})")
+            _bad(f"head_dim ({self.head_dim}) must be a multiple of LATENT_BLOCK ({LATENT_BLOCK})")
         if self.index_head_dim % FP4_BLOCK:
-            bad(f"index_head_dim ({self.index_head_dim}) must be a multiple of FP4_BLOCK ({FP4_BLOCK})")
+            _bad(f"index_head_dim ({self.index_head_dim}) must be a multiple of FP4_BLOCK ({FP4_BLOCK})")
         if self.n_heads % self.o_groups:
-            bad(f"n_heads ({self.n_heads}) must be a multiple of o_groups ({self.o_groups})")
+            _bad(f"n_heads ({self.n_heads}) must be a multiple of o_groups ({self.o_groups})")
+
+    def _check_roles(self):
+        """The ratios, the kv and index source lists, and every compressed layer's sources (at
+        or before it, of its ratio) and an index source's key owner."""
         n = self.n_layers
         if n == 0:
-            bad("compress_ratios is empty: a stack needs at least one layer")
+            _bad("compress_ratios is empty: a stack needs at least one layer")
         if any(r < 0 or r > _INT_MAX for r in self.compress_ratios):
-            bad(f"compress_ratios must be >= 0 and at most 2**31 - 1, got {list(self.compress_ratios)}")
+            _bad(f"compress_ratios must be >= 0 and at most 2**31 - 1, got {list(self.compress_ratios)}")
         for name in ("kv_source_layers", "index_source_layers"):
             ids = getattr(self, name)
             if len(set(ids)) != len(ids):
-                bad(f"{name} has duplicates: {list(ids)}")
+                _bad(f"{name} has duplicates: {list(ids)}")
             for i in ids:
                 if not 0 <= i < n:
-                    bad(f"{name} names layer {i}, but the stack has layers 0..{n - 1}")
+                    _bad(f"{name} names layer {i}, but the stack has layers 0..{n - 1}")
                 if self.compress_ratios[i] == 0:
-                    bad(f"{name} names layer {i}, whose compress_ratio is 0 (no compressed attention)")
+                    _bad(f"{name} names layer {i}, whose compress_ratio is 0 (no compressed attention)")
         for i, r in enumerate(self.compress_ratios):
-            if r == 0:
-                continue
-            for role, sources, reads in (
-                    ("kv source", self.kv_source_layers, "read the compressed cache of"),
-                    ("index source", self.index_source_layers, "reuse the selection of")):
-                before = [s for s in sources if s <= i]
-                if not before:
-                    bad(f"layer {i} has compress_ratio {r} but no {role} at or before it")
-                s = max(before)
-                if self.compress_ratios[s] != r:
-                    bad(f"layer {i} (ratio {r}) would {reads} {role} {s} "
-                        f"(ratio {self.compress_ratios[s]}): ratios must agree")
-            if self.is_index_source(i):
-                owners = [k for k in self.kv_source_layers if k <= i and self.is_index_source(k)]
-                if not owners:
-                    bad(f"index source {i} has no key owner (an index source that is also a kv "
-                        f"source) at or before it")
-                if self.compress_ratios[max(owners)] != r:
-                    bad(f"index source {i} (ratio {r}) would score against the keys of layer "
-                        f"{max(owners)} (ratio {self.compress_ratios[max(owners)]}): ratios must agree")
-        c = self.candidate_source_layer
+            if r:
+                self._check_sources_of(i, r)
+
+    def _check_sources_of(self, i: int, r: int):
+        for role, sources, reads in (
+                ("kv source", self.kv_source_layers, "read the compressed cache of"),
+                ("index source", self.index_source_layers, "reuse the selection of")):
+            before = [s for s in sources if s <= i]
+            if not before:
+                _bad(f"layer {i} has compress_ratio {r} but no {role} at or before it")
+            s = max(before)
+            if self.compress_ratios[s] != r:
+                _bad(f"layer {i} (ratio {r}) would {reads} {role} {s} "
+                     f"(ratio {self.compress_ratios[s]}): ratios must agree")
+        if self.is_index_source(i):
+            owners = [k for k in self.kv_source_layers if k <= i and self.is_index_source(k)]
+            if not owners:
+                _bad(f"index source {i} has no key owner (an index source that is also a kv "
+                     f"source) at or before it")
+            if self.compress_ratios[max(owners)] != r:
+                _bad(f"index source {i} (ratio {r}) would score against the keys of layer "
+                     f"{max(owners)} (ratio {self.compress_ratios[max(owners)]}): ratios must agree")
+
+    def _check_candidates(self):
+        c, n = self.candidate_source_layer, self.n_layers
         if c < -1 or c >= n:
-            bad(f"candidate_source_layer must be -1 (off) or a layer 0..{n - 1}, got {c}")
+            _bad(f"candidate_source_layer must be -1 (off) or a layer 0..{n - 1}, got {c}")
         if c >= 0:
             if not self.is_index_source(c):
-                bad(f"candidate_source_layer {c} must be an index source")
+                _bad(f"candidate_source_layer {c} must be an index source")
             for i in self.index_source_layers:
                 if i > c and self.compress_ratios[i] != self.compress_ratios[c]:
-                    bad(f"candidate consumer {i} has compress_ratio {self.compress_ratios[i]} but its "
-                        f"candidate source {c} has {self.compress_ratios[c]}: they must agree")
+                    _bad(f"candidate consumer {i} has compress_ratio {self.compress_ratios[i]} but its "
+                         f"candidate source {c} has {self.compress_ratios[c]}: they must agree")
+
+
+def _bad(msg: str):
+    raise ValueError(f"config: {msg}")
 
 
 # ---------------------------------------------------------------------- presets
