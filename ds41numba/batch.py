@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from .numerics import is_int
 
 __all__ = ["BatchRow", "SINGLE", "checked_batch"]
 
@@ -47,7 +47,7 @@ class BatchRow:
     def __post_init__(self):
         for name in ("index", "size"):
             v = getattr(self, name)
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            if not is_int(v):
                 raise TypeError(f"BatchRow: {name} must be an int, got {type(v).__name__}")
         if self.size < 1 or not 0 <= self.index < self.size:
             raise ValueError(f"BatchRow: need 0 <= index < size and size >= 1, got index "

@@ -18,6 +18,7 @@ import numpy as np
 from .attention import CompAttnRun
 from .batch import BatchRow
 from .config import AttnConfig
+from .numerics import is_int
 from .stack import AttentionStack
 
 __all__ = ["BatchedStack"]
@@ -33,7 +34,7 @@ class BatchedStack:
 
     def __init__(self, config: AttnConfig, weights, batch: int, layers=None,
                  tile: int | None = None):
-        if isinstance(batch, (bool, np.bool_)) or not isinstance(batch, (int, np.integer)):
+        if not is_int(batch):
             raise TypeError(f"batch must be an int, got {type(batch).__name__}")
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")

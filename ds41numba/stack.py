@@ -22,7 +22,7 @@ from .batch import SINGLE, BatchRow, checked_batch
 from .compressor import CompressorState, CompressorWeights
 from .config import FALLBACK_KEY_OWNER, AttnConfig
 from .indexer import IndexerWeights, IndexKeyCache, candidate_mask
-from .numerics import Bf16Matrix, F32Matrix, is_bf16_valued
+from .numerics import Bf16Matrix, F32Matrix, is_bf16_valued, is_int
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "StepOrder",
            "weight_specs", "held_weight_bytes"]
@@ -263,8 +263,7 @@ class AttentionStack:
             raise TypeError(f"config must be an AttnConfig, got {type(config).__name__}")
         if not hasattr(weights, "get"):
             raise TypeError("weights must be a mapping of 'layers.{i}.attn.NAME' to arrays")
-        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, (int, np.integer))
-                                 or tile < 1):
+        if tile is not None and not is_int(tile, 1):
             raise ValueError(f"tile must be None or a positive integer, got {tile!r}")
         self.config = config
         self.layers = _checked_layers(config, layers)
@@ -559,7 +558,7 @@ class StepOrder:
 
 
 def _checked_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return int(value)
 
@@ -573,7 +572,7 @@ def _checked_layers(config: AttnConfig, layers) -> tuple[int, ...]:
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         raise TypeError(f"layers must be a list of layer ids, got {layers!r}")
     for i in layers:
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+        if not is_int(i):
             raise TypeError(f"layers: {i!r} is not a layer id (an integer)")
     ids = tuple(sorted({int(i) for i in layers}))
     for i in ids:

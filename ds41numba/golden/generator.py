@@ -62,6 +62,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..config import AttnConfig
+from ..numerics import is_int
 from ..stack import weight_specs
 from .errors import GoldenError
 
@@ -342,6 +343,6 @@ def make_input(name: str, shape, seed: int = 0, profile: str = "default", first_
 
 def checked_seed(seed) -> int:
     """``seed`` as an int, or a :class:`GoldenError` unless it is an integer in 0 .. 2^64-1."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= _MASK64:
+    if not is_int(seed, 0) or seed > _MASK64:
         raise GoldenError(f"seed must be an integer in 0 .. 2^64-1, got {seed!r}")
     return int(seed)

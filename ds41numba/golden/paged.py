@@ -26,6 +26,7 @@ import zlib
 
 import numpy as np
 
+from ..numerics import is_int
 from .captures import STEP_NAME
 from .errors import GoldenError
 from .files import GoldenFile, write_tensors_atomic
@@ -90,7 +91,7 @@ def _as_slots(entries: np.ndarray, offset: int, compressed_slots: np.ndarray,
 
 
 def _check_page_size(page_size: int, window: int):
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+    if not is_int(page_size, 1):
         raise GoldenError(f"--page-size must be an integer >= 1, got {page_size!r}")
     if window % page_size:
         raise GoldenError(f"--page-size {page_size} does not divide the window ({window} rows): "

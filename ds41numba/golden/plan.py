@@ -10,6 +10,7 @@ import numpy as np
 
 from ..batched import BatchedStack
 from ..config import AttnConfig
+from ..numerics import is_int
 from ..stack import AttentionStack, weight_specs
 from .captures import CAPTURE_MODES, to_storage
 from .drive import golden_steps
@@ -72,8 +73,7 @@ class GoldenPlan:
 
     def __post_init__(self):
         c = self.config
-        if isinstance(self.batch, bool) or not isinstance(self.batch, (int, np.integer)) \
-                or self.batch < 1:
+        if not is_int(self.batch, 1):
             raise GoldenError(f"--batch must be an integer >= 1, got {self.batch!r}")
         object.__setattr__(self, "batch", int(self.batch))
         if self.inputs is not None and getattr(self.inputs, "batch", 1) != self.batch:
@@ -81,7 +81,7 @@ class GoldenPlan:
                               f"the run has --batch {self.batch}")
         for name in ("prefill", "decode"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            if not is_int(v):
                 raise GoldenError(f"--{name} must be an integer, got {v!r}")
         if self.prefill < 1:
             raise GoldenError(f"--prefill must be at least 1, got {self.prefill}")
