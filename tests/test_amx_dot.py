@@ -1,5 +1,5 @@
-"""The fp4 dot products and their mixers on AMX (ds41numba.numerics.amx_dot), and the folded
-layouts."""
+"""The fp4 dot products and their mixers on AMX (ds41numba.numerics.amx_dot, head_mix), and the
+folded layouts (folded_layouts)."""
 
 import numba
 import numpy as np

@@ -1,5 +1,5 @@
 """Exact fp4 dot products on AVX512-VNNI, their packed layouts and exactness bounds
-(ds41numba.numerics.int8_dot)."""
+(ds41numba.numerics.int8_dot, int8_layouts)."""
 
 import numba
 import numpy as np

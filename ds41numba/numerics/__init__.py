@@ -6,9 +6,15 @@
 - ``backend``: the one choice of kernels (AMX, AVX512-VNNI, AVX512-BF16 or numpy's BLAS:
   ``backend``, ``use_backend``);
 - ``bf16_dot``: the AVX512-BF16 micro-kernel, its many-row product and pair layouts;
-- ``int8_dot``: exact fp4 dot products as integer dot products on AVX512-VNNI, their packed
-  layouts (and the folded ones AMX reads) and the tests of when they are exact;
-- ``amx_dot``: the same dot products on AMX's tile multiplier, from the folded layouts;
+- ``int8_layouts``: fp4 rows as small integers and a power of two a 32-value block, packed for
+  AVX512-VNNI, and the ranges that say when their products are exact;
+- ``folded_layouts``: fp4 rows with their block scales folded into the bytes (a power of two a
+  row), the layouts AMX reads and the VNNI tier's folded keys;
+- ``int8_dot``: exact fp4 dot products as integer dot products on AVX512-VNNI, the test of when
+  they are exact, and the VNNI mixer of folded rows (``vnni_mix_tile``);
+- ``amx_dot``: the same dot products on AMX's tile multiplier, from the folded layouts, and
+  AMX's mixer (``amx_mix_tile``);
+- ``head_mix``: the head mix both mixers share (its two roundings, ``converted_mix_exact``);
 - ``f32_products``: f32 products in the reference's MKL order;
 - ``linear``: the projections (``Bf16Matrix``, ``linear_bf16``, ``linear_f32``);
 - ``norm``: RMSNorm and torch's CPU sum order;
@@ -18,18 +24,18 @@
 Every public name is re-exported here, so ``from ds41numba.numerics import linear_bf16`` works.
 """
 
-from .amx_dot import (AMX_ROWS, MAX_BLOCK, amx_begin, amx_dot_tile, amx_end, amx_mix_tile,
-                      converted_mix_exact, vnni_mix_tile)
+from .amx_dot import amx_begin, amx_dot_tile, amx_end, amx_mix_tile
 from .backend import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot_enabled,
                       use_backend)
 from .bf16_dot import (DOT_LANES, DOT_ROWS, bf16_dot_run, bf16_dot_tile, bf16_fma_run, bf16_fma_tile, bf16_pairs,
                        fma_faster, fma_safe, gemm_bf16, pack_bf16_pairs, values_range)
-from .int8_dot import (AMX_K, EMPTY_RANGE, FOLD_SPREAD, FOLDED_KEY_OFFSET, INT8_GROUP, INT8_MAX,
-                       KEY_OFFSET, empty_folded_blocks, foldable, folded_blocks_shape,
-                       folded_corrections, folded_rows, pack_offset_folded_blocks,
-                       int8_blocks_shape, int8_dot_exact, int8_dot_into, int8_dot_tile, int8_rows,
-                       merge_ranges,
-                       pack_folded_blocks, pack_int8_blocks)
+from .folded_layouts import (AMX_K, AMX_ROWS, FOLD_SPREAD, FOLDED_KEY_OFFSET, empty_folded_blocks,
+                             foldable, folded_blocks_shape, folded_corrections, folded_rows,
+                             pack_folded_blocks, pack_offset_folded_blocks)
+from .head_mix import MAX_BLOCK, converted_mix_exact
+from .int8_dot import int8_dot_exact, int8_dot_into, int8_dot_tile, vnni_mix_tile
+from .int8_layouts import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_blocks_shape,
+                           int8_rows, merge_ranges, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
                       aligned_empty, as_f32_array, bf16_scalar, check_inplace, is_int, e2m1_scalar, e4m3_scalar,
