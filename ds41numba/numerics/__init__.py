@@ -15,7 +15,8 @@
 - ``amx_dot``: the same dot products on AMX's tile multiplier, from the folded layouts, and
   AMX's mixer (``amx_mix_tile``);
 - ``head_mix``: the head mix both mixers share (its two roundings, ``converted_mix_exact``);
-- ``f32_products``: f32 products in the reference's MKL order;
+- ``f32_products``: f32 products in the reference's MKL order, on the micro-kernels of
+  ``f32_tiles``;
 - ``linear``: the projections (``Bf16Matrix``, ``linear_bf16``, ``linear_f32``);
 - ``norm``: RMSNorm and torch's CPU sum order;
 - ``workers``: threads (not numerics: the "run in parallel?" policy, the worker pool, BLAS's

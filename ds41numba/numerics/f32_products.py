@@ -26,19 +26,18 @@ depend on numba's or BLAS's thread count, since each output is summed whole by o
 The fused multiply-add is LLVM's ``llvm.fma`` (one rounding on every x86-64 CPU; ``vfmadd`` where
 the CPU has FMA). Nothing here is compiled with fastmath, which would reorder and fuse the sums.
 The orders were measured on aligned tensors; a leading dimension here stands for the reference
-tensor's, its base taken as 64-byte aligned (torch's allocations are).
+tensor's, its base taken as 64-byte aligned (torch's allocations are). The kernels' LLVM-IR
+micro-kernels are :mod:`.f32_tiles`; this module runs them over work items, packs the weights
+and checks the arguments.
 """
 
 from __future__ import annotations
 
-import llvmlite.ir as ir
 import numpy as np
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
+from .f32_tiles import CHAIN_LANES, CHAIN_ROWS, TILE_LANES, TILE_ROWS, chain_tile, fma_tile, lanes_tile
 from .formats import aligned_empty
-from .vector_ir import counted_loop, splat
 from .workers import worth_parallel
 
 __all__ = [
@@ -54,13 +53,6 @@ __all__ = [
 
 #: The reference's block of the inner dimension in its main kernel.
 KC = 192
-#: Rows of x one micro-kernel call multiplies: 10 x 2 vector accumulators, the two vectors of w
-#: and the 10 broadcasts of x fill the 32 zmm registers (12 rows spilled accumulators: LLVM
-#: hoists all of a step's broadcasts).
-TILE_ROWS = 10
-#: Output columns one micro-kernel call multiplies: two 16-lane vectors.
-TILE_LANES = 32
-_NV = TILE_LANES // 16
 
 # Rows of one work item of the blocked kernel: its x block of KC columns (60 KB) and the output
 # rows it updates (160 KB for 512 columns) stay in L2 while the item passes over all of w's
@@ -83,212 +75,6 @@ def blocked_rows(m: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Micro-kernels in LLVM IR (numba has no vector types)
-# ----------------------------------------------------------------------------------------------
-
-_F32 = ir.FloatType()
-_I64 = ir.IntType(64)
-_V16 = ir.VectorType(_F32, 16)
-
-
-class _Emit:
-    """A kernel's operands over an llvmlite builder: integer addresses, typed loads and stores,
-    the broadcast step of a register tile (its loops and splats: :mod:`.vector_ir`)."""
-
-    def __init__(self, context, builder, signature, args):
-        self.b = builder
-        self.arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else v
-                       for t, v in zip(signature.args, args)]
-        self.ndims = [getattr(t, "ndim", 0) for t in signature.args]
-
-    def const(self, v):
-        return ir.Constant(_I64, v)
-
-    def base(self, i):
-        return self.b.ptrtoint(self.arrays[i].data, _I64)
-
-    def shape(self, i, d):
-        return cgutils.unpack_tuple(self.b, self.arrays[i].shape, self.ndims[i])[d]
-
-    def stride(self, i, d):
-        return cgutils.unpack_tuple(self.b, self.arrays[i].strides, self.ndims[i])[d]
-
-    def addr(self, *terms):
-        acc = terms[0]
-        for t in terms[1:]:
-            acc = self.b.add(acc, self.const(t) if isinstance(t, int) else t)
-        return acc
-
-    def load(self, addr, ty):
-        return self.b.load(self.b.inttoptr(addr, ty.as_pointer()), align=4)
-
-    def store(self, value, addr):
-        self.b.store(value, self.b.inttoptr(addr, value.type.as_pointer()), align=4)
-
-    def broadcast_step(self, x_rows, b_base, b_stride, nv, update):
-        """The loop body of a register tile: at step k, ``nv`` vectors of row k of B against the
-        broadcast element k of each x row, ``acc = update(x, b, acc)`` for every accumulator
-        (row-major: row m's vectors at ``m * nv ..``)."""
-        def body(k, acc):
-            b_row = self.addr(b_base, self.b.mul(k, b_stride))
-            bv = [self.load(self.addr(b_row, 64 * v), _V16) for v in range(nv)]
-            k4 = self.b.mul(k, self.const(4))
-            new = []
-            for m, x_row in enumerate(x_rows):
-                xs = splat(self.b, self.load(self.addr(x_row, k4), _F32), _V16)
-                new += [update(xs, bv[v], acc[m * nv + v]) for v in range(nv)]
-            return new
-        return body
-
-    def clamped_rows(self, base, stride, rows, n):
-        """Addresses of rows 0..n-1, those past ``rows`` repeating the last row."""
-        last = self.b.sub(rows, self.const(1))
-        return [self.b.add(base, self.b.mul(
-            self.b.select(self.b.icmp_signed("<", self.const(m), rows), self.const(m), last), stride))
-            for m in range(n)]
-
-    def for_rows(self, rows, n, store):
-        """``store(m)`` for each m < min(rows, n); row 0 is always stored."""
-        for m in range(n):
-            if m == 0:
-                store(m)
-            else:
-                with self.b.if_then(self.b.icmp_signed("<", self.const(m), rows)):
-                    store(m)
-
-
-def _fma_vec(builder):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3),
-                                          "llvm.fma.v16f32")
-
-
-@intrinsic
-def _fma_tile(typingctx, x, w, out, first):
-    """One block of the inner dimension for ``TILE_ROWS`` rows by ``TILE_LANES`` columns:
-    ``acc[m, j] = fma(x[m, k], w[k, j], acc[m, j])`` for k in order from ``acc = 0``, then
-    ``out[m, j] = acc`` when ``first``, else ``out[m, j] = out[m, j] + acc``.
-
-    ``x`` float32 ``[rows, kb]`` (1 <= rows <= TILE_ROWS, rows contiguous), ``w`` float32
-    ``[kb, TILE_LANES]`` (kb >= 1, rows contiguous), ``out`` float32 ``[rows, TILE_LANES]`` (rows
-    contiguous). Rows past ``rows`` repeat the last row and are not stored. The caller checks the
-    shapes.
-    """
-    sig = types.void(x, w, out, first)
-
-    def codegen(context, builder, signature, args):
-        e = _Emit(context, builder, signature, args)
-        fma = _fma_vec(builder)
-        is_first = builder.icmp_unsigned("!=", args[3], ir.Constant(args[3].type, 0))
-        rows = e.shape(0, 0)
-        x_rows = e.clamped_rows(e.base(0), e.stride(0, 0), rows, TILE_ROWS)
-        w_base, w_stride = e.base(1), e.stride(1, 0)
-        o_base, o_stride = e.base(2), e.stride(2, 0)
-
-        body = e.broadcast_step(x_rows, w_base, w_stride, _NV,
-                                lambda xs, wv, a: builder.call(fma, [xs, wv, a]))
-
-        acc = counted_loop(builder, e.shape(1, 0), [ir.Constant(_V16, None)] * (TILE_ROWS * _NV), body)
-
-        def store(m):
-            o_row = e.addr(o_base, builder.mul(e.const(m), o_stride))
-            with builder.if_else(is_first) as (then, otherwise):
-                with then:
-                    for v in range(_NV):
-                        e.store(acc[m * _NV + v], e.addr(o_row, 64 * v))
-                with otherwise:
-                    for v in range(_NV):
-                        a = e.addr(o_row, 64 * v)
-                        e.store(builder.fadd(e.load(a, _V16), acc[m * _NV + v]), a)
-
-        e.for_rows(rows, TILE_ROWS, store)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _lanes_tile(typingctx, x, w, lane0, out):
-    """The small kernel's four lanes for one x row and ``TILE_LANES`` columns: lane l sums
-    ``round(x[4q + l] * w[4q + l, j])`` in q order (lane 0 from ``lane0[j]``, the others from 0),
-    then ``out[j] = (l0 + l2) + (l1 + l3)``.
-
-    ``x`` float32 1-D ``[4 nq]`` (contiguous), ``w`` float32 ``[4 nq, TILE_LANES]`` (rows
-    contiguous), ``lane0`` and ``out`` float32 1-D ``[TILE_LANES]`` contiguous; nq >= 0.
-    """
-    sig = types.void(x, w, lane0, out)
-
-    def codegen(context, builder, signature, args):
-        e = _Emit(context, builder, signature, args)
-        x_base = e.base(0)
-        w_base, w_stride = e.base(1), e.stride(1, 0)
-        n_q = builder.sdiv(e.shape(1, 0), e.const(4))
-        zero = ir.Constant(_V16, None)
-        inits = [e.load(e.addr(e.base(2), 64 * v), _V16) for v in range(_NV)] + [zero] * (3 * _NV)
-
-        def body(q, acc):
-            new = []
-            for lane in range(4):
-                k = builder.add(builder.mul(q, e.const(4)), e.const(lane))
-                xs = splat(builder, e.load(e.addr(x_base, builder.mul(k, e.const(4))), _F32), _V16)
-                w_row = e.addr(w_base, builder.mul(k, w_stride))
-                new += [builder.fadd(acc[lane * _NV + v],
-                                     builder.fmul(xs, e.load(e.addr(w_row, 64 * v), _V16)))
-                        for v in range(_NV)]
-            return new
-
-        acc = counted_loop(builder, n_q, inits, body)
-        o_base = e.base(3)
-        for v in range(_NV):
-            lane = [acc[i * _NV + v] for i in range(4)]
-            r = builder.fadd(builder.fadd(lane[0], lane[2]), builder.fadd(lane[1], lane[3]))
-            e.store(r, e.addr(o_base, 64 * v))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-#: Rows and 16-lane vectors of the NN chain's micro-kernel (24 of the 32 zmm registers).
-_CHAIN_ROWS = 3
-_CHAIN_NV = 8
-_CHAIN_LANES = 16 * _CHAIN_NV
-
-
-@intrinsic
-def _chain_tile(typingctx, x, v, out):
-    """The NN layout's small-M order for ``_CHAIN_ROWS`` rows by ``_CHAIN_LANES`` columns: one
-    chain over all of k, ``acc = acc + round(x[m, k] * v[k, j])`` from 0, stored to ``out``.
-
-    ``x`` float32 ``[rows, K]`` (1 <= rows <= _CHAIN_ROWS, rows contiguous), ``v`` float32
-    ``[K, _CHAIN_LANES]`` (K >= 0, rows contiguous), ``out`` ``[rows, _CHAIN_LANES]``.
-    """
-    sig = types.void(x, v, out)
-
-    def codegen(context, builder, signature, args):
-        e = _Emit(context, builder, signature, args)
-        rows = e.shape(0, 0)
-        x_rows = e.clamped_rows(e.base(0), e.stride(0, 0), rows, _CHAIN_ROWS)
-        v_base, v_stride = e.base(1), e.stride(1, 0)
-
-        # No FMA: each product rounded, then added.
-        body = e.broadcast_step(x_rows, v_base, v_stride, _CHAIN_NV,
-                                lambda xs, vv, a: builder.fadd(a, builder.fmul(xs, vv)))
-
-        acc = counted_loop(builder, e.shape(1, 0), [ir.Constant(_V16, None)] * (_CHAIN_ROWS * _CHAIN_NV),
-                           body)
-        o_base, o_stride = e.base(2), e.stride(2, 0)
-
-        def store(m):
-            o_row = e.addr(o_base, builder.mul(e.const(m), o_stride))
-            for i in range(_CHAIN_NV):
-                e.store(acc[m * _CHAIN_NV + i], e.addr(o_row, 64 * i))
-
-        e.for_rows(rows, _CHAIN_ROWS, store)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-# ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
 
@@ -299,7 +85,7 @@ def _tiles(x, panel, o, k0, k1, first):
     rows = x.shape[0]
     for r in range(0, rows, TILE_ROWS):
         r1 = min(rows, r + TILE_ROWS)
-        _fma_tile(x[r:r1, k0:k1], panel, o[r:r1], first)
+        fma_tile(x[r:r1, k0:k1], panel, o[r:r1], first)
 
 
 @njit(cache=True)
@@ -349,7 +135,7 @@ def _small_item(x, wp, out, first_row, peels, n_out, j):
             for t in range(TILE_LANES):
                 lane0[t] += xk * panel[k, t]
         k1 = peel + 4 * ((K - peel) // 4)
-        _lanes_tile(xr[peel:k1], panel[peel:k1], lane0, res)
+        lanes_tile(xr[peel:k1], panel[peel:k1], lane0, res)
         for k in range(k1, K):
             xk = xr[k]
             for t in range(TILE_LANES):
@@ -359,16 +145,16 @@ def _small_item(x, wp, out, first_row, peels, n_out, j):
 
 @njit(cache=True)
 def _chain_item(x, v, out, first_row, j):
-    """Columns ``j*_CHAIN_LANES ..`` of rows ``first_row ..`` of ``out = x . v`` (``v [K, N]``):
+    """Columns ``j*CHAIN_LANES ..`` of rows ``first_row ..`` of ``out = x . v`` (``v [K, N]``):
     one sequential chain over K per output, products rounded (no FMA)."""
     K, N = v.shape
     rows = x.shape[0]
-    c0 = j * _CHAIN_LANES
-    c1 = min(N, c0 + _CHAIN_LANES)
-    if c1 - c0 == _CHAIN_LANES:
-        for r in range(first_row, rows, _CHAIN_ROWS):
-            r1 = min(rows, r + _CHAIN_ROWS)
-            _chain_tile(x[r:r1], v[:, c0:c1], out[r:r1, c0:c1])
+    c0 = j * CHAIN_LANES
+    c1 = min(N, c0 + CHAIN_LANES)
+    if c1 - c0 == CHAIN_LANES:
+        for r in range(first_row, rows, CHAIN_ROWS):
+            r1 = min(rows, r + CHAIN_ROWS)
+            chain_tile(x[r:r1], v[:, c0:c1], out[r:r1, c0:c1])
     else:
         acc = np.empty(c1 - c0, np.float32)
         for r in range(first_row, rows):
@@ -658,6 +444,6 @@ def matmul_nn_f32_ordered(x, v, out=None):
                 _run_blocked(x2, _pack(v, True), y, nb, n)
             if nb < m:
                 big = worth_parallel((m - nb) * k * n)
-                n_items = -(-n // _CHAIN_LANES)
+                n_items = -(-n // CHAIN_LANES)
                 (_chain_parallel if big else _chain_serial)(x2, v, y, nb, n_items)
     return y.reshape(np.shape(x)[:-1] + (n,))

@@ -1,5 +1,5 @@
 """The one toolkit every LLVM-IR micro-kernel builds from (:mod:`.bf16_dot`, :mod:`.int8_dot`,
-:mod:`.amx_dot`, :mod:`.f32_products`, sparse attention): numba has no vector types, so those
+:mod:`.amx_dot`, :mod:`.f32_tiles`, sparse attention): numba has no vector types, so those
 kernels address their 2-D operands by hand. Loops (:func:`open_loop` / :func:`close_loop`, and
 :func:`counted_loop` carrying values), splats, lane masks, prefetches and the unroll hint.
 """
