@@ -12,12 +12,9 @@ import math
 import numbers
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
-from .numerics import bf16_scalar, is_int, worth_parallel
+from .numerics import bf16_scalar, fma_f32, is_int, worth_parallel
 
 __all__ = ["yarn_freqs_cis", "apply_rotary", "fma_f32"]
 
@@ -29,21 +26,6 @@ _PAIR_COST = 16
 # and the remaining pairs through the scalar c10::complex operator*, which GCC contracts into FMAs.
 # mul is registered with REGISTER_DISPATCH, so an AVX512 machine runs the AVX2 build: 2 x 4 pairs.
 TORCH_VEC_PAIRS = 8
-
-
-@intrinsic
-def fma_f32(typingctx, a, b, c):
-    """a * b + c with one rounding (LLVM's fma intrinsic; exact even without hardware FMA)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32"
-        )
-        return builder.call(fn, args)
-
-    return sig, codegen
 
 
 def _check_int(value, name, minimum):

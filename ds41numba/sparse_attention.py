@@ -4,7 +4,7 @@ sparse-attention kernel.
 Each query attends to its listed rows (the window's, then its selected compressed rows; -1
 entries skipped) with a per-head sink logit; q.k, torch's softmax and P @ rows are summed in
 the order the reference's CPU libraries sum them (MKL's blocked sgemm, torch's AVX512
-softmax), so the output is the reference's bit for bit.
+softmax, :mod:`.numerics.softmax`), so the output is the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numerics import bf16_scalar, nan_max, output_buffer
+from .numerics import SOFTMAX_LANES, bf16_scalar, output_buffer, softmax_rows
 from .numerics.f32_products import KC, blocked_rows
 from .numerics.vector_ir import (counted_loop, lane_masks, prefetch as prefetch_line, splat,
                                  wide_registers)
-from .rope import fma_f32
 
 __all__ = ["sparse_attn"]
 
@@ -55,8 +54,6 @@ __all__ = ["sparse_attn"]
 # MKL's block (KC) and its row-blocking rule (blocked_rows) are the ones the f32 products use
 # (:mod:`.numerics.f32_products`): one model of its order.
 
-#: Lanes of torch's Vectorized<float> on AVX512: the softmax's sum runs 16 lane accumulators.
-_LANES = 16
 # The tiles' sums stay in registers: AVX-512 has 32 of 16 floats, AVX2 16 of 8
 # (:func:`~.numerics.vector_ir.wide_registers`), where the AVX-512 tiles spilled at every step
 # (sparse attention at a quarter of the FMA rate, measured). The tile shape changes which sums
@@ -76,8 +73,7 @@ _PV_PREFETCH = 4
 _LIST_SLACK = max(_QK_ROWS - 1, _PV_PREFETCH)
 
 
-# A generated-IR builder: one function, longer than the rest, because its codegen emits the
-# tile's whole loop nest in order (splitting it would scatter one kernel's IR over helpers).
+# A generated-IR builder, long because it emits one LLVM-IR function: splitting it would split one loop nest.
 def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
     """An intrinsic running MKL's blocked kernel inside one block on a tile of accumulators:
     for ``i < rows`` and the ``16 * nvec`` lanes ``c``, the FMA chain ``acc = fma(a[k, i],
@@ -98,6 +94,7 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
     LLVM IR: the accumulators stay in registers for the whole chain and each step is one vector
     FMA per (row, vector), as in MKL's kernel.
     """
+    # Long because it emits the tile's one LLVM-IR function: splitting it would split one loop nest.
     def codegen(context, builder, signature, values):
         i1, i8, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
         f32 = ir.FloatType()
@@ -198,52 +195,6 @@ _qk_tile3 = _fma_tile(_QK_ROWS, 3, "a")
 _qk_tile4 = _fma_tile(_QK_ROWS, _QK_HEADS // 16, "a")
 _pv_tile = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH)
 _pv_tile_masked = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH, masked=True)
-
-
-# Sleef_expf16_u10 (Sleef 3's xexpf), torch's Vectorized<float>::exp on AVX512; its multiply-adds
-# are fused (vfmadd).
-_R_LN2F = np.float32(1.442695040888963407359924681001892137426645954152985934135449406931)
-_L2UF = np.float32(0.693145751953125)
-_L2LF = np.float32(1.428606765330187045e-06)
-_EXP_C0 = np.float32(0.000198527617612853646278381)
-_EXP_C1 = np.float32(0.00139304355252534151077271)
-_EXP_C2 = np.float32(0.00833336077630519866943359)
-_EXP_C3 = np.float32(0.0416664853692054748535156)
-_EXP_C4 = np.float32(0.166666671633720397949219)
-_EXP_C5 = np.float32(0.5)
-# Adding and subtracting 1.5 * 2^23 rounds |t| < 2^22 to an integer, ties to even (as cvtps2dq).
-_RINT_MAGIC = np.float32(12582912.0)
-
-
-@njit(cache=True)
-def _pow2i(e):
-    """2^e as f32 for -126 <= e <= 127 (Sleef's vpow2i: the exponent field alone)."""
-    return np.uint32((e + 127) << 23).view(np.float32)
-
-
-@njit(cache=True)
-def _expf_u10(d):
-    """e^d as Sleef_expf16_u10 computes it, bit for bit (d float32)."""
-    t = d * _R_LN2F
-    if not abs(t) < np.float32(4096.0):
-        t = np.float32(0.0)          # non-finite or far out of range: the selects below decide
-    q = (t + _RINT_MAGIC) - _RINT_MAGIC
-    s = fma_f32(q, -_L2UF, d)
-    s = fma_f32(q, -_L2LF, s)
-    u = fma_f32(_EXP_C0, s, _EXP_C1)
-    u = fma_f32(u, s, _EXP_C2)
-    u = fma_f32(u, s, _EXP_C3)
-    u = fma_f32(u, s, _EXP_C4)
-    u = fma_f32(u, s, _EXP_C5)
-    u = np.float32(1.0) + fma_f32(s * s, u, s)
-    qi = np.int64(q)
-    h = qi >> 1
-    u = (u * _pow2i(h)) * _pow2i(qi - h)
-    if d < np.float32(-104.0):
-        u = np.float32(0.0)
-    if d > np.float32(100.0):
-        u = np.float32(np.inf)
-    return u
 
 
 @njit(cache=True, nogil=True)
@@ -354,61 +305,6 @@ def _qk_small(qs, parts, src, zero_row, listed, n, x, lo, hi):
 
 
 @njit(cache=True, nogil=True)
-def _softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes):
-    """In place over ``x[:n, lo:hi]`` (the dot products of the compacted list): torch's AVX512
-    ``_vec_softmax_lastdim`` of each head's row ``[scores * scale (-inf at -1 entries), sink]``
-    of W + 1 columns, the sink's column dropped: ``x`` becomes the probabilities.
-
-    Max over the row (NaN wins), ``e = exp(v - max)`` (Sleef), the sum by ``vec::reduce_all``:
-    16 lane sums (lane l takes the columns l, l + 16, ... in order; the last partial vector,
-    the sink's column among it, joins lanes 0 ..), then lanes i + 8, i + 4, i + 2, i + 1 added
-    into lane i; a row shorter than 16 is summed column by column. Then ``p = e * (1 / sum)``.
-    The columns a compacted list leaves out are -1 entries: their e is +0, which leaves every
-    lane sum as it is (or the whole row is NaN anyway).
-    """
-    m = sink.copy()
-    for c in range(n):
-        for h in range(lo, hi):
-            v = x[c, h] * scale if listed[c] else np.float32(-np.inf)
-            x[c, h] = v
-            m[h] = nan_max(m[h], v)
-    e_sink = np.empty(sink.shape[0], np.float32)
-    for h in range(lo, hi):
-        e_sink[h] = _expf_u10(sink[h] - m[h])
-    for c in range(n):
-        for h in range(lo, hi):
-            x[c, h] = _expf_u10(x[c, h] - m[h])
-    total = np.zeros(sink.shape[0], np.float32)
-    if W + 1 < _LANES:
-        for c in range(n):
-            for h in range(lo, hi):
-                total[h] += x[c, h]
-        for h in range(lo, hi):
-            total[h] += e_sink[h]
-    else:
-        lanes[:, lo:hi] = 0
-        for c in range(n):
-            lane = lanes[pos[c] % _LANES]
-            for h in range(lo, hi):
-                lane[h] += x[c, h]
-        lane = lanes[W % _LANES]
-        for h in range(lo, hi):
-            lane[h] += e_sink[h]
-        half = _LANES // 2
-        while half:
-            for i in range(half):
-                for h in range(lo, hi):
-                    lanes[i, h] += lanes[i + half, h]
-            half //= 2
-        total[lo:hi] = lanes[0, lo:hi]
-    for h in range(lo, hi):
-        total[h] = np.float32(1.0) / total[h]
-    for c in range(n):
-        for h in range(lo, hi):
-            x[c, h] *= total[h]
-
-
-@njit(cache=True, nogil=True)
 def _pv_blocked(p, addr, edges, out, h_lo, h_hi, hd):
     """``out[h] = sum_c p[c, h] row_c`` for the heads ``h_lo .. h_hi - 1`` (whole tiles of
     _PV_HEADS heads from ``h_lo`` are computed), MKL's blocked order over the list: one FMA
@@ -475,7 +371,7 @@ def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
         qT = np.zeros((hd, hq), np.float32)
         x = np.zeros((cap, hp), np.float32)
         acc = np.zeros((hp, hd_pad), np.float32)
-        lanes = np.zeros((_LANES, hp), np.float32)
+        lanes = np.zeros((SOFTMAX_LANES, hp), np.float32)
         for item in range(w, S * groups, workers):
             s, g = item // groups, item % groups
             lo, hi = g * H // groups, (g + 1) * H // groups
@@ -489,7 +385,7 @@ def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
                     qT[d, h] = qs[h, d]
             _qk_blocked(qT, addr, n, x, lo, min(hi, blocked))
             _qk_small(qs, parts, src, zero_row, listed, n, x, max(lo, blocked), hi)
-            _softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes)
+            softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes)
             _pv_blocked(x, addr, edges, acc, lo, min(hi, blocked), hd)
             _pv_small(x, parts, src, zero_row, n, acc, max(lo, blocked), hi, hd)
             for h in range(lo, hi):

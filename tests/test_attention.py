@@ -22,8 +22,8 @@ from ds41numba import (AttentionStack, act_quant_fp8_inplace, apply_rotary, fp4_
                        linear_bf16, linear_f32, output_projection, sparse_attn, to_bf16_rne,
                        window_index_rows)
 from ds41numba.attention import layer_rope_table
-from ds41numba.sparse_attention import _expf_u10, _head_groups
-from ds41numba.numerics import Bf16Matrix
+from ds41numba.numerics import Bf16Matrix, expf_u10
+from ds41numba.sparse_attention import _head_groups
 
 
 # =============================================================================== window
@@ -185,7 +185,7 @@ def test_softmax_exp_is_sleef_expf_u10_bit_for_bit():
     def exp_all(d):
         out = np.empty_like(d)
         for i in range(d.shape[0]):
-            out[i] = _expf_u10(d[i])
+            out[i] = expf_u10(d[i])
         return out
 
     rng = np.random.default_rng(7)

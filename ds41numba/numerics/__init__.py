@@ -19,6 +19,7 @@
   ``f32_tiles``;
 - ``linear``: the projections (``Bf16Matrix``, ``linear_bf16``, ``linear_f32``);
 - ``norm``: RMSNorm and torch's CPU sum order;
+- ``softmax``: torch's CPU softmax and Sleef's ``expf``, as sparse attention runs them;
 - ``workers``: threads (not numerics: the "run in parallel?" policy, the worker pool, BLAS's
   threads).
 
@@ -39,12 +40,13 @@ from .int8_layouts import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_b
                            int8_rows, merge_ranges, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
-                      aligned_empty, as_f32_array, bf16_scalar, check_inplace, is_int, e2m1_scalar, e4m3_scalar,
+                      aligned_empty, as_f32_array, bf16_scalar, check_inplace, is_int, e2m1_scalar, e4m3_scalar, fma_f32,
                       is_bf16_valued, nan_max, output_buffer, pow2ceil, pow2ceil_scalar,
                       round_bf16_inplace, to_bf16_rne, to_e2m1_rne, to_e4m3_rne)
 from .linear import (MATVEC_MAX_ROWS, TINY_BF16_LINEAR, Bf16Matrix, bf16_k_block, linear_bf16,
                      linear_f32)
 from .norm import SUM_LANES, rms_norm, torch_sum_f32
+from .softmax import SOFTMAX_LANES, expf_u10, softmax_rows
 from .quant import (Q_FP4_E4M3, Q_FP4_E8M0, Q_FP8, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
                     fp4_quant_e8m0_inplace, quant_row)
 from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threaded_blas,
@@ -63,11 +65,12 @@ __all__ = [
     "int8_dot_tile", "int8_rows", "merge_ranges", "pack_int8_blocks",
     "F32Matrix", "linear_f32_ordered", "matmul_nn_f32_ordered",
     "E2M1_MAX", "E4M3_MAX", "ELEMENT_COST", "FP4_BLOCK", "FP8_BLOCK", "LATENT_BLOCK",
-    "aligned_empty", "as_f32_array", "bf16_scalar", "check_inplace", "is_int", "e2m1_scalar", "e4m3_scalar",
+    "aligned_empty", "as_f32_array", "bf16_scalar", "check_inplace", "is_int", "e2m1_scalar", "e4m3_scalar", "fma_f32",
     "is_bf16_valued", "nan_max", "output_buffer", "pow2ceil", "pow2ceil_scalar",
     "round_bf16_inplace", "to_bf16_rne", "to_e2m1_rne", "to_e4m3_rne",
     "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR", "Bf16Matrix", "bf16_k_block", "linear_bf16", "linear_f32",
     "SUM_LANES", "rms_norm", "torch_sum_f32",
+    "SOFTMAX_LANES", "expf_u10", "softmax_rows",
     "Q_FP4_E4M3", "Q_FP4_E8M0", "Q_FP8", "act_quant_fp8_inplace", "fp4_quant_e4m3_inplace",
     "fp4_quant_e8m0_inplace", "quant_row",
     "PARALLEL_MIN_MACS", "POOL_MIN_MACS", "in_workers", "single_threaded_blas", "split_range",

@@ -5,8 +5,9 @@ so an implementation is only as exact as these roundings. Each is done on the IE
 the f32 input (RNE on the integer significand), never through a float64 intermediate that could
 round twice. The scalar roundings (``bf16_scalar``, ``e4m3_scalar``, ``e2m1_scalar``,
 ``pow2ceil_scalar``) and ``nan_max`` are plain ``@njit`` functions so that other kernels can call
-them inside their own loops; the array functions validate at the Python boundary and hand off to
-parallel kernels. The array helpers at the end (``as_f32_array``, ``check_inplace``,
+them inside their own loops, as they call ``fma_f32`` (``a * b + c`` rounded once: the fused
+multiply-adds of rope's rotation and Sleef's ``expf``); the array functions validate at the
+Python boundary and hand off to parallel kernels. The array helpers at the end (``as_f32_array``, ``check_inplace``,
 ``output_buffer``) are the boundary checks the package's numeric functions share.
 """
 
@@ -14,15 +15,18 @@ from __future__ import annotations
 
 import numbers
 
+import llvmlite.ir as ir
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .workers import worth_parallel
 
 __all__ = ["is_int", "FP4_BLOCK", "LATENT_BLOCK", "FP8_BLOCK", "E4M3_MAX", "E2M1_MAX", "bf16_scalar",
            "e4m3_scalar", "e2m1_scalar", "pow2ceil_scalar", "nan_max", "to_bf16_rne", "to_e4m3_rne",
            "to_e2m1_rne", "pow2ceil", "round_bf16_inplace", "is_bf16_valued", "as_f32_array",
-           "check_inplace", "output_buffer", "aligned_empty", "ELEMENT_COST"]
+           "check_inplace", "output_buffer", "aligned_empty", "ELEMENT_COST", "fma_f32"]
 
 FP4_BLOCK = 32
 LATENT_BLOCK = 16
@@ -285,6 +289,21 @@ def nan_max(best, v):
     """The larger of ``best`` and ``v``, where a NaN wins and then stays (torch's max and amax
     propagate NaN): fold it over values starting from -inf (or 0 for magnitudes)."""
     return v if (v > best or v != v) else best
+
+
+@intrinsic
+def fma_f32(typingctx, a, b, c):
+    """a * b + c with one rounding (LLVM's fma intrinsic; exact even without hardware FMA)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32"
+        )
+        return builder.call(fn, args)
+
+    return sig, codegen
 
 
 def output_buffer(out, shape, name, dtype=np.float32):
