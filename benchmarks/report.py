@@ -483,14 +483,15 @@ def _meta() -> dict:
                          if i.get("user_api") == "blas") or "?"
     except ImportError:
         blas = "?"
-    from ds41numba.numerics import amx_enabled, bf16_dot_enabled, int8_dot_enabled
+    from ds41numba.numerics import tier_at_least
 
     return {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "numba_threads": numba.get_num_threads(), "blas": blas,
-            "bf16_dot": "on" if bf16_dot_enabled() else "off",
-            "int8_dot": "on" if int8_dot_enabled() else "off",
-            "index_scores": ("AMX" if amx_enabled() else "AVX512-VNNI" if int8_dot_enabled()
-                             else "AVX512-BF16" if bf16_dot_enabled() else "BLAS"),
+            "bf16_dot": "on" if tier_at_least("avx512bf16") else "off",
+            "int8_dot": "on" if tier_at_least("avx512vnni") else "off",
+            "index_scores": ("AMX" if tier_at_least("amx")
+                             else "AVX512-VNNI" if tier_at_least("avx512vnni")
+                             else "AVX512-BF16" if tier_at_least("avx512bf16") else "BLAS"),
             "python": platform.python_version(),
             "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg())}
 

@@ -30,7 +30,7 @@ def assert_same_bits(got, want, *, nan_any=False):
                     f"want {w} ({[hex(v) for v in bits(w)]})")
 
 
-needs_bf16_dot = pytest.mark.skipif(not nm.bf16_dot_enabled(), reason="the AVX512-BF16 kernel is off (no "
+needs_bf16_dot = pytest.mark.skipif(not nm.tier_at_least("avx512bf16"), reason="the AVX512-BF16 kernel is off (no "
                                     "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
 
 
@@ -56,7 +56,7 @@ def bf16_dot_rows(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0):
     return out.transpose(1, 0, 2).reshape(R, -1)[:, :b_rows.shape[0]]
 
 
-needs_int8_dot = pytest.mark.skipif(not nm.int8_dot_enabled(), reason="the AVX512-VNNI kernel is off (no "
+needs_int8_dot = pytest.mark.skipif(not nm.tier_at_least("avx512vnni"), reason="the AVX512-VNNI kernel is off (no "
                                     "such CPU, or DS41NUMBA_INT8_DOT=0)")
 
 
@@ -93,5 +93,5 @@ def fp4_rows(rng, rows, d, spread=0):
     return nm.fp4_quant_e8m0_inplace(x)
 
 
-needs_amx = pytest.mark.skipif(not nm.amx_enabled(), reason="the AMX kernel is off (no AMX-INT8, "
+needs_amx = pytest.mark.skipif(not nm.tier_at_least("amx"), reason="the AMX kernel is off (no AMX-INT8, "
                                "no tile state from Linux, or DS41NUMBA_AMX=0)")

@@ -14,12 +14,14 @@ def test_backend_tiers_nest():
     for tier in runnable:
         with nm.use_backend(tier):
             assert nm.backend() == tier
-            assert nm.amx_enabled() == (tier == "amx")
-            assert nm.int8_dot_enabled() == (tier in ("amx", "avx512vnni"))
-            assert nm.bf16_dot_enabled() == (tier != "blas")
+            assert nm.tier_at_least("amx") == (tier == "amx")
+            assert nm.tier_at_least("avx512vnni") == (tier in ("amx", "avx512vnni"))
+            assert nm.tier_at_least("avx512bf16") == (tier != "blas")
     with pytest.raises(ValueError, match="not one of"):
         with nm.use_backend("avx2"):
             pass
+    with pytest.raises(ValueError, match="not one of"):
+        nm.tier_at_least("avx2")
 
 
 @pytest.mark.parametrize("env, highest", [("DS41NUMBA_AMX", "avx512vnni"), ("DS41NUMBA_INT8_DOT", "avx512bf16"),

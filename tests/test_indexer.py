@@ -18,10 +18,8 @@ from helpers import EPS, bf16, captured_steps, random_config, random_weights
 from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, linear_bf16,
                        select_candidate_blocks, to_bf16_rne)
 from ds41numba.attention import layer_rope_table
-from ds41numba.numerics import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot_enabled,
-                                pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks,
-                                pack_offset_folded_blocks, use_backend,
-                                workers)
+from ds41numba.numerics import (BACKENDS, backend, pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks,
+                                pack_offset_folded_blocks, tier_at_least, use_backend, workers)
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
 indexer_mod = importlib.import_module("ds41numba.indexer")
@@ -115,11 +113,11 @@ def _index_inputs(rng, T, ih, idim, n):
 
 
 LAYOUTS = {"position-major": 1 << 30, "head-major": 1}
-needs_bf16_dot = pytest.mark.skipif(not bf16_dot_enabled(), reason="the AVX512-BF16 kernel is off (no "
+needs_bf16_dot = pytest.mark.skipif(not tier_at_least("avx512bf16"), reason="the AVX512-BF16 kernel is off (no "
                                     "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
-needs_int8_dot = pytest.mark.skipif(not int8_dot_enabled(), reason="the AVX512-VNNI kernel is off (no "
+needs_int8_dot = pytest.mark.skipif(not tier_at_least("avx512vnni"), reason="the AVX512-VNNI kernel is off (no "
                                     "such CPU, or DS41NUMBA_INT8_DOT=0)")
-needs_amx = pytest.mark.skipif(not amx_enabled(), reason="the AMX kernel is off (no AMX-INT8, no "
+needs_amx = pytest.mark.skipif(not tier_at_least("amx"), reason="the AMX kernel is off (no AMX-INT8, no "
                                "tile state from Linux, or DS41NUMBA_AMX=0)")
 # The f32 BLAS path in both of its layouts, the AVX512-BF16, AVX512-VNNI and AMX kernels.
 SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot),

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..numerics import (DOT_LANES, EMPTY_RANGE, FOLDED_KEY_OFFSET, KEY_OFFSET, bf16_dot_enabled,
-                        empty_folded_blocks, foldable, int8_blocks_shape, merge_ranges,
-                        pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks,
-                        pack_offset_folded_blocks)
+from ..numerics import (DOT_LANES, EMPTY_RANGE, FOLDED_KEY_OFFSET, KEY_OFFSET, empty_folded_blocks,
+                        foldable, int8_blocks_shape, merge_ranges, pack_bf16_pairs,
+                        pack_folded_blocks, pack_int8_blocks, pack_offset_folded_blocks,
+                        tier_at_least)
 from .blas_scores import tile_scores
 from .block_maxima import visible_block_maxima
 from .tier_scores import (amx_scored, tile_scores_amx, tile_scores_bf16, tile_scores_int8,
@@ -55,7 +55,7 @@ class IndexKeyCache:
             self._pack_vnni_folded(rows)
         if vnni_scored(keys.shape[1]) and not self._folds():
             self._pack_int8(rows)
-        if bf16_dot_enabled() and not (self._folds() or (self.int8 is not None and not self.int8_range[0])):
+        if tier_at_least("avx512bf16") and not (self._folds() or (self.int8 is not None and not self.int8_range[0])):
             self._pack_all(rows)
 
     @classmethod
@@ -140,7 +140,7 @@ class IndexKeyCache:
                 raise ValueError(f"IndexKeyCache.scores: block maxima of {block} positions need a "
                                  f"float32 [{len(clen)}, {-(-width // max(block, 1))}] buffer, got "
                                  f"{block_max.dtype} {block_max.shape}")
-        if not bf16_dot_enabled():
+        if not tier_at_least("avx512bf16"):
             got = tile_scores(iq, w, self.keys[:width], clen, width, out=out, dirty_to=dirty_to)
             if maxima is not None:
                 visible_block_maxima(got, clen, *maxima)

@@ -15,7 +15,7 @@ import numpy as np
 from ml_dtypes import bfloat16 as BF16
 
 from ..batch import SINGLE, BatchRow, checked_batch
-from ..numerics import bf16_dot_enabled, fp4_quant_e8m0_inplace, is_int, linear_bf16, rms_norm, to_bf16_rne
+from ..numerics import fp4_quant_e8m0_inplace, is_int, linear_bf16, rms_norm, tier_at_least, to_bf16_rne
 from ..rope import apply_rotary
 from .candidates import candidate_block_bits, candidate_mask
 from .key_cache import IndexKeyCache
@@ -177,7 +177,7 @@ class _Scorer:
         self.buf = np.empty((rows, width), np.float32)
         self.dirty_to = None        # buf's columns from here on hold -inf (None: unknown)
         self.qbuf = (np.empty(query_pairs_size(rows, cfg.n_heads, cfg.head_dim), np.uint32)
-                     if bf16_dot_enabled() else None)
+                     if tier_at_least("avx512bf16") else None)
         self.block = cfg.candidate_block_size
         self.block_max = (np.empty((rows, -(-width // self.block)), np.float32)
                           if cfg.candidate_source else None)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..numerics import (AMX_K, INT8_GROUP, amx_enabled, converted_mix_exact, foldable,
-                        int8_dot_enabled, int8_dot_exact)
+from ..numerics import (AMX_K, INT8_GROUP, converted_mix_exact, foldable, int8_dot_exact,
+                        tier_at_least)
 from .packed_scores import tile_scores_packed
 from .query_layouts import query_buffer, query_folded, query_int8, query_offset_folded, query_pairs
 
@@ -24,17 +24,17 @@ __all__ = ["vnni_scored", "amx_scored", "vnni_folded_scored", "tile_scores_bf16"
 def vnni_scored(head_dim: int) -> bool:
     """Index scores of this head size run on AVX512-VNNI: the tier is on, and the heads split
     into the fp4 quantiser's blocks (which any quantised head does)."""
-    return int8_dot_enabled() and head_dim % INT8_GROUP == 0
+    return tier_at_least("avx512vnni") and head_dim % INT8_GROUP == 0
 
 
 def amx_scored(head_dim: int) -> bool:
     """... and first on AMX: that tier is on, and the heads split into its tile products."""
-    return amx_enabled() and head_dim % AMX_K == 0
+    return tier_at_least("amx") and head_dim % AMX_K == 0
 
 
 def vnni_folded_scored(head_dim: int) -> bool:
     """... and first on VNNI's folded rows: the VNNI tier (not AMX), heads as long as AMX's."""
-    return vnni_scored(head_dim) and not amx_enabled() and head_dim % AMX_K == 0
+    return vnni_scored(head_dim) and not tier_at_least("amx") and head_dim % AMX_K == 0
 
 
 def _check_key_dims(name: str, packed: np.ndarray, per_value: int, idim: int) -> None:

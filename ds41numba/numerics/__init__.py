@@ -4,7 +4,7 @@
   and array functions), and the array checks the numeric functions share;
 - ``quant``: the reference's fp8 / fp4 quantise-dequantise schemes;
 - ``backend``: the one choice of kernels (AMX, AVX512-VNNI, AVX512-BF16 or numpy's BLAS:
-  ``backend``, ``use_backend``);
+  ``backend``, ``tier_at_least``, ``use_backend``);
 - ``bf16_dot``: the AVX512-BF16 micro-kernel, its many-row product and pair layouts;
 - ``int8_layouts``: fp4 rows as small integers and a power of two a 32-value block, packed for
   AVX512-VNNI, and the ranges that say when their products are exact;
@@ -27,8 +27,7 @@ Every public name is re-exported here, so ``from ds41numba.numerics import linea
 """
 
 from .amx_dot import amx_begin, amx_dot_tile, amx_end, amx_mix_tile
-from .backend import (BACKENDS, amx_enabled, backend, bf16_dot_enabled, int8_dot_enabled,
-                      use_backend)
+from .backend import BACKENDS, backend, tier_at_least, use_backend
 from .bf16_dot import (DOT_LANES, DOT_ROWS, bf16_dot_run, bf16_dot_tile, bf16_fma_run, bf16_fma_tile, bf16_pairs,
                        fma_faster, fma_safe, gemm_bf16, pack_bf16_pairs, values_range)
 from .folded_layouts import (AMX_K, AMX_ROWS, FOLD_SPREAD, FOLDED_KEY_OFFSET, empty_folded_blocks,
@@ -57,7 +56,7 @@ __all__ = [
     "vnni_mix_tile",
     "empty_folded_blocks", "foldable", "folded_blocks_shape", "folded_rows", "pack_folded_blocks",
     "FOLDED_KEY_OFFSET", "folded_corrections", "pack_offset_folded_blocks",
-    "BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled", "use_backend",
+    "BACKENDS", "backend", "tier_at_least", "use_backend",
     "DOT_LANES", "DOT_ROWS", "bf16_dot_run", "bf16_dot_tile", "bf16_fma_run", "bf16_fma_tile", "bf16_pairs", "fma_faster",
     "fma_safe", "gemm_bf16", "pack_bf16_pairs", "values_range",
     "EMPTY_RANGE", "INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "int8_blocks_shape", "int8_dot_exact",

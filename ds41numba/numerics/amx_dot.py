@@ -17,10 +17,10 @@ AMX's bf16 product (``tdpbf16ps``) is not used anywhere: measured here, it round
 own way (even a single pair per call differs from ``vdpbf16ps`` in about 5% of results), so it
 cannot follow the reference's order. Integer sums have no order.
 
-Whether it runs is read from :func:`.backend.amx_enabled`; Linux hands a process the tile
-registers only on request (:func:`request_tile_state`). The operands are the folded layouts of
-:mod:`.folded_layouts`; :func:`amx_mix_tile` mixes the heads' products as they come out of the
-tile multiplier, with the mixers of :mod:`.head_mix`.
+Whether it runs is read from :func:`.backend.tier_at_least` (``"amx"``); Linux hands a process
+the tile registers only on request (:func:`request_tile_state`). The operands are the folded
+layouts of :mod:`.folded_layouts`; :func:`amx_mix_tile` mixes the heads' products as they come
+out of the tile multiplier, with the mixers of :mod:`.head_mix`.
 """
 
 from __future__ import annotations

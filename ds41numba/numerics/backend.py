@@ -1,5 +1,5 @@
-"""Which kernels the products run on: the one function that chooses (:func:`backend`) and the
-one switch (:func:`use_backend`).
+"""Which kernels the products run on: the one function that chooses (:func:`backend`), the one
+question its callers ask (:func:`tier_at_least`) and the one switch (:func:`use_backend`).
 
 The backends are nested tiers, each running everything the next one down runs plus one more
 instruction set, so a CPU is simply on the highest tier it supports:
@@ -26,8 +26,7 @@ import os
 
 from .vector_ir import compiles_for
 
-__all__ = ["BACKENDS", "amx_enabled", "backend", "bf16_dot_enabled", "int8_dot_enabled",
-           "use_backend"]
+__all__ = ["BACKENDS", "backend", "tier_at_least", "use_backend"]
 
 #: From the highest tier down.
 BACKENDS = ("amx", "avx512vnni", "avx512bf16", "blas")
@@ -76,19 +75,16 @@ def backend() -> str:
     return _backend[0]
 
 
-def bf16_dot_enabled() -> bool:
-    """The bf16 products run on AVX512-BF16 (tier ``"avx512bf16"`` or above)."""
-    return _backend[0] in ("amx", "avx512vnni", "avx512bf16")
-
-
-def int8_dot_enabled() -> bool:
-    """The indexer's fp4 dot products run as integer dot products (AVX512-VNNI, or AMX)."""
-    return _backend[0] in ("amx", "avx512vnni")
-
-
-def amx_enabled() -> bool:
-    """Those integer dot products run on AMX's tile multiplier where the rows fold."""
-    return _backend[0] == "amx"
+def tier_at_least(name: str) -> bool:
+    """Whether the products run on tier ``name`` (one of ``BACKENDS``) or one above it: the one
+    question every kernel's caller asks, each tier by its one name. The tiers nest, so
+    ``tier_at_least("avx512bf16")``: the bf16 products run on AVX512-BF16;
+    ``tier_at_least("avx512vnni")``: the indexer's fp4 dot products run as integer dot products
+    (AVX512-VNNI, or AMX); ``tier_at_least("amx")``: those run on AMX's tile multiplier where
+    the rows fold."""
+    if name not in BACKENDS:
+        raise ValueError(f"tier_at_least: {name!r} is not one of {BACKENDS}")
+    return BACKENDS.index(_backend[0]) <= BACKENDS.index(name)
 
 
 @contextlib.contextmanager

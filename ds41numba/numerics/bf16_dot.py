@@ -1,7 +1,8 @@
 """bf16 dot products on AVX512-BF16: an LLVM-IR micro-kernel, the many-row product built on it in
 the reference's order, and the bf16-pair layouts it reads.
 
-Whether they run (or numpy's f32 BLAS instead) is read from :func:`.backend.bf16_dot_enabled`.
+Whether they run (or numpy's f32 BLAS instead) is read from :func:`.backend.tier_at_least`
+(``"avx512bf16"``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ formed (:func:`vnni_mix_tile`, the VNNI twin of :func:`.amx_dot.amx_mix_tile`).
 
 The operands are packed by :mod:`.int8_layouts` (a scale a 32-value block) or
 :mod:`.folded_layouts` (a scale a row). Whether it runs is read from
-:func:`.backend.int8_dot_enabled`.
+:func:`.backend.tier_at_least` (``"avx512vnni"``).
 """
 
 from __future__ import annotations

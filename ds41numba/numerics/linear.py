@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .backend import bf16_dot_enabled
+from .backend import tier_at_least
 from .bf16_dot import (DOT_LANES, DOT_ROWS, MATVEC_BLOCKS, bf16_matvec_tile, bf16_pairs, fma_faster,
                        fma_safe, gemm_bf16, values_range)
 from .f32_products import F32Matrix, linear_f32_ordered
@@ -403,7 +403,7 @@ class Bf16Matrix:
         rank = n_out // self.groups
         b = self._pairs
         block_pairs = bf16_k_block(m if ref_rows is None else ref_rows, k_in) // 2
-        native = bf16_dot_enabled()
+        native = tier_at_least("avx512bf16")
         fma = not native or (fma_faster() and self._range[0])
         for r0 in range(0, m, _WIDEN_ROWS):
             chunk = _even_width(x[r0:r0 + _WIDEN_ROWS], self.groups)
