@@ -1,4 +1,5 @@
-"""The AVX512-BF16 micro-kernel and its pair layouts (ds41numba.numerics.bf16_dot)."""
+"""The AVX512-BF16 micro-kernel, its pair layouts and its FMA twin's guards (ds41numba.numerics.bf16_dot,
+bf16_layouts, fma_choice)."""
 
 import numpy as np
 import pytest

@@ -102,8 +102,8 @@ def test_bf16_k_block_is_the_measured_rule():
 def bf16_kernel(request, monkeypatch):
     """Many-row bf16 products on either micro-kernel, whichever this CPU prefers, and on the
     ``blas`` tier (a CPU without AVX512-BF16: the FMA kernel whatever the values)."""
-    from ds41numba.numerics import bf16_dot
-    monkeypatch.setattr(bf16_dot, "_fma_choice", [request.param == "fma"])
+    from ds41numba.numerics import fma_choice
+    monkeypatch.setattr(fma_choice, "_fma_choice", [request.param == "fma"])
     with nm.use_backend("blas" if request.param == "blas-tier" else nm.backend()):
         yield request.param
 

@@ -5,7 +5,9 @@
 - ``quant``: the reference's fp8 / fp4 quantise-dequantise schemes;
 - ``backend``: the one choice of kernels (AMX, AVX512-VNNI, AVX512-BF16 or numpy's BLAS:
   ``backend``, ``tier_at_least``, ``use_backend``);
-- ``bf16_dot``: the AVX512-BF16 micro-kernel, its many-row product and pair layouts;
+- ``bf16_dot``: the AVX512-BF16 micro-kernel, its FMA twin and their many-row product;
+- ``bf16_layouts``: the bf16-pair layouts those read;
+- ``fma_choice``: when the FMA twin runs instead (the ranges that keep it exact, the speed probe);
 - ``int8_layouts``: fp4 rows as small integers and a power of two a 32-value block, packed for
   AVX512-VNNI, and the ranges that say when their products are exact;
 - ``folded_layouts``: fp4 rows with their block scales folded into the bytes (a power of two a
@@ -28,8 +30,9 @@ Every public name is re-exported here, so ``from ds41numba.numerics import linea
 
 from .amx_dot import amx_begin, amx_dot_tile, amx_end, amx_mix_tile
 from .backend import BACKENDS, backend, tier_at_least, use_backend
-from .bf16_dot import (DOT_LANES, DOT_ROWS, bf16_dot_run, bf16_dot_tile, bf16_fma_run, bf16_fma_tile, bf16_pairs,
-                       fma_faster, fma_safe, gemm_bf16, pack_bf16_pairs, values_range)
+from .bf16_dot import (DOT_LANES, DOT_ROWS, bf16_dot_run, bf16_dot_tile, bf16_fma_run, bf16_fma_tile,
+                       gemm_bf16)
+from .bf16_layouts import bf16_pairs, pack_bf16_pairs
 from .folded_layouts import (AMX_K, AMX_ROWS, FOLD_SPREAD, FOLDED_KEY_OFFSET, empty_folded_blocks,
                              foldable, folded_blocks_shape, folded_corrections, folded_rows,
                              pack_folded_blocks, pack_offset_folded_blocks)
@@ -38,6 +41,7 @@ from .int8_dot import int8_dot_exact, int8_dot_into, int8_dot_tile, vnni_mix_til
 from .int8_layouts import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_blocks_shape,
                            int8_rows, merge_ranges, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
+from .fma_choice import fma_faster, fma_safe, values_range
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
                       aligned_empty, as_f32_array, bf16_scalar, check_inplace, is_int, e2m1_scalar, e4m3_scalar, fma_f32,
                       is_bf16_valued, nan_max, output_buffer, pow2ceil, pow2ceil_scalar,

@@ -29,7 +29,6 @@ import ctypes
 import ctypes.util
 
 import llvmlite.ir as ir
-import numpy as np
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic

@@ -1,5 +1,6 @@
-"""bf16 dot products on AVX512-BF16: an LLVM-IR micro-kernel, the many-row product built on it in
-the reference's order, and the bf16-pair layouts it reads.
+"""bf16 dot products on AVX512-BF16: an LLVM-IR micro-kernel and its FMA twin, and the many-row
+product built on them in the reference's order. Their operands are the pair layouts of
+:mod:`.bf16_layouts`; when the FMA twin runs instead is :mod:`.fma_choice`'s to say.
 
 Whether they run (or numpy's f32 BLAS instead) is read from :func:`.backend.tier_at_least`
 (``"avx512bf16"``).
@@ -7,22 +8,16 @@ Whether they run (or numpy's f32 BLAS instead) is read from :func:`.backend.tier
 
 from __future__ import annotations
 
-import os
-import time
-
 import llvmlite.ir as ir
-import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .formats import as_f32_array, output_buffer
 from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, prefetch, row_operands,
                         row_pointer, splat, wide_registers)
 
 __all__ = ["DOT_ROWS", "DOT_LANES", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_dot_run", "bf16_fma_tile",
-           "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16", "bf16_pairs", "pack_bf16_pairs", "values_range", "fma_safe",
-           "fma_faster"]
+           "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16", "tile_product"]
 
 
 # The reference's products are of bf16 values summed in f32: the bf16 linears, and the indexer's
@@ -180,7 +175,7 @@ def bf16_fma_tile(typingctx, a, b, out):
     bf16 values is exact in f32. Where ``vdpbf16ps`` issues at a quarter of the FMA rate (the
     machine this was written on: 1.2 vs 4.9 G instructions/s a core, measured), this is nearly
     twice as fast. It differs only where ``vdpbf16ps`` flushes denormals (inputs read as zero,
-    results flushed): the caller keeps such inputs away (:func:`fma_safe`). P >= 1.
+    results flushed): the caller keeps such inputs away (:func:`.fma_choice.fma_safe`). P >= 1.
     """
     return types.void(a, b, out), _tile_codegen(_fma_step, "bf16fma", fresh=False)
 
@@ -252,126 +247,6 @@ def bf16_matvec_tile(typingctx, x, b0, b1, b2, b3, out):
     return sig, codegen
 
 
-# ------------------------------------------------------------------- when the FMA kernel agrees
-
-# An input range: (ok, lowest, highest biased exponent of the non-zero values); ok is False for
-# a denormal, an inf or NaN, or a value that is not a bf16 value.
-_NO_VALUES = (True, 255, 0)
-
-
-@njit(cache=True)
-def _range_update(bits16, ok, lo, hi):
-    e = (bits16 >> 7) & 0xFF
-    if bits16 & 0x7FFF:
-        if e == 0 or e == 255:
-            ok = False
-        lo, hi = min(lo, e), max(hi, e)
-    return ok, lo, hi
-
-
-@njit(cache=True)
-def _f32_row_range(row):
-    """:func:`_range_update` over a row of f32 bits, as float minima and maxima (which
-    vectorise): the smallest non-zero and the largest magnitude, and the low halves or-ed."""
-    low_bits = np.uint32(0)
-    for v in row:
-        low_bits |= v & np.uint32(0xFFFF)
-    smallest, largest, nan = np.float32(np.inf), np.float32(0.0), False
-    for v in row.view(np.float32):
-        a = abs(v)
-        nan |= a != a
-        largest = max(largest, a)
-        smallest = min(smallest, a if a != 0 else np.float32(np.inf))
-    if largest == 0:
-        return low_bits == 0, np.int64(255), np.int64(0)
-    e_lo = np.int64((np.float32(smallest).view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF))
-    e_hi = np.int64((np.float32(largest).view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF))
-    return low_bits == 0 and not nan and e_lo != 0 and e_hi != 255, e_lo, e_hi
-
-
-@njit(parallel=True, cache=True)
-def _bits_range(bits, pairs):
-    """The range of ``bits [n, m]``: f32 values that should hold bf16 values, or (``pairs``)
-    pairs of bf16 values. Rows in parallel, then their ranges together."""
-    n = bits.shape[0]
-    oks = np.empty(n, np.bool_)
-    los = np.empty(n, np.int64)
-    his = np.empty(n, np.int64)
-    for i in prange(n):
-        if pairs:
-            ok, lo, hi = _NO_VALUES
-            for v in bits[i]:
-                ok, lo, hi = _range_update(v & np.uint32(0xFFFF), ok, lo, hi)
-                ok, lo, hi = _range_update(v >> np.uint32(16), ok, lo, hi)
-            oks[i], los[i], his[i] = ok, lo, hi
-        else:
-            oks[i], los[i], his[i] = _f32_row_range(bits[i])
-    ok, lo, hi = _NO_VALUES
-    for i in range(n):
-        ok, lo, hi = ok and oks[i], min(lo, los[i]), max(hi, his[i])
-    return ok, lo, hi
-
-
-def values_range(x: np.ndarray) -> tuple:
-    """``(ok, lowest, highest)`` biased exponent of the non-zero values of f32 ``x`` (or of the
-    pairs ``x`` holds, when uint32); ok False when one is denormal, inf, NaN or not bf16."""
-    x = np.ascontiguousarray(x)
-    pairs = x.dtype == np.uint32
-    bits = x if pairs else np.ascontiguousarray(x, np.float32).view(np.uint32)
-    return _bits_range(bits.reshape(-1, bits.shape[-1] if bits.ndim else 1), pairs)
-
-
-def fma_safe(a_range: tuple, b_range: tuple, k: int) -> bool:
-    """Whether :func:`bf16_fma_tile` gives ``vdpbf16ps``'s sums for inputs of these ranges and
-    ``k`` products a sum: no denormal, inf or NaN among them (``vdpbf16ps`` reads denormals as
-    zero), and no partial sum can be denormal or overflow. A product of bf16 values of biased
-    exponents ``Ea``, ``Eb`` is a multiple of ``2^(Ea + Eb - 268)``, so is every sum of such
-    products and its f32 rounding: with ``Ea + Eb >= 142`` for the smallest no non-zero sum lies
-    below ``2^-126``. Each product is below ``2^(Ea + Eb - 252)``, k of them below
-    ``2^(bits(k) + Ea + Eb - 252)``: at most ``2^127`` when the largest add up to ``379 - bits(k)``.
-    """
-    if not (a_range[0] and b_range[0]):
-        return False
-    if a_range[1] > a_range[2] or b_range[1] > b_range[2]:
-        return True         # a side of zeros
-    return (a_range[1] + b_range[1] >= 142
-            and a_range[2] + b_range[2] <= 379 - int(k).bit_length())
-
-
-_fma_choice: list = []
-
-
-def fma_faster() -> bool:
-    """Whether :func:`bf16_fma_tile` beats :func:`bf16_dot_tile` on this CPU, measured once a
-    process (a few milliseconds; both give the same sums, so only speed rides on it);
-    ``DS41NUMBA_BF16_FMA=1`` / ``0`` decides instead."""
-    if not _fma_choice:
-        forced = os.environ.get("DS41NUMBA_BF16_FMA")
-        _fma_choice.append(forced == "1" if forced in ("0", "1") else _measure_fma_faster())
-    return _fma_choice[0]
-
-
-@njit(cache=True)
-def _hot_tiles(a, b, out, reps):
-    for _ in range(reps):
-        _tile_product(a, b, out, False)
-
-
-def _measure_fma_faster() -> bool:
-    pairs = 256
-    x = np.full((DOT_ROWS, 2 * pairs), 1.0, np.float32)
-    b = np.full((pairs, DOT_LANES), np.uint32(0x3C003C00))
-    out = np.zeros((DOT_ROWS, DOT_LANES), np.float32)
-    a = bf16_pairs(x)
-    best = {}
-    for _ in range(3):
-        for name, operand in (("dot", a), ("fma", x)):
-            t0 = time.perf_counter()
-            _hot_tiles(operand, b, out, 200)
-            best[name] = min(best.get(name, np.inf), time.perf_counter() - t0)
-    return best["fma"] < 0.95 * best["dot"]
-
-
 # A product of many rows runs in work items of _GEMM_ROWS rows by one block of DOT_LANES
 # columns, one run of the reference's order (up to 512 pairs) at a time: that slice of B (up to
 # 64 KB) stays in cache while every row group of the item passes over it, and each micro-kernel
@@ -389,12 +264,12 @@ def _a_width_impl(a):
     return lambda a: width
 
 
-def _tile_product(a, b, out, later):
+def tile_product(a, b, out, later):
     """The micro-kernel for A's layout: :func:`bf16_dot_tile` on pairs, :func:`bf16_fma_tile`
     on f32 values; their ``_run`` forms for a ``later`` run (summed from zero, then added)."""
 
 
-@overload(_tile_product)
+@overload(tile_product)
 def _tile_product_impl(a, b, out, later):
     tile, run = (bf16_fma_tile, bf16_fma_run) if a.dtype == types.float32 else (bf16_dot_tile, bf16_dot_run)
 
@@ -436,87 +311,4 @@ def gemm_bf16(a, b, out, groups, block_pairs):
             k1 = min(P, k0 + block_pairs)
             b_run = b[j, k0:k1]
             for r in range(0, r1 - r0, DOT_ROWS):
-                _tile_product(a_rows[r:r + DOT_ROWS, k0 * width:k1 * width], b_run, o[r:r + DOT_ROWS], k0 > 0)
-
-
-@njit(cache=True)
-def _bf16_pair(lo, hi):
-    """Two bf16 values (f32 bit patterns) as one uint32, ``lo`` in the low half."""
-    return (lo >> np.uint32(16)) | (hi & np.uint32(0xFFFF0000))
-
-
-@njit(cache=True)
-def _n_not_bf16(lo, hi):
-    return ((lo & np.uint32(0xFFFF)) != 0) + ((hi & np.uint32(0xFFFF)) != 0)
-
-
-@njit(parallel=True, cache=True)
-def _pairs_kernel(bits, out):
-    """A operand: ``out[i, p]`` = the pair (``bits[i, 2p]``, ``bits[i, 2p + 1]``); returns how many
-    values were not bf16 values."""
-    bad = 0
-    for i in prange(bits.shape[0]):
-        row, dst = bits[i], out[i]
-        miss = 0
-        for p in range(dst.shape[0]):
-            miss += _n_not_bf16(row[2 * p], row[2 * p + 1])
-            dst[p] = _bf16_pair(row[2 * p], row[2 * p + 1])
-        bad += miss
-    return bad
-
-
-@njit(parallel=True, cache=True)
-def _blocked_pairs_kernel(bits, out, first):
-    """B operand: row ``i`` into lane ``(first + i) % DOT_LANES`` of block ``(first + i) //
-    DOT_LANES`` of ``out [blocks, d / 2, DOT_LANES]``; returns how many values were not bf16."""
-    bad = 0
-    for i in prange(bits.shape[0]):
-        r = first + i
-        blk = out[r // DOT_LANES]
-        lane = r % DOT_LANES
-        row = bits[i]
-        miss = 0
-        for p in range(blk.shape[0]):
-            miss += _n_not_bf16(row[2 * p], row[2 * p + 1])
-            blk[p, lane] = _bf16_pair(row[2 * p], row[2 * p + 1])
-        bad += miss
-    return bad
-
-
-def _pair_bits(x, name):
-    x = np.ascontiguousarray(as_f32_array(x, name))
-    if x.ndim != 2 or x.shape[1] % 2:
-        raise ValueError(f"{name}: x must be [n, d] with d even, got shape {x.shape}")
-    return x.view(np.uint32)
-
-
-def bf16_pairs(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """bf16-valued rows ``x [n, d]`` (d even) as the A operand of the AVX512-BF16 micro-kernel:
-    uint32 ``[n, d / 2]``, values ``2p`` and ``2p + 1`` of a row in element p (into ``out``
-    when given)."""
-    bits = _pair_bits(x, "bf16_pairs")
-    out = output_buffer(out, (bits.shape[0], bits.shape[1] // 2), "bf16_pairs", np.uint32)
-    if _pairs_kernel(bits, out):
-        raise ValueError("bf16_pairs: x must hold bf16 values (round it to bfloat16 first)")
-    return out
-
-
-def pack_bf16_pairs(x: np.ndarray, out: np.ndarray | None = None, first: int = 0) -> np.ndarray:
-    """bf16-valued rows ``x [n, d]`` (d even) as the B operand of the AVX512-BF16 micro-kernel:
-    uint32 ``[blocks, d / 2, DOT_LANES]``, row ``first + i`` of ``x`` in lane ``(first + i) %
-    DOT_LANES`` of block ``(first + i) // DOT_LANES``. Into ``out`` when given (its other rows
-    untouched), else into a fresh zero-padded array with ``first = 0``."""
-    bits = _pair_bits(x, "pack_bf16_pairs")
-    n, d = bits.shape
-    if out is None:
-        if first:
-            raise ValueError("pack_bf16_pairs: first needs an out array")
-        out = np.zeros((-(-n // DOT_LANES), d // 2, DOT_LANES), np.uint32)
-    elif (not isinstance(out, np.ndarray) or out.dtype != np.uint32 or out.ndim != 3
-          or out.shape[1:] != (d // 2, DOT_LANES) or not out.flags.c_contiguous
-          or not 0 <= first <= out.shape[0] * DOT_LANES - n):
-        raise ValueError(f"pack_bf16_pairs: out must be a C-contiguous uint32 [blocks, {d // 2}, "
-                         f"{DOT_LANES}] with room for rows {first}..{first + n}")
-    if _blocked_pairs_kernel(bits, out, first):
-        raise ValueError("pack_bf16_pairs: x must hold bf16 values (round it to bfloat16 first)")
-    return out
+                tile_product(a_rows[r:r + DOT_ROWS, k0 * width:k1 * width], b_run, o[r:r + DOT_ROWS], k0 > 0)

@@ -9,8 +9,9 @@ import numpy as np
 from numba import njit, prange
 
 from .backend import tier_at_least
-from .bf16_dot import (DOT_LANES, DOT_ROWS, MATVEC_BLOCKS, bf16_matvec_tile, bf16_pairs, fma_faster,
-                       fma_safe, gemm_bf16, values_range)
+from .bf16_dot import DOT_LANES, DOT_ROWS, MATVEC_BLOCKS, bf16_matvec_tile, gemm_bf16
+from .bf16_layouts import bf16_pairs
+from .fma_choice import fma_faster, fma_safe, values_range
 from .f32_products import F32Matrix, linear_f32_ordered
 from .formats import as_f32_array, bf16_scalar, is_bf16_valued, output_buffer, round_bf16_inplace
 from .workers import worth_parallel
@@ -336,7 +337,7 @@ class Bf16Matrix:
         self.shape = tuple(int(s) for s in w.shape)
         self.groups = int(groups)
         self._pairs = self._packed(w)
-        # The weight's exponents, for whether the FMA kernel may run (bf16_dot.fma_safe).
+        # The weight's exponents, for whether the FMA kernel may run (fma_choice.fma_safe).
         self._range = values_range(self._pairs)
 
     def _packed(self, w):
@@ -388,7 +389,7 @@ class Bf16Matrix:
         (float32 or ``ml_dtypes.bfloat16``): the products are exact and each output sums them in
         the reference's order for a call of ``ref_rows`` rows (default ``m``; see
         :func:`bf16_k_block`), with ``vdpbf16ps`` or, where FMAs are faster on this CPU
-        (:func:`~.bf16_dot.fma_faster`) and give the same sums (:func:`~.bf16_dot.fma_safe`),
+        (:func:`~.fma_choice.fma_faster`) and give the same sums (:func:`~.fma_choice.fma_safe`),
         with two FMAs a pair in its order. Without AVX512-BF16 (the ``blas`` tier) always on the
         FMAs: the same sums but where ``vdpbf16ps`` would flush a denormal, which they keep.
         Either way no sum depends on the rows' tiling or the thread count (a BLAS's may: some

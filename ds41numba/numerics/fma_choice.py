@@ -1,0 +1,136 @@
+"""When the FMA twin of the AVX512-BF16 kernel runs: :func:`.bf16_dot.bf16_fma_tile` gives
+``vdpbf16ps``'s sums only for inputs whose ranges keep denormals, infinities and NaNs away
+(:func:`values_range`, :func:`fma_safe`), and it runs only where it is the faster of the two on
+this CPU (:func:`fma_faster`, measured once a process). Both give the same sums, so the choice
+moves only speed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from numba import njit, prange
+
+from .bf16_dot import DOT_LANES, DOT_ROWS, tile_product
+from .bf16_layouts import bf16_pairs
+
+__all__ = ["values_range", "fma_safe", "fma_faster"]
+
+# An input range: (ok, lowest, highest biased exponent of the non-zero values); ok is False for
+# a denormal, an inf or NaN, or a value that is not a bf16 value.
+_NO_VALUES = (True, 255, 0)
+
+
+@njit(cache=True)
+def _range_update(bits16, ok, lo, hi):
+    e = (bits16 >> 7) & 0xFF
+    if bits16 & 0x7FFF:
+        if e == 0 or e == 255:
+            ok = False
+        lo, hi = min(lo, e), max(hi, e)
+    return ok, lo, hi
+
+
+@njit(cache=True)
+def _f32_row_range(row):
+    """:func:`_range_update` over a row of f32 bits, as float minima and maxima (which
+    vectorise): the smallest non-zero and the largest magnitude, and the low halves or-ed."""
+    low_bits = np.uint32(0)
+    for v in row:
+        low_bits |= v & np.uint32(0xFFFF)
+    smallest, largest, nan = np.float32(np.inf), np.float32(0.0), False
+    for v in row.view(np.float32):
+        a = abs(v)
+        nan |= a != a
+        largest = max(largest, a)
+        smallest = min(smallest, a if a != 0 else np.float32(np.inf))
+    if largest == 0:
+        return low_bits == 0, np.int64(255), np.int64(0)
+    e_lo = np.int64((np.float32(smallest).view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF))
+    e_hi = np.int64((np.float32(largest).view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF))
+    return low_bits == 0 and not nan and e_lo != 0 and e_hi != 255, e_lo, e_hi
+
+
+@njit(parallel=True, cache=True)
+def _bits_range(bits, pairs):
+    """The range of ``bits [n, m]``: f32 values that should hold bf16 values, or (``pairs``)
+    pairs of bf16 values. Rows in parallel, then their ranges together."""
+    n = bits.shape[0]
+    oks = np.empty(n, np.bool_)
+    los = np.empty(n, np.int64)
+    his = np.empty(n, np.int64)
+    for i in prange(n):
+        if pairs:
+            ok, lo, hi = _NO_VALUES
+            for v in bits[i]:
+                ok, lo, hi = _range_update(v & np.uint32(0xFFFF), ok, lo, hi)
+                ok, lo, hi = _range_update(v >> np.uint32(16), ok, lo, hi)
+            oks[i], los[i], his[i] = ok, lo, hi
+        else:
+            oks[i], los[i], his[i] = _f32_row_range(bits[i])
+    ok, lo, hi = _NO_VALUES
+    for i in range(n):
+        ok, lo, hi = ok and oks[i], min(lo, los[i]), max(hi, his[i])
+    return ok, lo, hi
+
+
+def values_range(x: np.ndarray) -> tuple:
+    """``(ok, lowest, highest)`` biased exponent of the non-zero values of f32 ``x`` (or of the
+    pairs ``x`` holds, when uint32); ok False when one is denormal, inf, NaN or not bf16."""
+    x = np.ascontiguousarray(x)
+    pairs = x.dtype == np.uint32
+    bits = x if pairs else np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return _bits_range(bits.reshape(-1, bits.shape[-1] if bits.ndim else 1), pairs)
+
+
+def fma_safe(a_range: tuple, b_range: tuple, k: int) -> bool:
+    """Whether :func:`.bf16_dot.bf16_fma_tile` gives ``vdpbf16ps``'s sums for inputs of these
+    ranges and ``k`` products a sum: no denormal, inf or NaN among them (``vdpbf16ps`` reads
+    denormals as zero), and no partial sum can be denormal or overflow. A product of bf16 values
+    of biased exponents ``Ea``, ``Eb`` is a multiple of ``2^(Ea + Eb - 268)``, so is every sum
+    of such products and its f32 rounding: with ``Ea + Eb >= 142`` for the smallest no non-zero
+    sum lies below ``2^-126``. Each product is below ``2^(Ea + Eb - 252)``, k of them below
+    ``2^(bits(k) + Ea + Eb - 252)``: at most ``2^127`` when the largest add up to ``379 - bits(k)``.
+    """
+    if not (a_range[0] and b_range[0]):
+        return False
+    if a_range[1] > a_range[2] or b_range[1] > b_range[2]:
+        return True         # a side of zeros
+    return (a_range[1] + b_range[1] >= 142
+            and a_range[2] + b_range[2] <= 379 - int(k).bit_length())
+
+
+_fma_choice: list = []
+
+
+def fma_faster() -> bool:
+    """Whether :func:`.bf16_dot.bf16_fma_tile` beats :func:`.bf16_dot.bf16_dot_tile` on this CPU,
+    measured once a process (a few milliseconds; both give the same sums, so only speed rides on
+    it); ``DS41NUMBA_BF16_FMA=1`` / ``0`` decides instead."""
+    if not _fma_choice:
+        forced = os.environ.get("DS41NUMBA_BF16_FMA")
+        _fma_choice.append(forced == "1" if forced in ("0", "1") else _measure_fma_faster())
+    return _fma_choice[0]
+
+
+@njit(cache=True)
+def _hot_tiles(a, b, out, reps):
+    for _ in range(reps):
+        tile_product(a, b, out, False)
+
+
+def _measure_fma_faster() -> bool:
+    pairs = 256
+    x = np.full((DOT_ROWS, 2 * pairs), 1.0, np.float32)
+    b = np.full((pairs, DOT_LANES), np.uint32(0x3C003C00))
+    out = np.zeros((DOT_ROWS, DOT_LANES), np.float32)
+    a = bf16_pairs(x)
+    best = {}
+    for _ in range(3):
+        for name, operand in (("dot", a), ("fma", x)):
+            t0 = time.perf_counter()
+            _hot_tiles(operand, b, out, 200)
+            best[name] = min(best.get(name, np.inf), time.perf_counter() - t0)
+    return best["fma"] < 0.95 * best["dot"]
