@@ -43,10 +43,10 @@ def _pow2(e):
 @njit(cache=True)
 def _fold_row(row, ints, exps):
     """``row`` as folded integers in ``ints`` (``n_g * 2^(e_g - e_min)``; those past a byte, in a
-    row that cannot be folded, as 0); returns ``(bad, emin, emax, scale)``, ``scale = 2^e_min`` (1 for a
-    row of zeros), the group exponents and the test of every value as
-    :mod:`.int8_layouts`' decomposition. Branch-free over the values, so the loops vectorise: the folded
-    integer is the value times ``2^-e_min``, an exact scaling."""
+    row that cannot be folded, as 0); returns ``(bad, emin, emax, scale)``, ``scale = 2^e_min`` (1
+    for a row of zeros), the group exponents and the test of every value as :mod:`.int8_layouts`'
+    decomposition. Branch-free over the values, so the loops vectorise: the folded integer is the
+    value times ``2^-e_min``, an exact scaling."""
     bad = False
     emin, emax = NO_EXP, -NO_EXP
     for g in range(exps.shape[0]):
@@ -112,10 +112,10 @@ def _folded_input(x, name):
 
 def folded_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
     """fp4-valued rows ``x [n, d]`` (``d`` a multiple of ``AMX_K``) as the A operand of
-    :func:`.amx_dot.amx_dot_tile`: ``(quads uint32 [n, d / 4] of signed bytes, scales float32 [n, 1],
-    range)``, into the first n rows of ``out = (quads, scales)`` when given. Rows that are not
-    fp4 values count as bad in the range, rows whose exponents spread wider than FOLD_SPREAD in
-    its spread: :func:`foldable` says whether the products are exact."""
+    :func:`.amx_dot.amx_dot_tile`: ``(quads uint32 [n, d / 4] of signed bytes, scales float32 [n,
+    1], range)``, into the first n rows of ``out = (quads, scales)`` when given. Rows that are not
+    fp4 values count as bad in the range, rows whose exponents spread wider than FOLD_SPREAD in its
+    spread: :func:`foldable` says whether the products are exact."""
     x = _folded_input(x, "folded_rows")
     n, d = x.shape
     shapes = ((n, d // 4), (n, 1))
@@ -135,11 +135,11 @@ def folded_blocks_shape(n: int, d: int) -> tuple:
 
 
 def pack_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) -> tuple:
-    """fp4-valued rows ``x [n, d]`` as the B operand of :func:`.amx_dot.amx_dot_tile`: ``(quads uint32
-    [blocks, d / 4, DOT_LANES] of signed bytes, scales float32 [blocks, 1, DOT_LANES], range)``,
-    row ``first + i`` in lane ``(first + i) % DOT_LANES`` of block ``(first + i) // DOT_LANES``;
-    into ``out`` when given (its other rows untouched), else fresh arrays (padding lanes zero,
-    scale 1) with ``first = 0``. The range as in :func:`folded_rows`."""
+    """fp4-valued rows ``x [n, d]`` as the B operand of :func:`.amx_dot.amx_dot_tile`: ``(quads
+    uint32 [blocks, d / 4, DOT_LANES] of signed bytes, scales float32 [blocks, 1, DOT_LANES],
+    range)``, row ``first + i`` in lane ``(first + i) % DOT_LANES`` of block ``(first + i) //
+    DOT_LANES``; into ``out`` when given (its other rows untouched), else fresh arrays (padding
+    lanes zero, scale 1) with ``first = 0``. The range as in :func:`folded_rows`."""
     return _pack_folded(x, out, first, 0, "pack_folded_blocks")
 
 
@@ -172,10 +172,10 @@ FOLDED_KEY_OFFSET = 128
 
 
 def pack_offset_folded_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) -> tuple:
-    """fp4-valued rows ``x [n, d]`` folded as the B operand of :func:`.int8_dot.int8_dot_tile`: ``(quads
-    uint32 [blocks, d / 4, DOT_LANES] of unsigned bytes n + FOLDED_KEY_OFFSET, scales float32
-    [blocks, 1, DOT_LANES], range)``, laid out and ranged as :func:`pack_folded_blocks`; the A
-    operand is :func:`folded_rows` with :func:`folded_corrections`."""
+    """fp4-valued rows ``x [n, d]`` folded as the B operand of :func:`.int8_dot.int8_dot_tile`:
+    ``(quads uint32 [blocks, d / 4, DOT_LANES] of unsigned bytes n + FOLDED_KEY_OFFSET, scales
+    float32 [blocks, 1, DOT_LANES], range)``, laid out and ranged as :func:`pack_folded_blocks`; the
+    A operand is :func:`folded_rows` with :func:`folded_corrections`."""
     return _pack_folded(x, out, first, FOLDED_KEY_OFFSET, "pack_offset_folded_blocks")
 
 
@@ -191,8 +191,8 @@ def _corrections_kernel(quads, out):
 
 def folded_corrections(quads: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """For folded rows (the signed bytes ``quads [n, d / 4]`` of :func:`folded_rows`), int32 ``[n,
-    1]``: ``-FOLDED_KEY_OFFSET`` times each row's sum, what :func:`.int8_dot.int8_dot_tile` starts a row
-    from against :func:`pack_offset_folded_blocks`' keys (into ``out`` when given)."""
+    1]``: ``-FOLDED_KEY_OFFSET`` times each row's sum, what :func:`.int8_dot.int8_dot_tile` starts a
+    row from against :func:`pack_offset_folded_blocks`' keys (into ``out`` when given)."""
     if not isinstance(quads, np.ndarray) or quads.dtype != np.uint32 or quads.ndim != 2 \
             or not quads.flags.c_contiguous:
         raise ValueError("folded_corrections: quads must be a C-contiguous uint32 [n, d / 4]")
@@ -203,7 +203,7 @@ def folded_corrections(quads: np.ndarray, out: np.ndarray | None = None) -> np.n
 
 
 def foldable(a_range: np.ndarray, b_range: np.ndarray) -> bool:
-    """Whether rows of these two ranges were folded whole (no bad rows, every row's exponents
-    within FOLD_SPREAD). With :func:`.int8_dot.int8_dot_exact` true as well, :func:`.amx_dot.amx_dot_tile`
+    """Whether rows of these two ranges were folded whole (no bad rows, every row's exponents within
+    FOLD_SPREAD). With :func:`.int8_dot.int8_dot_exact` true as well, :func:`.amx_dot.amx_dot_tile`
     gives the exact dot products."""
     return bool(not (a_range[0] or b_range[0]) and max(a_range[3], b_range[3]) <= FOLD_SPREAD)

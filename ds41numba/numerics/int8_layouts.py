@@ -173,12 +173,13 @@ def check_out(a, shape, dtype, name, what):
 
 
 def int8_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
-    """fp4-valued rows ``x [n, d]`` as the A operand of :func:`.int8_dot.int8_dot_tile`: ``(quads uint32
-    [n, d / 4], corr int32 [n, d / 32], scales float32 [n, d / 32], range)``; into the first n
-    rows of ``out = (quads, corr, scales)`` when given. The range tells :func:`.int8_dot.int8_dot_exact`
-    whether the products are exact; rows that are not fp4 values are counted there as bad (and
-    packed as anything), not refused: the caller then takes another path. A zero's sign is not
-    kept: its products add nothing to a sum that starts at +0, in any kernel."""
+    """fp4-valued rows ``x [n, d]`` as the A operand of :func:`.int8_dot.int8_dot_tile`: ``(quads
+    uint32 [n, d / 4], corr int32 [n, d / 32], scales float32 [n, d / 32], range)``; into the first
+    n rows of ``out = (quads, corr, scales)`` when given. The range tells
+    :func:`.int8_dot.int8_dot_exact` whether the products are exact; rows that are not fp4 values
+    are counted there as bad (and packed as anything), not refused: the caller then takes another
+    path. A zero's sign is not kept: its products add nothing to a sum that starts at +0, in any
+    kernel."""
     x = int8_input(x, "int8_rows")
     n, d = x.shape
     shapes = ((n, d // 4), (n, d // INT8_GROUP), (n, d // INT8_GROUP))
@@ -198,11 +199,11 @@ def int8_blocks_shape(n: int, d: int) -> tuple:
 
 
 def pack_int8_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) -> tuple:
-    """fp4-valued rows ``x [n, d]`` as the B operand of :func:`.int8_dot.int8_dot_tile`: ``(quads uint32
-    [blocks, d / 4, DOT_LANES], scales float32 [blocks, d / 32, DOT_LANES], range)``, row
-    ``first + i`` in lane ``(first + i) % DOT_LANES`` of block ``(first + i) // DOT_LANES``.
-    Into ``out = (quads, scales)`` when given (its other rows untouched), else into fresh arrays
-    (the padding lanes zero, scale 1) with ``first = 0``. Bad rows as in :func:`int8_rows`."""
+    """fp4-valued rows ``x [n, d]`` as the B operand of :func:`.int8_dot.int8_dot_tile`: ``(quads
+    uint32 [blocks, d / 4, DOT_LANES], scales float32 [blocks, d / 32, DOT_LANES], range)``, row
+    ``first + i`` in lane ``(first + i) % DOT_LANES`` of block ``(first + i) // DOT_LANES``. Into
+    ``out = (quads, scales)`` when given (its other rows untouched), else into fresh arrays (the
+    padding lanes zero, scale 1) with ``first = 0``. Bad rows as in :func:`int8_rows`."""
     x = int8_input(x, "pack_int8_blocks")
     n, d = x.shape
     shapes = int8_blocks_shape(n, d)
