@@ -408,7 +408,7 @@ def libm_cosf_sinf():
 # behaviour under test), so numpy's warnings about them are expected here.
 @np.errstate(invalid="ignore", over="ignore")
 def fma_f32(a, b, c):
-    """rope's ``_fma_f32``: exact a * b + c rounded once to f32. The f32 product is exact in float64; the float64 sum's
+    """``numerics.fma_f32``: exact a * b + c rounded once to f32. The f32 product is exact in float64; the float64 sum's
     rounding error is recovered with TwoSum and decides the one case where rounding that sum to f32
     would round twice: a sum that lands exactly on a midpoint between two f32 values."""
     f64 = np.float64

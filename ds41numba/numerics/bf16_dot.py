@@ -17,7 +17,7 @@ from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, prefet
                         row_pointer, splat, wide_registers)
 
 __all__ = ["DOT_ROWS", "DOT_LANES", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_dot_run", "bf16_fma_tile",
-           "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16", "tile_product"]
+           "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16"]
 
 
 # The reference's products are of bf16 values summed in f32: the bf16 linears, and the indexer's

@@ -226,4 +226,3 @@ def chain_tile(typingctx, x, v, out):
         return context.get_dummy_value()
 
     return sig, codegen
-

@@ -39,7 +39,6 @@ def _bf16_round(builder, v, may_be_nan):
     return builder.bitcast(rounded, V16F)
 
 
-
 def _lanes(v):
     return ir.Constant(V16I, [v] * 16)
 

@@ -229,5 +229,3 @@ def blocks_out(out, shapes, n, first, name, fresh):
 def merge_ranges(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The range of the rows of two ranges together."""
     return np.array([a[0] + b[0], min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3])], np.int64)
-
-
