@@ -229,11 +229,41 @@ def test_compare_replay_and_testing_match_rows_by_position(tmp_path, full):
         got = f.get("step0.layers.5.idx")
     assert_golden_tensor(rows_path, "step0.layers.5.idx", got)
     _flip_index(rows_path, "step0.layers.5.idx", 2)
-    assert not compare_files(whole, rows_path, subset=True).ok
+    report = compare_files(whole, rows_path, subset=True)
+    assert not report.ok
+    wrong = next(r for r in report.results if r.name == "step0.layers.5.idx")
+    assert wrong.first_rows == [150] and wrong.reasons[0].startswith("row 150:")   # its position
     assert not replay(rows_path).ok
     with pytest.raises(AssertionError):
         assert_golden_tensor(whole, "step0.layers.5.idx",
                              np.asarray(load_golden(whole)[1]["step0.layers.5.idx"])[::-1])
+
+
+def test_compare_says_where_by_position(tmp_path, full):
+    """A rows golden's float row over tolerance is reported at its prefill position."""
+    rows_path = tmp_path / "rows.safetensors"
+    write_golden(_plan("mixed", (10, 11, 150, 202)), rows_path, chunk=64)
+    _scale_float(rows_path, "step0.layers.5.out", row=3, col=7)
+    report = compare_files(full("mixed"), rows_path, subset=True)
+    bad = next(r for r in report.results if r.name == "step0.layers.5.out")
+    assert not bad.ok and bad.first_rows == [202]
+    assert bad.row_worst[0]["row"] == 202 and bad.row_worst[0]["position"] == [202, 7]
+    back = next(r for r in compare_files(rows_path, full("mixed")).results
+                if r.name == "step0.layers.5.out")
+    assert back.first_rows == [202]
+
+
+def _scale_float(path, name, row, col):
+    """Double one bf16 element of a [rows, dim] tensor in place (its exponent + 1)."""
+    b = bytearray(open(path, "rb").read())
+    n = struct.unpack("<Q", b[:8])[0]
+    e = json.loads(b[8:8 + n])[name]
+    assert e["dtype"] == "BF16"
+    at = 8 + n + e["data_offsets"][0] + 2 * (row * e["shape"][1] + col)
+    v = int(np.frombuffer(bytes(b[at:at + 2]), np.uint16)[0])
+    assert 0 < v & 0x7F80 < 0x7F00, "a normal value, doubled without overflow"
+    b[at:at + 2] = np.uint16(v + 0x80).tobytes()
+    open(path, "wb").write(bytes(b))
 
 
 def test_cli_rows_and_plot(tmp_path, full, capsys):

@@ -118,6 +118,14 @@ class Judge:
         return np.array(sorted(rows), np.int64)
 
     def compare(self, name: str, want, got, golden=None, candidate=None) -> TensorResult:
+        """Judge one tensor; a ``--rows`` golden's prefill rows reported at their positions."""
+        res = self._judged(name, want, got, golden, candidate)
+        sl = _step_layer(name)
+        if sl is not None and sl[0] == 0 and sl[1] in self.positions:
+            _at_positions(res, self.positions[sl[1]])
+        return res
+
+    def _judged(self, name: str, want, got, golden, candidate) -> TensorResult:
         sl = _step_layer(name)
         if self.exact or sl is None:
             return compare_tensor(name, want, got)
@@ -149,6 +157,25 @@ class Judge:
                 res.ok, res.informational = True, True
             return res
         return compare_tensor(name, want, got)
+
+
+_ROW_REASON = re.compile(r"^row (\d+):")
+
+
+def _at_positions(res: TensorResult, positions) -> None:
+    """Report a ``--rows`` golden's step-0 rows as the prefill positions they stand for (row
+    ``j`` is position ``positions[j]``), as a full golden's rows are: ``first_rows``, each
+    ``row_worst`` entry, the reasons and the plot's lists. ``differ_rows`` stays the tensor's
+    own rows: the judge relaxes the rows after a differing selection by it."""
+    def at(row):
+        return int(positions[row])
+    res.first_rows = [at(r) for r in res.first_rows]
+    for w in res.row_worst:
+        w["row"] = w["position"][0] = at(w["row"])
+    res.reasons = [_ROW_REASON.sub(lambda m: f"row {at(int(m.group(1)))}:", r) for r in res.reasons]
+    for k in ("swap_list", "wrong_list"):
+        if hasattr(res, k):
+            setattr(res, k, [at(r) for r in getattr(res, k)])
 
 
 def file_scores(golden: GoldenFile, candidate: GoldenFile | None = None):

@@ -97,7 +97,7 @@ def plot_report(report: CompareReport, golden_path, candidate_path, out_path) ->
             axes[0, 0].text(0.5, 0.5, "no differences", ha="center", va="center")
         for (group, rs), ax in zip(panels, axes):
             if rs[0][2].kind == "index":
-                _index_panel(ax, group, rs, prefill, total, held)
+                _index_panel(ax, group, rs, prefill, total)
             else:
                 _float_panel(ax, group, rs, golden, cand, prefill, total, held)
         # The whole summary, wrapped to the figure's width, above the panels.
@@ -112,7 +112,7 @@ def plot_report(report: CompareReport, golden_path, candidate_path, out_path) ->
     return os.fspath(out_path)
 
 
-def _index_panel(ax, group, rs, prefill, total, held):
+def _index_panel(ax, group, rs, prefill, total):
     layers = sorted({layer for _, layer, _ in rs})
     kinds = (("boundary swap", "orange", -0.15, lambda r: getattr(r, "swap_list", [])),
              ("wrong", "red", 0.15, lambda r: getattr(r, "wrong_list", [])
@@ -121,7 +121,7 @@ def _index_panel(ax, group, rs, prefill, total, held):
         xs, ys = [], []
         for step, layer, r in rs:
             rows = rows_of(r)
-            xs += [_position(step, row, prefill, held.get(layer)) for row in rows]
+            xs += [_position(step, row, prefill) for row in rows]   # positions already
             ys += [layer + dy] * len(rows)
         if xs:
             ax[0].scatter(xs, ys, s=6, c=color, label=f"{kind} ({len(xs)} rows)")
