@@ -314,6 +314,7 @@ def _progress(total: int, quiet: bool, desc: str):
                 if len(seen) == 1 or piece == "step 1" or piece == "resumed":
                     warming.add(piece)
                 bar.bar_format = _COMPILING_FORMAT if piece in warming else None
+            n = min(n, max(total - bar.n, 0))   # float sums of work units overshoot by rounding
             if not n:
                 bar.set_postfix_str(where, refresh=False)
             elif piece in warming:   # counted, but not a sample of the rate
