@@ -19,6 +19,7 @@ from ds41numba.cli import main, parse_rows
 from ds41numba.golden import (GoldenError, GoldenFile, GoldenPlan, RunInterrupted, compare_files,
                               load_golden, replay, write_golden)
 from ds41numba.golden.cluster import Cluster
+from ds41numba.golden.rows import PER_ROW
 from ds41numba.numerics import use_backend
 from ds41numba.testing import assert_candidate_file, assert_golden_tensor
 
@@ -251,6 +252,27 @@ def test_compare_says_where_by_position(tmp_path, full):
     back = next(r for r in compare_files(rows_path, full("mixed")).results
                 if r.name == "step0.layers.5.out")
     assert back.first_rows == [202]
+
+
+def test_a_full_goldens_rows_are_read_alone(tmp_path, full, monkeypatch):
+    """Compared with a rows golden, a full golden's step-0 tensors are read at the rows' positions
+    only (a 1M-position golden's are 10 GB each), and those rows are the tensor's own."""
+    rows_path = tmp_path / "rows.safetensors"
+    write_golden(_plan("mixed", (10, 11, 150, 202)), rows_path, chunk=64)
+    whole = str(full("mixed"))
+    with GoldenFile(whole) as f:
+        for name in f.names:
+            if name.startswith("step0.") and name.split(".", 3)[3] in PER_ROW:
+                assert f.get_rows(name, [10, 11, 150, 202]).tobytes() == \
+                    f.get(name)[[10, 11, 150, 202]].tobytes(), name
+    loaded = []
+    get = GoldenFile.get
+    monkeypatch.setattr(GoldenFile, "get", lambda self, name: loaded.append((self.path, name))
+                        or get(self, name))
+    assert compare_files(rows_path, whole).ok
+    whole_rows = [n for p, n in loaded if p == whole and n.startswith("step0.")
+                  and n.split(".", 3)[3] in PER_ROW]
+    assert not whole_rows, whole_rows[:3]
 
 
 def _scale_float(path, name, row, col):

@@ -26,6 +26,7 @@ from .. import __version__
 from ..config import AttnConfig
 from .captures import CAPTURE_MODES, STEP_NAME
 from .rows import runs
+from .tensor_files import read_header
 from .errors import GoldenError, disk_errors
 from .generator import BATCH_INPUTS, GENERATOR, GENERATOR_SPEC, PROFILES
 
@@ -423,6 +424,16 @@ class GoldenFile:
             raise
         except Exception as e:
             raise GoldenError(f"cannot read tensor {name} from {self.path!r}: {e}") from None
+
+    def get_rows(self, name: str, take) -> np.ndarray:
+        """Rows ``take`` (indices into the first axis) of one tensor, reading only those rows:
+        comparing a few rows with a 1M-row golden must not load its 10 GB tensors whole."""
+        take = np.asarray(take, np.int64)
+        if self.kind == "npz":
+            return self.get(name)[take]
+        if getattr(self, "_stored", None) is None:
+            self._stored = read_header(self.path)
+        return np.array(self._stored[name].array()[take])
 
     def close(self):
         if getattr(self, "_npz", None) is not None:

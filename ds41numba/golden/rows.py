@@ -77,7 +77,7 @@ class RowsOf:
             if what == "rows":
                 return self.positions[layer].astype(np.int32)
             if what in PER_ROW:
-                return self.file.get(name)[self.take[layer]]
+                return self.file.get_rows(name, self.take[layer])
         return self.file.get(name)
 
 
