@@ -50,6 +50,15 @@ import numpy as np
 from . import common
 
 _STEP = re.compile(r"step (\d+)")
+_ROWS = re.compile(r"rows (\d+)-(\d+)")
+
+
+def piece_rows(where: str) -> int:
+    """The rows of the piece a progress report names: a prefill chunk's are in its name ("step 0
+    rows 4096-8191 layer 20"), a decode step is one row. (The report's count is the progress
+    bar's work units, not rows.)"""
+    rows = _ROWS.search(where)
+    return int(rows.group(2)) - int(rows.group(1)) + 1 if rows else 1
 
 
 def run_worker(layer: int, prefill: int, decode: int, chunk: int, directory: str) -> dict:
@@ -66,7 +75,7 @@ def run_worker(layer: int, prefill: int, decode: int, chunk: int, directory: str
         if n == 0:
             started["t"] = now
         else:
-            forwards.append({"step": int(_STEP.match(where).group(1)), "rows": n,
+            forwards.append({"step": int(_STEP.match(where).group(1)), "rows": piece_rows(where),
                              "seconds": now - started["t"]})
 
     fd, path = tempfile.mkstemp(suffix=".safetensors", dir=directory)
