@@ -25,7 +25,7 @@ from .captures import SCORE_CAPTURES, STEP_NAME
 from .errors import GoldenError
 from .files import BatchRowFile, GoldenFile, RunInfo
 from .report import CompareReport, group_of
-from .rows import match_rows
+from .rows import PER_ROW, match_rows
 from .tensor_result import TensorResult
 from .ties import DEFAULT_INDEX_TOLERANCE, RowBounds, RowScores
 from .tolerance import TOLERANCE, compare_tensor, is_index
@@ -121,7 +121,7 @@ class Judge:
         """Judge one tensor; a ``--rows`` golden's prefill rows reported at their positions."""
         res = self._judged(name, want, got, golden, candidate)
         sl = _step_layer(name)
-        if sl is not None and sl[0] == 0 and sl[1] in self.positions:
+        if sl is not None and sl[0] == 0 and sl[1] in self.positions and sl[2] in PER_ROW:
             _at_positions(res, self.positions[sl[1]])
         return res
 
