@@ -395,6 +395,7 @@ class GoldenFile:
         except OSError as e:
             raise GoldenError(f"cannot read {self.path!r}: {e.strerror}") from None
         self.kind = "npz" if magic[:2] == b"PK" else "safetensors"
+        self._stored = None     # the header's tensors, memory-mappable one by one (get_rows)
         try:
             if self.kind == "npz":
                 self._npz = np.load(self.path, allow_pickle=False)
@@ -431,14 +432,14 @@ class GoldenFile:
         take = np.asarray(take, np.int64)
         if self.kind == "npz":
             return self.get(name)[take]
-        if getattr(self, "_stored", None) is None:
+        if self._stored is None:
             self._stored = read_header(self.path)
         return np.array(self._stored[name].array()[take])
 
     def close(self):
         if getattr(self, "_npz", None) is not None:
             self._npz.close()
-        self._st = self._npz = None
+        self._st = self._npz = self._stored = None
 
     def __enter__(self):
         return self
