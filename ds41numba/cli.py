@@ -389,7 +389,8 @@ def _cluster(args, plan):
 def _replay(args) -> int:
     with golden.GoldenFile(args.file) as f:
         info = f.run_info()
-    total = golden.total_work(info.config, info.layers, info.prefill, info.decode) * info.batch
+    total = golden.total_work(info.config, info.layers, info.prefill, info.decode,
+                              info.rows) * info.batch
     with _progress(total, args.quiet, "replay") as progress:
         report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
                                exact_index=args.exact_index, weights_dir=args.weights)

@@ -203,7 +203,8 @@ def file_scores(golden: GoldenFile, candidate: GoldenFile | None = None):
 
 
 def compare_files(golden_path, candidate_path, subset: bool = False,
-                  index_tolerance: float | None = None, exact_index: bool = False) -> CompareReport:
+                  index_tolerance: float | None = None, exact_index: bool = False,
+                  strict_evidence: bool = False) -> CompareReport:
     """Compare every tensor of two goldens (safetensors or reference .npz, either side).
 
     A tensor only in the golden fails unless ``subset`` (the candidate then need only carry
@@ -225,6 +226,8 @@ def compare_files(golden_path, candidate_path, subset: bool = False,
         subset: the candidate may leave out tensors of the golden.
         index_tolerance: the boundary band of tie-aware index rows (default 1/16).
         exact_index: index rows must be identical.
+        strict_evidence: the recorded scores must agree too, in rows whose selection is
+            identical (:func:`~.replaying.replay`'s rule).
 
     Returns:
         A :class:`CompareReport`: ``.ok``, ``.results`` (one :class:`TensorResult` a tensor),
@@ -245,7 +248,7 @@ def compare_files(golden_path, candidate_path, subset: bool = False,
             else:
                 g, c, positions, lacking = BatchRowFile(golden, b), BatchRowFile(cand, b), {}, {}
             judge = Judge(g.step_info(), file_scores(g, c), index_tolerance, exact_index,
-                          positions=positions)
+                          strict_evidence=strict_evidence, positions=positions)
             if report is None:
                 report = CompareReport(golden.path, cand.path, subset=subset, index_rule=judge.rule)
             for i, missing in lacking.items():

@@ -3,17 +3,20 @@ and inputs and judged by the rules of :mod:`.compare`, the recorded scores inclu
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numpy as np
 
-from .captures import WEIGHT_NAME, to_storage
-from .compare import Judge, compare_order, file_scores
+from .captures import WEIGHT_NAME
+from .cluster import InProcess
+from .compare import Judge, compare_files, compare_order, file_scores
 from .drive import drive
 from .errors import GoldenError
 from .files import BatchRowFile, GoldenFile, RunInfo
-from .generator import make_input
-from .plan import make_stack
+from .plan import GoldenPlan, make_stack
 from .report import CompareReport
-from .rows import PER_ROW
+from .stream import stream_golden
 from .tensor_result import TensorResult
 from .weights_dir import WeightsDir
 
@@ -72,8 +75,9 @@ def replay(path, progress=None, index_tolerance: float | None = None,
     (:func:`replay_weights`).
 
     A ``--rows`` golden holds the inputs of its answered prefill rows only: the replay makes
-    the prefill's inputs with the generator (the file's seed and profile), checks the stored
-    ones against them, runs every row and compares the file's rows (so it costs the full run).
+    the golden again as it was made (the generator's inputs of the file's seed and profile, the
+    file's weights, the other rows' key side only), in a temporary file, and compares the two
+    by the same rules, so it costs what making it cost, not the full run.
 
     Args:
         path: the golden to replay.
@@ -99,11 +103,31 @@ def replay(path, progress=None, index_tolerance: float | None = None,
         if answered is not None and info.inputs is not None:
             raise GoldenError(f"{golden.path!r}: a --rows golden made with --inputs holds only "
                               f"its answered rows' inputs; it cannot be replayed")
-        check = _Replay(golden, info, answered, index_tolerance, exact_index)
+        if answered is not None:
+            return _replay_rows(golden, info, weights, progress, index_tolerance, exact_index)
+        check = _Replay(golden, info, index_tolerance, exact_index)
         drive(stack, info.prefill, info.decode, info.capture, check.recorded_input, check.compare,
               progress, info.capture_rows)
         check.add_unproduced()
     return check.report
+
+
+def _replay_rows(golden: GoldenFile, info: RunInfo, weights, progress, index_tolerance,
+                 exact_index) -> CompareReport:
+    """:func:`replay` of a ``--rows`` golden: the same plan run again into a temporary file (in
+    ``TMPDIR``; as large as the golden) and the golden judged against it, tensor for tensor."""
+    stored = (info.weights or {}).get("stored", True)
+    plan = GoldenPlan(info.config, info.layers, info.prefill, info.decode, seed=info.seed,
+                      capture=info.capture, preset=info.preset, profile=info.profile,
+                      capture_rows=info.capture_rows, weights=weights, store_weights=stored,
+                      rows=info.rows)
+    with tempfile.TemporaryDirectory(prefix="ds41numba-replay-") as tmp:
+        again = os.path.join(tmp, os.path.basename(golden.path))
+        stream_golden(plan, again, progress=progress, cluster=InProcess())
+        report = compare_files(golden.path, again, index_tolerance=index_tolerance,
+                               exact_index=exact_index, strict_evidence=True)
+    report.candidate = "replay"
+    return report
 
 
 class _Replay:
@@ -111,45 +135,32 @@ class _Replay:
     layer's captures compared with the file's as they come. A batch's sequences are judged one
     by one (:class:`~.files.BatchRowFile`), as compare does."""
 
-    def __init__(self, golden: GoldenFile, info: RunInfo, answered, index_tolerance,
-                 exact_index):
-        self.golden, self.info, self.answered = golden, info, answered
+    def __init__(self, golden: GoldenFile, info: RunInfo, index_tolerance, exact_index):
+        self.golden, self.info = golden, info
         self.names = set(golden.names)
-        positions = {} if answered is None else dict.fromkeys(info.layers, answered)
         self.files = ([golden] if info.batch == 1 else
                       [BatchRowFile(golden, b) for b in range(info.batch)])
         self.judges = [Judge(info, file_scores(f), index_tolerance, exact_index,
-                             strict_evidence=True, positions=positions) for f in self.files]
+                             strict_evidence=True) for f in self.files]
         self.report = CompareReport(golden.path, "replay", index_rule=self.judges[0].rule)
-        self.recomputed = set(f"step0.layers.{i}.rows" for i in positions)
+        self.recomputed = set()
 
     def recorded_input(self, name, first_row, seqlen, start_pos, batch_row=0):
-        """The file's input rows; a ``--rows`` golden's prefill inputs are made again with the
-        generator, and the rows the file holds are judged against them."""
+        """The file's input rows."""
         if name not in self.names:
             raise GoldenError(f"{self.golden.path!r}: input {name} is missing")
         self.recomputed.add(name)
-        if self.answered is None or start_pos:
-            return np.asarray(self.files[batch_row].get(name), dtype=np.float32)
-        info = self.info
-        x = to_storage(name, make_input(name, (seqlen, info.config.dim), info.seed, info.profile,
-                                        first_row, start_pos), "BF16")
-        self.report.add(self.judges[0].compare(name, self.golden.get(name), x[self.answered],
-                                               self.golden))
-        return x
+        return np.asarray(self.files[batch_row].get(name), dtype=np.float32)
 
     def compare(self, prefix, captures, first_row, batch_row=0):
         """A layer's captures of a step against the file's, selections first
-        (:func:`~.compare.compare_order`); a ``--rows`` golden's prefill at its rows."""
+        (:func:`~.compare.compare_order`)."""
         f = self.files[batch_row]
         for what in sorted(captures, key=lambda w: compare_order(prefix + w)):
             name = prefix + what
             self.recomputed.add(name)
             if name in self.names:
-                got = captures[what]
-                if self.answered is not None and prefix.startswith("step0.") and what in PER_ROW:
-                    got = got[self.answered]
-                res = self.judges[batch_row].compare(name, f.get(name), got, f)
+                res = self.judges[batch_row].compare(name, f.get(name), captures[what], f)
                 if self.info.batch > 1:
                     res.name = f"{name}[{batch_row}]"
                 self.report.add(res)
