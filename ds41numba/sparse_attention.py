@@ -18,8 +18,10 @@ from numba.extending import intrinsic
 
 from .numerics import SOFTMAX_LANES, bf16_scalar, output_buffer, softmax_rows
 from .numerics.f32_products import KC, blocked_rows
-from .numerics.vector_ir import (counted_loop, lane_masks, prefetch as prefetch_line, splat,
-                                 wide_registers)
+from .numerics.f32_tiles import fma_sums
+from .numerics.vector_ir import (F32, I32, I64, V16F, extent, i64, lane_masks, row_operands,
+                                 row_pointer, wide_registers)
+from .numerics.vector_ir import prefetch as prefetch_line
 
 __all__ = ["sparse_attn"]
 
@@ -51,8 +53,9 @@ __all__ = ["sparse_attn"]
 # product block is kept as one zero row with probability +0; every other -1 entry is skipped.
 # Block edges stay at list positions: the bits are those of the full list.
 #
-# MKL's block (KC) and its row-blocking rule (blocked_rows) are the ones the f32 products use
-# (:mod:`.numerics.f32_products`): one model of its order.
+# MKL's block (KC), its row-blocking rule (blocked_rows) and its FMA chain inside a block
+# (fma_sums) are the ones the f32 products use (:mod:`.numerics.f32_products`,
+# :mod:`.numerics.f32_tiles`): one model of its order.
 
 # The tiles' sums stay in registers: AVX-512 has 32 of 16 floats, AVX2 16 of 8
 # (:func:`~.numerics.vector_ir.wide_registers`), where the AVX-512 tiles spilled at every step
@@ -73,7 +76,62 @@ _PV_PREFETCH = 4
 _LIST_SLACK = max(_QK_ROWS - 1, _PV_PREFETCH)
 
 
-# A generated-IR builder, long because it emits one LLVM-IR function: splitting it would split one loop nest.
+def _tile_operands(builder, ops, arrays, rows, nvec, by_address, prefetch, masked):
+    """:func:`_fma_tile`'s operands in IR: the chain's length, ``load_a(k, i)``, ``load_b(k)``
+    (:func:`~.numerics.f32_tiles.fma_sums`), the output operand and the accumulate flag."""
+    def listed(table, k):
+        """Where listed row ``k`` (an i64) starts: entry k of an address table, plus the tile's
+        float offset."""
+        return builder.add(builder.load(row_pointer(builder, table, k, i64(0), I64)), offset)
+
+    def vectors(row, masks=None):
+        """``nvec`` vectors of the floats from address ``row`` on; with ``masks``, only their
+        lanes the masks allow (the others 0)."""
+        ptrs = [builder.inttoptr(builder.add(row, i64(64 * v)), V16F.as_pointer())
+                for v in range(nvec)]
+        if masks is None:
+            return [builder.load(p, align=4) for p in ptrs]
+        masked_load = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            V16F, [V16F.as_pointer(), I32, masks[0].type, V16F]),
+            "llvm.masked.load.v16f32.p0v16f32")
+        return [builder.call(masked_load, [p, ir.Constant(I32, 4), m, ir.Constant(V16F, None)])
+                for p, m in zip(ptrs, masks)]
+
+    if by_address == "a":
+        table, first, b_op, o_op, accumulate = ops
+        offset = builder.mul(first, i64(4))
+        a_rows = [listed(table, i64(i)) for i in range(rows)]
+
+        def load_a(k, i):
+            at = builder.add(a_rows[i], builder.mul(k, i64(4)))
+            return builder.load(builder.inttoptr(at, F32.as_pointer()), align=4)
+
+        def load_b(k):
+            return [builder.load(row_pointer(builder, b_op, k, i64(64 * v), V16F), align=4)
+                    for v in range(nvec)]
+
+        return extent(builder, arrays[2]), load_a, load_b, o_op, accumulate
+
+    a_op, table, first, width, o_op, accumulate = ops
+    offset = builder.mul(first, i64(4))
+    a_stride = builder.extract_value(arrays[0].strides, 1)
+    masks = lane_masks(builder, width, nvec) if masked else None
+
+    def load_a(k, i):
+        return builder.load(row_pointer(builder, a_op, k, builder.mul(a_stride, i64(i)), F32),
+                            align=4)
+
+    def load_b(k):
+        if prefetch:
+            ahead = listed(table, builder.add(k, i64(prefetch)))
+            for line in range(0, 64 * nvec, 64):
+                prefetch_line(builder, builder.inttoptr(builder.add(ahead, i64(line)),
+                                                        ir.IntType(8).as_pointer()))
+        return vectors(listed(table, k), masks)
+
+    return extent(builder, arrays[0]), load_a, load_b, o_op, accumulate
+
+
 def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
     """An intrinsic running MKL's blocked kernel inside one block on a tile of accumulators:
     for ``i < rows`` and the ``16 * nvec`` lanes ``c``, the FMA chain ``acc = fma(a[k, i],
@@ -94,87 +152,17 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
     LLVM IR: the accumulators stay in registers for the whole chain and each step is one vector
     FMA per (row, vector), as in MKL's kernel.
     """
-    # Long because it emits the tile's one LLVM-IR function: splitting it would split one loop nest.
     def codegen(context, builder, signature, values):
-        i1, i8, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        f32 = ir.FloatType()
-        v16f = ir.VectorType(f32, 16)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
-
-        def const(v):
-            return ir.Constant(i64, v)
-
-        def at(base, offset, ty):
-            return builder.inttoptr(builder.add(base, offset), ty.as_pointer())
-
-        def view(n):
-            ary = context.make_array(signature.args[n])(context, builder, values[n])
-            return (builder.ptrtoint(ary.data, i64), cgutils.unpack_tuple(builder, ary.strides),
-                    cgutils.unpack_tuple(builder, ary.shape))
-
-        if by_address == "a":
-            addr, _, _ = view(0)
-            offset = builder.mul(values[1], const(4))
-            b_base, (b_k, _), (n_k, _) = view(2)
-            o_base, (o_i, _), _ = view(3)
-            accumulate = values[4]
-            a_rows = [builder.add(builder.load(at(addr, const(8 * i), i64)), offset)
-                      for i in range(rows)]
-
-            def load_a(k, i):
-                return builder.load(at(a_rows[i], builder.mul(k, const(4)), f32), align=4)
-
-            def load_b(k):
-                row = builder.add(b_base, builder.mul(k, b_k))
-                return [builder.load(at(row, const(64 * v), v16f), align=4) for v in range(nvec)]
-        else:
-            a_base, (a_k, a_i), (n_k, _) = view(0)
-            addr, _, _ = view(1)
-            offset = builder.mul(values[2], const(4))
-            o_base, (o_i, _), _ = view(4)
-            accumulate = values[5]
-            if masked:
-                masked_load = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(v16f, [v16f.as_pointer(), i32, ir.VectorType(i1, 16), v16f]),
-                    "llvm.masked.load.v16f32.p0v16f32")
-                masks = lane_masks(builder, values[3], nvec)
-
-            def load_a(k, i):
-                row = builder.add(a_base, builder.mul(k, a_k))
-                return builder.load(at(row, builder.mul(a_i, const(i)), f32), align=4)
-
-            def load_b(k):
-                row = builder.add(builder.load(at(addr, builder.mul(k, const(8)), i64)), offset)
-                if prefetch:
-                    ahead = builder.mul(builder.add(k, const(prefetch)), const(8))
-                    ahead = builder.add(builder.load(at(addr, ahead, i64)), offset)
-                    for line in range(0, 64 * nvec, 64):
-                        prefetch_line(builder, at(ahead, const(line), i8))
-                if not masked:
-                    return [builder.load(at(row, const(64 * v), v16f), align=4) for v in range(nvec)]
-                return [builder.call(masked_load, [at(row, const(64 * v), v16f), ir.Constant(i32, 4),
-                                                   masks[v], zero])
-                        for v in range(nvec)]
-
-        zero = ir.Constant(v16f, [ir.Constant(f32, 0.0)] * 16)
-
-        def step(k, acc):
-            bv = load_b(k)
-            sums = []
-            for i in range(rows):
-                a = splat(builder, load_a(k, i), v16f)
-                sums += [builder.call(fma, [a, bv[v], acc[i * nvec + v]]) for v in range(nvec)]
-            return sums
-
-        flat = counted_loop(builder, n_k, [zero] * (rows * nvec), step, "fmatile", unrolled=False)
-        result = [flat[i * nvec:(i + 1) * nvec] for i in range(rows)]
+        ops, arrays = row_operands(context, builder, signature, values)
+        n_k, load_a, load_b, o_op, accumulate = _tile_operands(builder, ops, arrays, rows, nvec,
+                                                               by_address, prefetch, masked)
+        acc = fma_sums(builder, n_k, rows, nvec, load_a, load_b, unrolled=False)
         add = builder.icmp_signed("!=", accumulate, ir.Constant(accumulate.type, 0))
         for i in range(rows):
             for v in range(nvec):
-                p = at(o_base, builder.add(builder.mul(o_i, const(i)), const(64 * v)), v16f)
-                summed = builder.fadd(builder.load(p, align=4), result[i][v])
-                builder.store(builder.select(add, summed, result[i][v]), p, align=4)
+                p = row_pointer(builder, o_op, i64(i), i64(64 * v), V16F)
+                summed = builder.fadd(builder.load(p, align=4), acc[i][v])
+                builder.store(builder.select(add, summed, acc[i][v]), p, align=4)
         return context.get_dummy_value()
 
     if by_address == "a":

@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 from .bf16_dot import DOT_LANES
 from .folded_layouts import AMX_K, AMX_ROWS
 from .head_mix import BitsMix, ConvertedMix
-from .vector_ir import F32, I32, I64, V16F, V16I, row_operands, row_pointer, splat
+from .vector_ir import F32, I32, I64, V16F, V16I, extent, row_operands, row_pointer, splat
 
 __all__ = ["amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile", "request_tile_state"]
 
@@ -137,7 +137,7 @@ def amx_dot_tile(typingctx, a, a_scale, b, b_scale, out):
 
     def codegen(context, builder, signature, args):
         (a_op, s_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args)
-        n_quads = cgutils.unpack_tuple(builder, arrays[2].shape, 2)[0]
+        n_quads = extent(builder, arrays[2])
         # The two accumulator tiles are stored here side by side: [AMX_ROWS, DOT_LANES] int32.
         sums = cgutils.alloca_once(builder, ir.ArrayType(I32, AMX_ROWS * DOT_LANES))
         sums.align = 64
@@ -243,9 +243,9 @@ def amx_mix_tile(typingctx, a, a_scale, w, b, b_scale, out, block_max, converts,
     def codegen(context, builder, signature, args):
         (a_op, s_op, w_op, b_op, t_op, o_op, m_op), arrays = row_operands(context, builder, signature,
                                                                           args[:7])
-        n_rows = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[0]
-        n_quads = cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0]
-        n_queries = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[0]
+        n_rows = extent(builder, arrays[0])
+        n_quads = extent(builder, arrays[3])
+        n_queries = extent(builder, arrays[5])
         shape = (n_rows, n_quads, n_queries)
         maxima_on = context.cast(builder, args[8], signature.args[8], types.boolean)
         ops = (a_op, s_op, w_op, b_op, t_op, o_op, (m_op, maxima_on))

@@ -13,7 +13,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .vector_ir import (F32, I32, V16F, V16I, close_loop, i64, open_loop, prefetch, row_operands,
+from .vector_ir import (F32, I32, V16F, V16I, close_loop, extent, i64, open_loop, prefetch, row_operands,
                         row_pointer, splat, wide_registers)
 
 __all__ = ["DOT_ROWS", "DOT_LANES", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_dot_run", "bf16_fma_tile",
@@ -138,7 +138,7 @@ def _fma_step(builder, a_op, b_op):
 def _tile_codegen(make_step, name, fresh):
     def codegen(context, builder, signature, args):
         (a_op, b_op, o_op), arrays = row_operands(context, builder, signature, args)
-        n_pairs = cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0]
+        n_pairs = extent(builder, arrays[1])
         _pairs_loop(builder, o_op, n_pairs, name, make_step(builder, a_op, b_op), fresh)
         return context.get_dummy_value()
 
@@ -239,7 +239,7 @@ def bf16_matvec_tile(typingctx, x, b0, b1, b2, b3, out):
         loop = builder.basic_block
         for a, n in zip(acc, new):
             a.add_incoming(n, loop)
-        close_loop(builder, p, cgutils.unpack_tuple(builder, arrays[1].shape, 2)[0], "bf16mv")
+        close_loop(builder, p, extent(builder, arrays[1]), "bf16mv")
         for n, ptr in zip(new, ptrs):
             builder.store(n, ptr, align=4)
         return context.get_dummy_value()

@@ -13,10 +13,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .vector_ir import counted_loop, splat
+from .vector_ir import (F32, V16F, broadcast_tile, counted_loop, extent, i64, row_operands,
+                        row_pointer, splat)
 
-__all__ = ["TILE_ROWS", "TILE_LANES", "CHAIN_ROWS", "CHAIN_LANES", "fma_tile", "lanes_tile",
-           "chain_tile"]
+__all__ = ["TILE_ROWS", "TILE_LANES", "CHAIN_ROWS", "CHAIN_LANES", "fma_sums", "fma_tile",
+           "lanes_tile", "chain_tile"]
 
 #: Rows of x one micro-kernel call multiplies: 10 x 2 vector accumulators, the two vectors of w
 #: and the 10 broadcasts of x fill the 32 zmm registers (12 rows spilled accumulators: LLVM
@@ -26,80 +27,41 @@ TILE_ROWS = 10
 TILE_LANES = 32
 _NV = TILE_LANES // 16
 
-_F32 = ir.FloatType()
-_I64 = ir.IntType(64)
-_V16 = ir.VectorType(_F32, 16)
+
+def fma_sums(builder, n_k, rows, nvec, load_a, load_b, name="fmatile", unrolled=True):
+    """MKL's blocked kernel inside one block of the inner dimension, on a register tile: for
+    ``i < rows`` and the ``16 * nvec`` lanes ``c``, the FMA chain ``acc = fma(a[k, i], b[k, c],
+    acc)`` over ``k = 0 .. n_k - 1`` from +0 (``load_a(k, i)`` the float ``a[k, i]``,
+    ``load_b(k)`` row k of b as ``nvec`` vectors). The one model of that kernel's sums, which
+    :func:`fma_tile` and sparse attention's tiles store; returns them as
+    :func:`~.vector_ir.broadcast_tile` does."""
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * 3),
+                                         "llvm.fma.v16f32")
+    return broadcast_tile(builder, n_k, rows, nvec, load_a, load_b,
+                          lambda a, b, acc: builder.call(fma, [a, b, acc]), name, unrolled)
 
 
-class _Emit:
-    """A kernel's operands over an llvmlite builder: integer addresses, typed loads and stores,
-    the broadcast step of a register tile (its loops and splats: :mod:`.vector_ir`)."""
+def _vectors(builder, operand, row, nvec):
+    """Row ``row`` (an i64) of a row operand as ``nvec`` 16-lane float vectors."""
+    return [builder.load(row_pointer(builder, operand, row, i64(64 * v), V16F), align=4)
+            for v in range(nvec)]
 
-    def __init__(self, context, builder, signature, args):
-        self.b = builder
-        self.arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else v
-                       for t, v in zip(signature.args, args)]
-        self.ndims = [getattr(t, "ndim", 0) for t in signature.args]
 
-    def const(self, v):
-        return ir.Constant(_I64, v)
+def _clamped_rows(builder, rows, n):
+    """Rows 0..n-1 of an operand of ``rows`` rows (an i64) as i64s, those past it repeating the
+    last row: a tile of ``n`` rows always has all its rows to read."""
+    last = builder.sub(rows, i64(1))
+    return [builder.select(builder.icmp_signed("<", i64(m), rows), i64(m), last) for m in range(n)]
 
-    def base(self, i):
-        return self.b.ptrtoint(self.arrays[i].data, _I64)
 
-    def shape(self, i, d):
-        return cgutils.unpack_tuple(self.b, self.arrays[i].shape, self.ndims[i])[d]
-
-    def stride(self, i, d):
-        return cgutils.unpack_tuple(self.b, self.arrays[i].strides, self.ndims[i])[d]
-
-    def addr(self, *terms):
-        acc = terms[0]
-        for t in terms[1:]:
-            acc = self.b.add(acc, self.const(t) if isinstance(t, int) else t)
-        return acc
-
-    def load(self, addr, ty):
-        return self.b.load(self.b.inttoptr(addr, ty.as_pointer()), align=4)
-
-    def store(self, value, addr):
-        self.b.store(value, self.b.inttoptr(addr, value.type.as_pointer()), align=4)
-
-    def broadcast_step(self, x_rows, b_base, b_stride, nv, update):
-        """The loop body of a register tile: at step k, ``nv`` vectors of row k of B against the
-        broadcast element k of each x row, ``acc = update(x, b, acc)`` for every accumulator
-        (row-major: row m's vectors at ``m * nv ..``)."""
-        def body(k, acc):
-            b_row = self.addr(b_base, self.b.mul(k, b_stride))
-            bv = [self.load(self.addr(b_row, 64 * v), _V16) for v in range(nv)]
-            k4 = self.b.mul(k, self.const(4))
-            new = []
-            for m, x_row in enumerate(x_rows):
-                xs = splat(self.b, self.load(self.addr(x_row, k4), _F32), _V16)
-                new += [update(xs, bv[v], acc[m * nv + v]) for v in range(nv)]
-            return new
-        return body
-
-    def clamped_rows(self, base, stride, rows, n):
-        """Addresses of rows 0..n-1, those past ``rows`` repeating the last row."""
-        last = self.b.sub(rows, self.const(1))
-        return [self.b.add(base, self.b.mul(
-            self.b.select(self.b.icmp_signed("<", self.const(m), rows), self.const(m), last), stride))
-            for m in range(n)]
-
-    def for_rows(self, rows, n, store):
-        """``store(m)`` for each m < min(rows, n); row 0 is always stored."""
-        for m in range(n):
-            if m == 0:
+def _for_rows(builder, rows, n, store):
+    """``store(m)`` for each m < min(rows, n); row 0 is always stored."""
+    for m in range(n):
+        if m == 0:
+            store(m)
+        else:
+            with builder.if_then(builder.icmp_signed("<", i64(m), rows)):
                 store(m)
-            else:
-                with self.b.if_then(self.b.icmp_signed("<", self.const(m), rows)):
-                    store(m)
-
-
-def _fma_vec(builder):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3),
-                                          "llvm.fma.v16f32")
 
 
 @intrinsic
@@ -116,31 +78,30 @@ def fma_tile(typingctx, x, w, out, first):
     sig = types.void(x, w, out, first)
 
     def codegen(context, builder, signature, args):
-        e = _Emit(context, builder, signature, args)
-        fma = _fma_vec(builder)
-        is_first = builder.icmp_unsigned("!=", args[3], ir.Constant(args[3].type, 0))
-        rows = e.shape(0, 0)
-        x_rows = e.clamped_rows(e.base(0), e.stride(0, 0), rows, TILE_ROWS)
-        w_base, w_stride = e.base(1), e.stride(1, 0)
-        o_base, o_stride = e.base(2), e.stride(2, 0)
+        (x_op, w_op, o_op, first), arrays = row_operands(context, builder, signature, args)
+        is_first = builder.icmp_unsigned("!=", first, ir.Constant(first.type, 0))
+        rows = extent(builder, arrays[0])
+        x_rows = _clamped_rows(builder, rows, TILE_ROWS)
 
-        body = e.broadcast_step(x_rows, w_base, w_stride, _NV,
-                                lambda xs, wv, a: builder.call(fma, [xs, wv, a]))
+        def load_x(k, m):
+            return builder.load(row_pointer(builder, x_op, x_rows[m], builder.mul(k, i64(4)), F32),
+                                align=4)
 
-        acc = counted_loop(builder, e.shape(1, 0), [ir.Constant(_V16, None)] * (TILE_ROWS * _NV), body)
+        acc = fma_sums(builder, extent(builder, arrays[1]), TILE_ROWS, _NV, load_x,
+                       lambda k: _vectors(builder, w_op, k, _NV), name="loop")
 
         def store(m):
-            o_row = e.addr(o_base, builder.mul(e.const(m), o_stride))
+            ptrs = [row_pointer(builder, o_op, i64(m), i64(64 * v), V16F) for v in range(_NV)]
             with builder.if_else(is_first) as (then, otherwise):
                 with then:
                     for v in range(_NV):
-                        e.store(acc[m * _NV + v], e.addr(o_row, 64 * v))
+                        builder.store(acc[m][v], ptrs[v], align=4)
                 with otherwise:
                     for v in range(_NV):
-                        a = e.addr(o_row, 64 * v)
-                        e.store(builder.fadd(e.load(a, _V16), acc[m * _NV + v]), a)
+                        builder.store(builder.fadd(builder.load(ptrs[v], align=4), acc[m][v]),
+                                      ptrs[v], align=4)
 
-        e.for_rows(rows, TILE_ROWS, store)
+        _for_rows(builder, rows, TILE_ROWS, store)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -158,30 +119,27 @@ def lanes_tile(typingctx, x, w, lane0, out):
     sig = types.void(x, w, lane0, out)
 
     def codegen(context, builder, signature, args):
-        e = _Emit(context, builder, signature, args)
-        x_base = e.base(0)
-        w_base, w_stride = e.base(1), e.stride(1, 0)
-        n_q = builder.sdiv(e.shape(1, 0), e.const(4))
-        zero = ir.Constant(_V16, None)
-        inits = [e.load(e.addr(e.base(2), 64 * v), _V16) for v in range(_NV)] + [zero] * (3 * _NV)
+        (x_op, w_op, l_op, o_op), arrays = row_operands(context, builder, signature, args)
+        n_q = builder.sdiv(extent(builder, arrays[1]), i64(4))
+        zero = ir.Constant(V16F, None)
+        inits = _vectors(builder, l_op, i64(0), _NV) + [zero] * (3 * _NV)
 
         def body(q, acc):
             new = []
             for lane in range(4):
-                k = builder.add(builder.mul(q, e.const(4)), e.const(lane))
-                xs = splat(builder, e.load(e.addr(x_base, builder.mul(k, e.const(4))), _F32), _V16)
-                w_row = e.addr(w_base, builder.mul(k, w_stride))
-                new += [builder.fadd(acc[lane * _NV + v],
-                                     builder.fmul(xs, e.load(e.addr(w_row, 64 * v), _V16)))
-                        for v in range(_NV)]
+                k = builder.add(builder.mul(q, i64(4)), i64(lane))
+                x = builder.load(row_pointer(builder, x_op, i64(0), builder.mul(k, i64(4)), F32),
+                                 align=4)
+                xs = splat(builder, x, V16F)
+                new += [builder.fadd(acc[lane * _NV + v], builder.fmul(xs, w))
+                        for v, w in enumerate(_vectors(builder, w_op, k, _NV))]
             return new
 
         acc = counted_loop(builder, n_q, inits, body)
-        o_base = e.base(3)
         for v in range(_NV):
             lane = [acc[i * _NV + v] for i in range(4)]
             r = builder.fadd(builder.fadd(lane[0], lane[2]), builder.fadd(lane[1], lane[3]))
-            e.store(r, e.addr(o_base, 64 * v))
+            builder.store(r, row_pointer(builder, o_op, i64(0), i64(64 * v), V16F), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -204,25 +162,25 @@ def chain_tile(typingctx, x, v, out):
     sig = types.void(x, v, out)
 
     def codegen(context, builder, signature, args):
-        e = _Emit(context, builder, signature, args)
-        rows = e.shape(0, 0)
-        x_rows = e.clamped_rows(e.base(0), e.stride(0, 0), rows, CHAIN_ROWS)
-        v_base, v_stride = e.base(1), e.stride(1, 0)
+        (x_op, v_op, o_op), arrays = row_operands(context, builder, signature, args)
+        rows = extent(builder, arrays[0])
+        x_rows = _clamped_rows(builder, rows, CHAIN_ROWS)
+
+        def load_x(k, m):
+            return builder.load(row_pointer(builder, x_op, x_rows[m], builder.mul(k, i64(4)), F32),
+                                align=4)
 
         # No FMA: each product rounded, then added.
-        body = e.broadcast_step(x_rows, v_base, v_stride, _CHAIN_NV,
-                                lambda xs, vv, a: builder.fadd(a, builder.fmul(xs, vv)))
-
-        acc = counted_loop(builder, e.shape(1, 0), [ir.Constant(_V16, None)] * (CHAIN_ROWS * _CHAIN_NV),
-                           body)
-        o_base, o_stride = e.base(2), e.stride(2, 0)
+        acc = broadcast_tile(builder, extent(builder, arrays[1]), CHAIN_ROWS, _CHAIN_NV, load_x,
+                             lambda k: _vectors(builder, v_op, k, _CHAIN_NV),
+                             lambda xs, vv, a: builder.fadd(a, builder.fmul(xs, vv)), name="loop")
 
         def store(m):
-            o_row = e.addr(o_base, builder.mul(e.const(m), o_stride))
             for i in range(_CHAIN_NV):
-                e.store(acc[m * _CHAIN_NV + i], e.addr(o_row, 64 * i))
+                builder.store(acc[m][i], row_pointer(builder, o_op, i64(m), i64(64 * i), V16F),
+                              align=4)
 
-        e.for_rows(rows, CHAIN_ROWS, store)
+        _for_rows(builder, rows, CHAIN_ROWS, store)
         return context.get_dummy_value()
 
     return sig, codegen

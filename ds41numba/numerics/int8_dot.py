@@ -20,7 +20,7 @@ from .bf16_dot import DOT_LANES, DOT_ROWS
 from .folded_layouts import AMX_ROWS
 from .head_mix import BitsMix, ConvertedMix
 from .int8_layouts import INT8_MAX, MIN_EXP
-from .vector_ir import (F32, I32, I64, V16F, V16I, close_loop, i64, open_loop, row_operands,
+from .vector_ir import (F32, I32, I64, V16F, V16I, close_loop, extent, i64, open_loop, row_operands,
                         row_pointer, splat)
 
 __all__ = ["int8_dot_tile", "int8_dot_into", "int8_dot_exact", "vnni_mix_tile"]
@@ -131,8 +131,8 @@ def quad_sums(builder, a_op, b_op, start, p0, n_quads, row0, name):
 def _int8_codegen(fresh):
     def codegen(context, builder, signature, args):
         (a_op, c_op, s_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args)
-        n_groups = cgutils.unpack_tuple(builder, arrays[4].shape, 2)[0]
-        group_quads = builder.sdiv(cgutils.unpack_tuple(builder, arrays[3].shape, 2)[0], n_groups)
+        n_groups = extent(builder, arrays[4])
+        group_quads = builder.sdiv(extent(builder, arrays[3]), n_groups)
         nvec = DOT_LANES // 16
         zero = ir.Constant(V16F, [0.0] * 16)
 
@@ -184,9 +184,9 @@ def vnni_mix_tile(typingctx, a, a_corr, a_scale, w, b, b_scale, out, block_max, 
     def codegen(context, builder, signature, args):
         (a_op, c_op, s_op, w_op, b_op, t_op, o_op, m_op), arrays = row_operands(
             context, builder, signature, args[:8])
-        n_rows = cgutils.unpack_tuple(builder, arrays[0].shape, 2)[0]
-        n_quads = cgutils.unpack_tuple(builder, arrays[4].shape, 2)[0]
-        n_queries = cgutils.unpack_tuple(builder, arrays[6].shape, 2)[0]
+        n_rows = extent(builder, arrays[0])
+        n_quads = extent(builder, arrays[4])
+        n_queries = extent(builder, arrays[6])
         maxima_on = context.cast(builder, args[9], signature.args[9], types.boolean)
         ops = (a_op, c_op, s_op, w_op, b_op, t_op, o_op, (m_op, maxima_on))
         with builder.if_else(context.cast(builder, args[8], signature.args[8], types.boolean)) \

@@ -9,11 +9,12 @@ from __future__ import annotations
 import llvmlite.binding as llb
 import llvmlite.ir as ir
 import numba
+from numba import types
 from numba.core import cgutils
 
 __all__ = ["I32", "I64", "F32", "V16I", "V16F", "compiles_for", "wide_registers", "row_operands",
-           "row_pointer", "i64", "splat", "lane_masks", "open_loop", "close_loop", "counted_loop",
-           "not_unrolled", "prefetch"]
+           "row_pointer", "extent", "i64", "splat", "lane_masks", "open_loop", "close_loop",
+           "counted_loop", "broadcast_tile", "not_unrolled", "prefetch"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
@@ -39,11 +40,24 @@ def wide_registers() -> bool:
 
 
 def row_operands(context, builder, signature, args):
-    """Per 2-D array argument, ``(address of its data as an i64, its row stride in bytes)``, and
-    the arrays themselves (for their shapes). Each row must be contiguous; rows may lie apart."""
-    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
-    return [(builder.ptrtoint(ary.data, I64), cgutils.unpack_tuple(builder, ary.strides, 2)[0])
-            for ary in arrays], arrays
+    """Per array argument, ``(address of its data as an i64, its first axis' stride in bytes)``,
+    and the arrays themselves (for their shapes: :func:`extent`); a scalar argument is passed
+    through as its value (its array None). Each row must be contiguous; rows may lie apart."""
+    operands, arrays = [], []
+    for t, v in zip(signature.args, args):
+        if not isinstance(t, types.Array):
+            operands.append(v)
+            arrays.append(None)
+            continue
+        ary = context.make_array(t)(context, builder, v)
+        operands.append((builder.ptrtoint(ary.data, I64), builder.extract_value(ary.strides, 0)))
+        arrays.append(ary)
+    return operands, arrays
+
+
+def extent(builder, array, axis=0):
+    """The length of ``array`` (one of :func:`row_operands`' arrays) along ``axis``, an i64."""
+    return builder.extract_value(array.shape, axis)
 
 
 def row_pointer(builder, operand, row, offset, ty):
@@ -115,6 +129,25 @@ def counted_loop(builder, n, inits, body, name="loop", unrolled=True):
         p.add_incoming(w, end)
         outs.append(p)
     return outs
+
+
+def broadcast_tile(builder, n, rows, nvec, load_a, load_b, update, name="tile", unrolled=True):
+    """A register tile of ``rows`` x ``nvec`` 16-lane float sums over ``n`` steps from +0: at step
+    ``k``, ``b = load_b(k)`` (``nvec`` vectors) and, row by row, the element ``load_a(k, i)``
+    in every lane: ``acc[i][v] = update(a, b[v], acc[i][v])``. Returns the sums, ``rows``
+    lists of ``nvec``. The f32 products' and sparse attention's micro-kernels are this loop,
+    MKL's blocked kernel its FMA instance (:func:`~.f32_tiles.fma_sums`)."""
+    def step(k, acc):
+        bv = load_b(k)
+        new = []
+        for i in range(rows):
+            a = splat(builder, load_a(k, i), V16F)
+            new += [update(a, bv[v], acc[i * nvec + v]) for v in range(nvec)]
+        return new
+
+    zero = ir.Constant(V16F, None)
+    flat = counted_loop(builder, n, [zero] * (rows * nvec), step, name, unrolled)
+    return [flat[i * nvec:(i + 1) * nvec] for i in range(rows)]
 
 
 def open_loop(builder, name):
