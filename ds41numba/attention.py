@@ -28,6 +28,7 @@ from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_in
                        linear_bf16, rms_norm, single_threaded_blas)
 from .rope import apply_rotary, yarn_freqs_cis
 from .sparse_attention import sparse_attn
+from .step import Step
 
 __all__ = ["CompAttnRun", "attention_any", "attention_rows", "sparse_attn", "window_index_rows",
            "index_rows", "output_projection", "layer_rope_table"]
@@ -90,10 +91,10 @@ def window_index_rows(start_pos: int, seqlen: int, window: int,
                          f"{start_pos + seqlen}, got {prefill_len!r}")
     if prefill_len is None and start_pos > 0 and seqlen != 1:
         raise ValueError(f"window_index_rows: a decode (start_pos {start_pos} > 0) has one token, got {seqlen}")
-    if start_pos == 0 or prefill_len is not None:
-        n = min(seqlen if prefill_len is None else prefill_len, window)
-        t = np.arange(start_pos, start_pos + seqlen)[:, None]
-        pos = np.maximum(0, t - window + 1) + np.arange(n)[None, :]
+    step = Step(start_pos, seqlen, prefill_len)
+    if not step.decode:
+        t = step.positions[:, None]
+        pos = np.maximum(0, t - window + 1) + np.arange(min(step.ref_seqlen, window))[None, :]
         return np.where(pos > t, -1, pos).astype(np.int32)
     first = start_pos % window + 1
     slots = (np.arange(window) + first) % window
@@ -131,7 +132,7 @@ def _window_kv(config, weights, x, positions, table, ref_rows):
     return act_quant_fp8_inplace(apply_rotary(kv, positions, table, inplace=True))
 
 
-def _window_rows(config, weights, state, x, start_pos, positions, table, prefill_len, batch):
+def _window_rows(config, weights, state, x, step, table):
     """This step's window: the KV rows attention reads, the offset, and the first position
     those rows stand for.
 
@@ -142,20 +143,18 @@ def _window_rows(config, weights, state, x, start_pos, positions, table, prefill
     positions before it, then its own rows; its index rows are the one-shot prefill's (offset
     ``prefill_len``), which :func:`_local_rows` maps onto these rows.
     """
-    seqlen, win = x.shape[0], config.window_size
-    decode = prefill_len is None and start_pos > 0
-    ref_rows = 1 if decode else (seqlen if prefill_len is None else prefill_len)
-    kv = _window_kv(config, weights, x, positions, table, batch.rows(ref_rows))
-    if decode:
+    start_pos, win, positions = step.start_pos, config.window_size, step.positions
+    kv = _window_kv(config, weights, x, positions, table, step.ref_rows)
+    if step.decode:
         state.window_kv[start_pos % win] = kv[0]
         return state.window_kv.copy(), win, 0
     first = max(0, start_pos - win + 1)
     # Read the earlier positions before this chunk's rows overwrite their slots.
     earlier = state.window_kv[np.arange(first, start_pos) % win]
-    keep = min(seqlen, win)
+    keep = min(step.seqlen, win)
     state.window_kv[positions[-keep:] % win] = kv[-keep:]
     rows = np.concatenate([earlier, kv]) if len(earlier) else kv
-    return rows, ref_rows, first
+    return rows, step.ref_seqlen, first
 
 
 def _local_rows(idx, first, offset, window_rows, n_window):
@@ -169,31 +168,29 @@ def _local_rows(idx, first, offset, window_rows, n_window):
     return out
 
 
-def _update_caches(config, layer_id, weights, state, shared, x, start_pos, table, prefill_len,
-                   batch):
+def _update_caches(config, layer_id, weights, state, shared, x, step, table):
     """Steps 4-5 for a ratio > 0 layer, the *key side*: compress, write the index keys and the
     fp4 latents into the layer's caches, publish them in the shared slots. What the queries then
-    read depends on this step's rows only through those caches. ``prefill_len``: the step is a
-    chunk of a prefill that long."""
+    read depends on this step's rows only through those caches."""
     c = config
-    seqlen = x.shape[0]
     r = c.ratio(layer_id)
-    chunk = prefill_len is not None
-    first_row = start_pos // r
+    first_row = step.start_pos // r
     latents = lpos = None
     if c.is_kv_source(layer_id):
-        latents = compressor(x, start_pos, r, weights.compressor, state.compressor, c.norm_eps,
-                             prefill_len=prefill_len, batch=batch)
-        lpos = latent_positions(start_pos, seqlen, r, prefill=chunk or start_pos == 0)
+        latents = compressor(x, step.start_pos, r, weights.compressor, state.compressor,
+                             c.norm_eps, prefill_len=step.prefill_len, batch=step.batch)
+        lpos = latent_positions(step.start_pos, step.seqlen, r, prefill=not step.decode)
     # A prefill's key owner publishes when the prefill writes keys, whichever chunk this is.
-    writes = latents is not None or (chunk and prefill_len >= r)
+    writes = latents is not None or (step.chunk and step.prefill_len >= r)
     if c.is_key_owner(layer_id) and writes:
         # The key owner publishes its cache only on a step that wrote keys: otherwise the slot
         # keeps the previous writer's cache (even another ratio's), as in the reference, and
         # this layer scores against that.
         if latents is not None:
+            # The reference's keys of the call: the whole prefill's groups for a chunk.
+            n_keys = step.prefill_len // r if step.chunk else len(latents)
             keys = index_keys(latents, lpos, weights.indexer, table, c.norm_eps,
-                              ref_rows=batch.rows(prefill_len // r if chunk else len(latents)))
+                              ref_rows=step.batch.rows(n_keys))
             state.index_cache.write(first_row, keys)
         shared.index_k = state.index_cache
     if latents is not None:
@@ -203,24 +200,20 @@ def _update_caches(config, layer_id, weights, state, shared, x, start_pos, table
         shared.compress_kv = state.compress_cache
 
 
-def _select(config, layer_id, weights, shared, x, qr, start_pos, table, offset, capture,
-            prefill_len, batch):
+def _select(config, layer_id, weights, shared, x, qr, step, table, offset, capture):
     """Step 6 for an index source: each query's compressed positions, published as the shared
     selection (and, at the candidate source, the candidate blocks); returns the scores with
     ``capture``."""
     c = config
-    seqlen = x.shape[0]
-    r = c.ratio(layer_id)
-    chunk = prefill_len is not None
-    ref_width = (prefill_len if chunk else start_pos + seqlen) // r
+    ref_width = step.ref_end // c.ratio(layer_id)
     if ref_width == 0:
-        shared.topk_idxs = np.zeros((seqlen, 0), np.int32)
+        shared.topk_idxs = np.zeros((step.seqlen, 0), np.int32)
         return None
     cands = shared.candidate_blocks if c.uses_candidates(layer_id) else None
     shared.topk_idxs, published, index_score = indexer(
-        x, qr, start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
+        x, qr, step.start_pos, IndexerCfg.for_layer(c, layer_id), weights.indexer, table,
         shared.index_k, offset, candidate_blocks=cands, capture=capture,
-        prefill_len=prefill_len, observer=shared.observer, batch=batch)
+        prefill_len=step.prefill_len, observer=shared.observer, batch=step.batch)
     if published is not None:
         shared.candidate_blocks = published
         shared.candidate_width = ref_width
@@ -250,29 +243,24 @@ def attention_any(config, layer_id: int, weights, state, shared, x: np.ndarray, 
     product over B times the step's rows does (:mod:`ds41numba.batch` says which products see
     the batch and which are per row or per query).
     """
-    batch = checked_batch(batch, "attention_any")
+    step = Step(start_pos, x.shape[0], prefill_len, checked_batch(batch, "attention_any"))
     if x.shape[0] <= MATVEC_MAX_ROWS:
         with single_threaded_blas():
-            return _attention_step(config, layer_id, weights, state, shared, x, start_pos,
-                                   capture, tile, prefill_len, queries, batch)
-    return _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile,
-                           prefill_len, queries, batch)
+            return _attention_step(config, layer_id, weights, state, shared, x, step, capture,
+                                   tile, queries)
+    return _attention_step(config, layer_id, weights, state, shared, x, step, capture, tile,
+                           queries)
 
 
-def _attention_step(config, layer_id, weights, state, shared, x, start_pos, capture, tile,
-                    prefill_len=None, queries=True, batch=SINGLE):
+def _attention_step(config, layer_id, weights, state, shared, x, step, capture, tile, queries):
     c = config
-    seqlen = x.shape[0]
-    positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
-    table = layer_rope_table(c, c.ratio(layer_id), start_pos + seqlen)
-    window = _window_rows(c, weights, state, x, start_pos, positions, table, prefill_len, batch)
+    table = layer_rope_table(c, c.ratio(layer_id), step.end)
+    window = _window_rows(c, weights, state, x, step, table)
     if c.ratio(layer_id) > 0:
-        _update_caches(c, layer_id, weights, state, shared, x, start_pos, table, prefill_len,
-                       batch)
+        _update_caches(c, layer_id, weights, state, shared, x, step, table)
     if not queries:
         return None
-    return _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, capture,
-                           tile, prefill_len, batch)
+    return _answer_queries(c, layer_id, weights, shared, x, step, window, table, capture, tile)
 
 
 def attention_rows(config, layer_id: int, weights, shared, x: np.ndarray, first_row: int,
@@ -295,8 +283,8 @@ def attention_rows(config, layer_id: int, weights, shared, x: np.ndarray, first_
     positions = np.arange(first, first_row + n, dtype=np.int64)
     kv = _window_kv(c, weights, x, positions, table, prefill_len)
     with_history = (kv, prefill_len, first)
-    return _answer_queries(c, layer_id, weights, shared, x[first_row - first:], first_row,
-                           with_history, table, False, tile, prefill_len)
+    return _answer_queries(c, layer_id, weights, shared, x[first_row - first:],
+                           Step(first_row, n, prefill_len), with_history, table, False, tile)
 
 
 def _check_rows(c, layer_id, shared, x, first_row, prefill_len) -> tuple[int, int]:
@@ -332,33 +320,27 @@ def _check_rows(c, layer_id, shared, x, first_row, prefill_len) -> tuple[int, in
     return first, n
 
 
-def _answer_queries(c, layer_id, weights, shared, x, start_pos, window, table, capture, tile,
-                    prefill_len, batch=SINGLE):
+def _answer_queries(c, layer_id, weights, shared, x, step, window, table, capture, tile):
     """Steps 6-9, the *query side*: the index selection, then the queries in tiles (projection,
     RoPE, sparse attention over the window and the selected compressed rows, inverse RoPE,
     output projection). ``window`` is :func:`_window_rows`'s ``(rows, offset, first)``."""
-    seqlen = x.shape[0]
+    seqlen, ref_rows, positions = step.seqlen, step.ref_rows, step.positions
     H, hd = c.n_heads, c.head_dim
     r = c.ratio(layer_id)
-    positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
-    # The reference's rows of every product: the whole prefill (a chunk's too), 1 at decode;
-    # times B in a batch.
-    ref_rows = batch.rows(prefill_len if prefill_len is not None else
-                          (seqlen if start_pos == 0 else 1))
     window, offset, first = window
 
     qr = rms_norm(linear_bf16(x, weights.wq_a, ref_rows=ref_rows), weights.q_norm, c.norm_eps)
     kv_rows, idx_comp, index_score = (window,), None, None
     if r > 0:
         if c.is_index_source(layer_id):
-            index_score = _select(c, layer_id, weights, shared, x, qr, start_pos, table, offset,
-                                  capture, prefill_len, batch)
-        kv_rows = (window, shared.compress_kv[:(start_pos + seqlen) // r])
+            index_score = _select(c, layer_id, weights, shared, x, qr, step, table, offset,
+                                  capture)
+        kv_rows = (window, shared.compress_kv[:step.end // r])
         idx_comp = shared.topk_idxs
-    idx = index_rows(start_pos, seqlen, c.window_size, idx_comp, prefill_len)
+    idx = index_rows(step.start_pos, seqlen, c.window_size, idx_comp, step.prefill_len)
     attend = idx
-    if prefill_len is not None and (first or len(window) != offset):
-        attend = _local_rows(idx, first, offset, len(window), min(prefill_len, c.window_size))
+    if step.chunk and (first or len(window) != offset):
+        attend = _local_rows(idx, first, offset, len(window), min(step.prefill_len, c.window_size))
 
     out = np.empty((seqlen, c.dim), np.float32)
     q_cap = np.empty((seqlen, H, hd), np.float32) if capture else None

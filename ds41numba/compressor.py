@@ -17,6 +17,7 @@ from numba import njit, prange
 
 from .batch import SINGLE, BatchRow, checked_batch
 from .numerics import linear_bf16, linear_f32, rms_norm, to_bf16_rne
+from .step import Step
 
 __all__ = ["CompressorWeights", "CompressorState", "compressor", "latent_positions"]
 
@@ -137,21 +138,20 @@ def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWei
     one-shot prefill's does; the chunks' latents are the one-shot prefill's, in order.
 
     ``batch``: this is one sequence of a batch run in lockstep; the projections sum as rows
-    ``batch.first(steprows, s)`` of the batch's ``batch.rows(steprows)``-row products
-    (:mod:`ds41numba.batch`: the reference's ``[B, seqlen, dim]`` input flattened).
+    ``batch.first(n, s)`` of the batch's ``batch.rows(n)``-row products, ``n`` the reference
+    call's rows (:class:`~ds41numba.step.Step`; :mod:`ds41numba.batch`: the reference's
+    ``[B, seqlen, dim]`` input flattened).
     """
     _check_args(x, start_pos, ratio, weights, state, prefill_len)
-    batch = checked_batch(batch, "compressor")
-    seqlen = x.shape[0]
-    chunk = prefill_len is not None
-    steprows = prefill_len if chunk else (seqlen if start_pos == 0 else 1)
-    ref_rows = batch.rows(steprows)
+    step = Step(start_pos, x.shape[0], prefill_len, checked_batch(batch, "compressor"))
     if ratio == 1:
-        return rms_norm(linear_bf16(x, weights.wkv, ref_rows=ref_rows), weights.norm, norm_eps)
-    first = batch.first(steprows, start_pos if chunk else 0)
-    kv = linear_f32(x, weights.wkv, ref_rows=ref_rows, first_row=first)
-    score = linear_f32(x, weights.wgate, ref_rows=ref_rows, first_row=first)
-    if chunk or start_pos == 0:
+        return rms_norm(linear_bf16(x, weights.wkv, ref_rows=step.ref_rows), weights.norm,
+                        norm_eps)
+    # The f32 products' order follows each row's place in the reference call (its MKL rule).
+    first = step.batch.first(step.ref_seqlen, start_pos if step.chunk else 0)
+    kv = linear_f32(x, weights.wkv, ref_rows=step.ref_rows, first_row=first)
+    score = linear_f32(x, weights.wgate, ref_rows=step.ref_rows, first_row=first)
+    if not step.decode:
         held = start_pos % ratio            # this group's earlier tokens, in slots 0 .. held-1
         if held:
             kv = np.concatenate([state.kv[:held], kv])

@@ -31,6 +31,7 @@ from numba import njit, prange
 from ..attention import index_rows
 from ..config import AttnConfig
 from ..indexer import visible_lengths
+from ..step import Step
 
 __all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "cache_layout",
            "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
@@ -253,8 +254,8 @@ class StepObserver:
         c = self.config
         r = c.ratio(layer_id)
         p = self.sample_positions
-        chunk = prefill_len is not None
-        step0, steprows = (0, int(prefill_len)) if chunk else (start_pos, seqlen)
+        step = Step(start_pos, seqlen, prefill_len)
+        step0, steprows = step.ref_start, step.ref_seqlen
         self._row0 = start_pos - step0              # the chunk's first row of the step
         self._step_end = self._row0 + seqlen == steprows
         if self._row0 == 0 or layer_id not in self._steps:
@@ -264,11 +265,11 @@ class StepObserver:
         self._seqlen = seqlen
         if self._step_end:
             del self._steps[layer_id]
-        self.offset = prefill_len if chunk else (seqlen if start_pos == 0 else c.window_size)
+        self.offset = c.window_size if step.decode else step.ref_seqlen   # the window's rows
         self._got = {}
-        self._clen = visible_lengths(start_pos, seqlen, r, prefill=chunk or start_pos == 0) if r else None
+        self._clen = visible_lengths(start_pos, seqlen, r, prefill=not step.decode) if r else None
         if r and c.is_index_source(layer_id):
-            k = min(c.index_topk, (prefill_len if chunk else start_pos + seqlen) // r)
+            k = min(c.index_topk, step.ref_end // r)
             self._got["topk_scores"] = np.full((seqlen, k), -np.inf, np.float32)
             self._got["runner_idxs"] = np.full((seqlen, self.runners), -1, np.int32)
             self._got["runner_scores"] = np.full((seqlen, self.runners), -np.inf, np.float32)

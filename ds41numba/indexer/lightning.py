@@ -17,6 +17,7 @@ from ml_dtypes import bfloat16 as BF16
 from ..batch import SINGLE, BatchRow, checked_batch
 from ..numerics import fp4_quant_e8m0_inplace, is_int, linear_bf16, rms_norm, tier_at_least, to_bf16_rne
 from ..rope import apply_rotary
+from ..step import Step
 from .candidates import candidate_block_bits, candidate_mask
 from .key_cache import IndexKeyCache
 from .query_layouts import query_pairs_size
@@ -117,7 +118,7 @@ def _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candida
     if prefill_len is not None and not (is_int(prefill_len, 1) and start_pos + seqlen <= prefill_len):
         bad(f"prefill_len must be an integer >= {start_pos + seqlen} (the chunk's end), got "
             f"{prefill_len!r}")
-    width = (start_pos + seqlen if prefill_len is None else prefill_len) // cfg.ratio
+    width = Step(start_pos, seqlen, prefill_len).ref_end // cfg.ratio
     if index_k.shape[0] < width or index_k.shape[1] != idim:
         bad(f"index_k must be [>= {width}, {idim}] (the keys of every position scored), got "
             f"{list(index_k.shape)}")
@@ -239,17 +240,14 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     """
     _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile,
                         prefill_len)
-    batch = checked_batch(batch, "indexer")
-    seqlen = x.shape[0]
-    chunk = prefill_len is not None
-    width = (prefill_len if chunk else start_pos + seqlen) // cfg.ratio
-    ref_rows = batch.rows(prefill_len if chunk else seqlen)
+    step = Step(start_pos, x.shape[0], prefill_len, checked_batch(batch, "indexer"))
+    seqlen = step.seqlen
+    width = step.ref_end // cfg.ratio
     k = min(cfg.topk, width)
-    clen = visible_lengths(start_pos, seqlen, cfg.ratio, prefill=chunk or start_pos == 0)
-    positions = np.arange(start_pos, start_pos + seqlen, dtype=np.int64)
+    clen = visible_lengths(start_pos, seqlen, cfg.ratio, prefill=not step.decode)
     index_k = _as_key_cache(index_k, width)
     scale = np.float32(cfg.head_dim ** -0.5 * cfg.n_heads ** -0.5)
-    w_all = to_bf16_rne(linear_bf16(x, weights.weights_proj, ref_rows=ref_rows) * scale)
+    w_all = to_bf16_rne(linear_bf16(x, weights.weights_proj, ref_rows=step.ref_rows) * scale)
 
     topk_idxs = np.empty((seqlen, k), np.int32)
     # The candidate source's mask, one bit per block and query: it must outlive the step's
@@ -258,7 +256,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
                  if cfg.candidate_source else None)
     score_capture = np.empty((seqlen, width), np.float32) if capture else None
     tile = tile or _tile_rows(width)
-    queries = _Queries(qr, weights.wq_b, cfg, table, positions, tile, ref_rows)
+    queries = _Queries(qr, weights.wq_b, cfg, table, step.positions, tile, step.ref_rows)
     scorer = _Scorer(index_k, cfg, tile, seqlen, width)
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
