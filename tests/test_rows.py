@@ -240,6 +240,22 @@ def test_compare_replay_and_testing_match_rows_by_position(tmp_path, full):
                              np.asarray(load_golden(whole)[1]["step0.layers.5.idx"])[::-1])
 
 
+def test_a_rows_goldens_replay_costs_what_making_it_cost(tmp_path):
+    # The replay makes the golden again with its unanswered rows' key side only: its progress
+    # counts the rows plan's work, well below the full run's; and it still catches a wrong row.
+    plan = _plan("mixed", (10, 11, 150, 202))
+    path = tmp_path / "rows.safetensors"
+    write_golden(plan, path, chunk=64)
+    got = []
+    report = replay(path, progress=lambda n, where: got.append(n))
+    assert report.ok and report.candidate == "replay"
+    assert sum(got) == pytest.approx(plan.total_work)
+    assert plan.total_work < 0.5 * _plan("mixed").total_work
+    _flip_index(path, "step0.layers.5.idx", 3)
+    wrong = [r.name for r in replay(path).failures]
+    assert wrong == ["step0.layers.5.idx"]
+
+
 def test_compare_says_where_by_position(tmp_path, full):
     """A rows golden's float row over tolerance is reported at its prefill position."""
     rows_path = tmp_path / "rows.safetensors"
