@@ -293,7 +293,7 @@ def _check_rows(c, layer_id, shared, x, first_row, prefill_len) -> tuple[int, in
         raise ValueError(f"attention_rows: {msg}")
 
     for name, v in (("first_row", first_row), ("prefill_len", prefill_len)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        if not is_int(v):
             bad(f"{name} must be an int, got {type(v).__name__}")
     if not (isinstance(x, np.ndarray) and x.ndim == 2 and x.shape[1] == c.dim
             and (x.dtype == np.float32 or x.dtype.name == "bfloat16")):

@@ -16,7 +16,7 @@ from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
 from .batch import SINGLE, BatchRow, checked_batch
-from .numerics import linear_bf16, linear_f32, rms_norm, to_bf16_rne
+from .numerics import is_int, linear_bf16, linear_f32, rms_norm, to_bf16_rne
 from .step import Step
 
 __all__ = ["CompressorWeights", "CompressorState", "compressor", "latent_positions"]
@@ -92,9 +92,9 @@ def _pool_groups(kv, score, ratio):
 
 def _check_args(x, start_pos, ratio, weights, state, prefill_len):
     """What the pooling kernel indexes by must agree: a mismatch is an error, not a stray read."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, np.integer)) or ratio < 1:
+    if not is_int(ratio, 1):
         raise ValueError(f"compressor: ratio must be a positive integer, got {ratio!r}")
-    if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
+    if not is_int(start_pos, 0):
         raise ValueError(f"compressor: start_pos must be an integer >= 0, got {start_pos!r}")
     if (not isinstance(x, np.ndarray) or x.dtype not in (np.float32, BF16) or x.ndim != 2
             or x.shape[0] == 0):
@@ -103,8 +103,7 @@ def _check_args(x, start_pos, ratio, weights, state, prefill_len):
     if prefill_len is None and start_pos > 0 and x.shape[0] != 1:
         raise ValueError(f"compressor: a decode (start_pos {start_pos} > 0) takes one token, got "
                          f"{x.shape[0]} (a chunk of a prefill says so: prefill_len)")
-    if prefill_len is not None and (isinstance(prefill_len, bool) or not isinstance(
-            prefill_len, (int, np.integer)) or start_pos + x.shape[0] > prefill_len):
+    if prefill_len is not None and not is_int(prefill_len, start_pos + x.shape[0]):
         raise ValueError(f"compressor: prefill_len must be an integer >= {start_pos + x.shape[0]} "
                          f"(the chunk's end), got {prefill_len!r}")
     shape = tuple(getattr(weights.wkv, "shape", ()))

@@ -48,6 +48,7 @@ from threadpoolctl import threadpool_limits
 
 from ..attention import attention_rows
 from ..indexer import IndexKeyCache
+from ..numerics import is_int
 from ..stack import AttnWeights, SharedRuntime
 from .captures import StepObserver, cache_captures, layer_captures, storage_kind, to_storage
 from .errors import GoldenError, RunInterrupted
@@ -101,7 +102,7 @@ class Cluster:
         self._local = None
         self.stats = RunStats()
         if workers is not None:
-            if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            if not is_int(workers, 1):
                 raise GoldenError(f"--workers must be a positive integer, got {workers!r}")
             cores = len(os.sched_getaffinity(0))
             self.threads = max(1, cores // workers)     # numba and BLAS threads of each tile

@@ -13,7 +13,7 @@ from .bf16_dot import DOT_LANES, DOT_ROWS, MATVEC_BLOCKS, bf16_matvec_tile, gemm
 from .bf16_layouts import bf16_pairs
 from .fma_choice import fma_faster, fma_safe, values_range
 from .f32_products import F32Matrix, linear_f32_ordered
-from .formats import as_f32_array, bf16_scalar, is_bf16_valued, output_buffer, round_bf16_inplace
+from .formats import as_f32_array, bf16_scalar, is_bf16_valued, is_int, output_buffer, round_bf16_inplace
 from .workers import worth_parallel
 
 __all__ = ["linear_bf16", "linear_f32", "Bf16Matrix", "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR",
@@ -330,8 +330,7 @@ class Bf16Matrix:
             w = as_f32_array(w, "Bf16Matrix")
         if w.ndim != 2:
             raise ValueError(f"Bf16Matrix: expected a 2-D [out, in] weight, got shape {w.shape}")
-        if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1 \
-                or w.shape[0] % groups:
+        if not is_int(groups, 1) or w.shape[0] % groups:
             raise ValueError(f"Bf16Matrix: groups must be a positive divisor of out "
                              f"({w.shape[0]}), got {groups!r}")
         self.shape = tuple(int(s) for s in w.shape)
