@@ -47,11 +47,18 @@ def _vectors(builder, operand, row, nvec):
             for v in range(nvec)]
 
 
-def _clamped_rows(builder, rows, n):
-    """Rows 0..n-1 of an operand of ``rows`` rows (an i64) as i64s, those past it repeating the
-    last row: a tile of ``n`` rows always has all its rows to read."""
+def _row_elements(builder, operand, rows, n):
+    """``load(k, m)``: the float ``x[m, k]`` of a row operand of ``rows`` rows (an i64), for the
+    ``n`` rows of a tile; rows past ``rows`` repeat the last, so a tile always has all its rows
+    to read."""
     last = builder.sub(rows, i64(1))
-    return [builder.select(builder.icmp_signed("<", i64(m), rows), i64(m), last) for m in range(n)]
+    clamped = [builder.select(builder.icmp_signed("<", i64(m), rows), i64(m), last)
+               for m in range(n)]
+
+    def load(k, m):
+        at = row_pointer(builder, operand, clamped[m], builder.mul(k, i64(4)), F32)
+        return builder.load(at, align=4)
+    return load
 
 
 def _for_rows(builder, rows, n, store):
@@ -81,13 +88,8 @@ def fma_tile(typingctx, x, w, out, first):
         (x_op, w_op, o_op, first), arrays = row_operands(context, builder, signature, args)
         is_first = builder.icmp_unsigned("!=", first, ir.Constant(first.type, 0))
         rows = extent(builder, arrays[0])
-        x_rows = _clamped_rows(builder, rows, TILE_ROWS)
-
-        def load_x(k, m):
-            return builder.load(row_pointer(builder, x_op, x_rows[m], builder.mul(k, i64(4)), F32),
-                                align=4)
-
-        acc = fma_sums(builder, extent(builder, arrays[1]), TILE_ROWS, _NV, load_x,
+        acc = fma_sums(builder, extent(builder, arrays[1]), TILE_ROWS, _NV,
+                       _row_elements(builder, x_op, rows, TILE_ROWS),
                        lambda k: _vectors(builder, w_op, k, _NV), name="loop")
 
         def store(m):
@@ -164,14 +166,9 @@ def chain_tile(typingctx, x, v, out):
     def codegen(context, builder, signature, args):
         (x_op, v_op, o_op), arrays = row_operands(context, builder, signature, args)
         rows = extent(builder, arrays[0])
-        x_rows = _clamped_rows(builder, rows, CHAIN_ROWS)
-
-        def load_x(k, m):
-            return builder.load(row_pointer(builder, x_op, x_rows[m], builder.mul(k, i64(4)), F32),
-                                align=4)
-
         # No FMA: each product rounded, then added.
-        acc = broadcast_tile(builder, extent(builder, arrays[1]), CHAIN_ROWS, _CHAIN_NV, load_x,
+        acc = broadcast_tile(builder, extent(builder, arrays[1]), CHAIN_ROWS, _CHAIN_NV,
+                             _row_elements(builder, x_op, rows, CHAIN_ROWS),
                              lambda k: _vectors(builder, v_op, k, _CHAIN_NV),
                              lambda xs, vv, a: builder.fadd(a, builder.fmul(xs, vv)), name="loop")
 
