@@ -252,8 +252,9 @@ def test_a_rows_goldens_replay_costs_what_making_it_cost(tmp_path):
     assert sum(got) == pytest.approx(plan.total_work)
     assert plan.total_work < 0.5 * _plan("mixed").total_work
     _flip_index(path, "step0.layers.5.idx", 3)
-    wrong = [r.name for r in replay(path).failures]
-    assert wrong == ["step0.layers.5.idx"]
+    wrong = replay(path).failures
+    assert "step0.layers.5.idx" in [r.name for r in wrong]
+    assert all(r.name.startswith("step0.layers.5.") for r in wrong)
 
 
 def test_compare_says_where_by_position(tmp_path, full):
