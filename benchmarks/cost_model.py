@@ -210,6 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     directory = args.dir or tempfile.gettempdir()
+    os.makedirs(directory, exist_ok=True)     # a --dir not made yet is made, as a user expects
     if args.worker is not None:
         print(json.dumps(run_worker(args.layer, args.worker, args.decode, args.chunk, directory)))
         return 0
