@@ -95,16 +95,16 @@ def replay(path, progress=None, index_tolerance: float | None = None,
     with GoldenFile(path) as golden:
         info = golden.run_info()
         weights = replay_weights(golden, info, weights_dir)
-        try:
-            stack = make_stack(info.config, weights, info.layers, info.batch)
-        except ValueError as e:
-            raise GoldenError(f"{golden.path!r}: {e}") from None
         answered = info.row_positions(0)
         if answered is not None and info.inputs is not None:
             raise GoldenError(f"{golden.path!r}: a --rows golden made with --inputs holds only "
                               f"its answered rows' inputs; it cannot be replayed")
-        if answered is not None:
-            return _replay_rows(golden, info, weights, progress, index_tolerance, exact_index)
+        try:
+            if answered is not None:     # made again by the generator's run, which builds its stack
+                return _replay_rows(golden, info, weights, progress, index_tolerance, exact_index)
+            stack = make_stack(info.config, weights, info.layers, info.batch)
+        except ValueError as e:
+            raise GoldenError(f"{golden.path!r}: {e}") from None
         check = _Replay(golden, info, index_tolerance, exact_index)
         drive(stack, info.prefill, info.decode, info.capture, check.recorded_input, check.compare,
               progress, info.capture_rows)
