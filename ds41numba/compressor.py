@@ -147,7 +147,7 @@ def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWei
         return rms_norm(linear_bf16(x, weights.wkv, ref_rows=step.ref_rows), weights.norm,
                         norm_eps)
     # The f32 products' order follows each row's place in the reference call (its MKL rule).
-    first = step.batch.first(step.ref_seqlen, start_pos if step.chunk else 0)
+    first = step.batch.first(step.ref_seqlen, step.call_row)
     kv = linear_f32(x, weights.wkv, ref_rows=step.ref_rows, first_row=first)
     score = linear_f32(x, weights.wgate, ref_rows=step.ref_rows, first_row=first)
     if not step.decode:

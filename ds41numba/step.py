@@ -68,6 +68,11 @@ class Step:
         return 0 if self.chunk else self.start_pos
 
     @property
+    def call_row(self) -> int:
+        """The step's first row among the reference call's rows: a chunk's start, else 0."""
+        return self.start_pos - self.ref_start
+
+    @property
     def ref_end(self) -> int:
         """The position after the reference call's last row: the whole prefill's length for a
         chunk. A query of a prefill is scored against ``ref_end // ratio`` positions (those

@@ -29,6 +29,7 @@ def test_step_says_the_reference_call(args, want):
     s = Step(start_pos, seqlen, prefill_len, BatchRow(0, size))
     assert (s.decode, s.chunk, s.ref_start, s.ref_end, s.ref_seqlen, s.ref_rows) == want
     assert s.end == start_pos + seqlen
+    assert s.call_row == (start_pos if s.chunk else 0)
     assert s.positions.dtype == np.int64
     assert np.array_equal(s.positions, np.arange(start_pos, start_pos + seqlen))
 

@@ -256,7 +256,7 @@ class StepObserver:
         p = self.sample_positions
         step = Step(start_pos, seqlen, prefill_len)
         step0, steprows = step.ref_start, step.ref_seqlen
-        self._row0 = start_pos - step0              # the chunk's first row of the step
+        self._row0 = step.call_row                  # the chunk's first row of the step
         self._step_end = self._row0 + seqlen == steprows
         if self._row0 == 0 or layer_id not in self._steps:
             rows = p[(p >= step0) & (p < step0 + steprows)] - step0
