@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from . import golden
 from .arguments import default_run, load_config, parse_layers, parse_rows, run_config
+from .compile_ahead import compile_ahead
 from .golden.files import ranges_text
 from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError, RunInterrupted
 from .golden.inputs_file import InputsFile
@@ -361,6 +362,7 @@ def _golden(args) -> int:
         source = args.config or os.path.abspath(args.weights or "")
         stem = preset_name or os.path.splitext(os.path.basename(source))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
+    compile_ahead(quiet=args.quiet)
     with _cluster(args, plan) as cluster, \
             _progress(plan.total_work, args.quiet, f"golden {preset_name or 'config'}") as progress:
         info = golden.write_golden(plan, out, force=args.force, progress=progress,
@@ -391,6 +393,7 @@ def _replay(args) -> int:
         info = f.run_info()
     total = golden.total_work(info.config, info.layers, info.prefill, info.decode,
                               info.rows) * info.batch
+    compile_ahead(quiet=args.quiet)
     with _progress(total, args.quiet, "replay") as progress:
         report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
                                exact_index=args.exact_index, weights_dir=args.weights)
@@ -447,6 +450,7 @@ def _suite(args) -> int:
             print(f"{status:>9}  {case.name}" + (f"  ({seconds:.1f} s)" if status == "written"
                                                  else ""), flush=True)
 
+    compile_ahead(quiet=args.quiet)
     m = write_suite(config, preset_name, layers, args.out, args.seed, report=report)
     print(f"suite {args.out}: {len(m['cases'])} cases" + (
         f", {len(m['not_built'])} not built (they need: "

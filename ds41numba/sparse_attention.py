@@ -425,6 +425,8 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     scale = np.float32(softmax_scale)
     sink = np.ascontiguousarray(attn_sink, dtype=np.float32)
     parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
+    if len(parts) == 1:     # one kernel for one block and two (numba compiles each tuple length)
+        parts += (np.empty((0, hd), np.float32),)
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
     o = output_buffer(out, (S, H, hd), "sparse_attn")       # every query's row is written below
     if S:

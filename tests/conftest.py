@@ -7,8 +7,15 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from ds41numba.compile_ahead import compile_ahead
 from ds41numba.golden import RunInfo, load_golden
 from helpers import DATA, LINEAR_CASES
+
+
+def pytest_sessionstart(session):
+    """On a cold numba cache (a fresh CI machine) the default golden's kernels compile on every
+    core first; the tests load them instead of compiling them one after another."""
+    compile_ahead()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,160 @@
+"""Compiling ahead: on a cold numba cache, the kernels a run calls are compiled in parallel first.
+
+numba compiles a kernel the first time Python calls it with new argument types, one kernel
+after another in one process; a first ``ds41numba golden`` spends nearly all its time there
+(about 30 kernels, 50 s on one core). The kernels and argument types a run calls are known
+ahead: ``kernels.txt`` beside this module lists those of the built-in default golden on every
+tier (:mod:`.numerics.backend`), with what each cost to compile. :func:`compile_ahead` finds
+the ones missing from numba's on-disk cache, shares them out between processes (one per core;
+each kernel whole in one of them) and returns when they are all cached: the run then loads
+them in a second. A kernel the list misses, or whose code changed since it was recorded, is
+compiled by the run itself as before, so a stale list costs time, never a result; the test
+suite checks the list against what the default golden calls.
+
+``python -m ds41numba.kernel_list`` rewrites the list (:mod:`.kernel_list`).
+``DS41NUMBA_COMPILE_AHEAD=0`` turns compiling ahead off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from numba.core import config as numba_config, sigutils
+from numba.core.dispatcher import Dispatcher
+
+from .numerics import backend
+
+__all__ = ["ANY_TIER", "KERNELS", "Kernel", "compile_ahead", "read_kernels"]
+
+KERNELS = Path(__file__).with_name("kernels.txt")
+ANY_TIER = "*"
+_MODULE = "ds41numba.compile_ahead"     # run as `python -m` (then __name__ is "__main__")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel a run calls from Python: ``module:qualname``, its argument types in numba's
+    signature syntax, the tier it is called on (``*``: every tier) and its compile seconds."""
+    tier: str
+    seconds: float
+    name: str
+    signature: str
+
+    def dispatcher(self) -> Dispatcher:
+        module, qualname = self.name.split(":")
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def argtypes(self) -> tuple:
+        return tuple(sigutils.normalize_signature(self.signature)[0])
+
+
+def read_kernels(path: Path | None = None) -> list[Kernel]:
+    """The list of kernels (``kernels.txt``): ``tier seconds module:qualname (types)`` a line."""
+    kernels = []
+    for line in (path or KERNELS).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            tier, seconds, name, signature = line.split(maxsplit=3)
+            kernels.append(Kernel(tier, float(seconds), name, signature))
+    return kernels
+
+
+def _cached(kernel: Kernel) -> bool:
+    """Whether numba's cache holds the kernel for these types on this CPU (its index only: the
+    code is loaded when the run calls it)."""
+    disp = kernel.dispatcher()
+    cache = disp._cache
+    key = cache._index_key(kernel.argtypes(), disp.targetctx.codegen())
+    return key in cache._cache_file._load_index()
+
+
+def _missing(tier: str) -> list[Kernel]:
+    """The list's kernels for ``tier`` that numba's cache lacks."""
+    wanted = [k for k in read_kernels() if k.tier in (ANY_TIER, tier)]
+    return [k for k in wanted if not _cached(k)]
+
+
+def _shares(kernels: list[Kernel], n: int) -> list[list[str]]:
+    """The kernels' names in ``n`` shares of about equal compile time, the costliest first
+    (greedy), every signature of a kernel in one share (they share numba's index file)."""
+    cost: dict[str, float] = {}
+    for k in kernels:
+        cost[k.name] = cost.get(k.name, 0.0) + k.seconds
+    shares: list[list[str]] = [[] for _ in range(n)]
+    loads = [0.0] * n
+    for name in sorted(cost, key=lambda m: -cost[m]):
+        i = loads.index(min(loads))
+        shares[i].append(name)
+        loads[i] += cost[name]
+    return [s for s in shares if s]
+
+
+def _compile(names: list[str], tier: str) -> None:
+    """Compile (into numba's cache) the list's kernels named, on ``tier``."""
+    chosen = set(names)
+    for k in read_kernels():
+        if k.name in chosen and k.tier in (ANY_TIER, tier):
+            try:
+                k.dispatcher().compile(k.argtypes())
+            except Exception:       # a stale line (a kernel renamed or retyped): the run compiles
+                continue            # what it calls itself, as without the list
+
+
+def _enabled() -> bool:
+    return (os.environ.get("DS41NUMBA_COMPILE_AHEAD", "1") != "0" and not numba_config.DISABLE_JIT
+            and KERNELS.exists())
+
+
+def _cores() -> int:
+    """The cores this process may use, at most numba's thread count (a user's limit)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, numba_config.NUMBA_NUM_THREADS))
+
+
+def compile_ahead(quiet: bool = False) -> int:
+    """Compile the kernels a run calls that numba's cache lacks, in parallel processes (one per
+    core this process may use), and say so on stderr unless ``quiet``. Returns how many kernels
+    were compiled: 0 on a warm cache, where it costs a few milliseconds."""
+    if not _enabled():
+        return 0
+    tier = backend()
+    missing = _missing(tier)
+    if not missing:
+        return 0
+    shares = _shares(missing, _cores())
+    if not quiet:
+        print(f"compiling {len(missing)} numba kernels for this CPU in {len(shares)} "
+              f"process{'es' if len(shares) > 1 else ''} (once; later runs load them)...",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    children = [subprocess.Popen([sys.executable, "-m", _MODULE, "--tier", tier, *share],
+                                 stdout=subprocess.DEVNULL)
+                for share in shares[1:]]
+    _compile(shares[0], tier)
+    for child in children:
+        child.wait()        # a failed child leaves its kernels to the run: slower, never wrong
+    if not quiet:
+        print(f"compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return len(missing)
+
+
+def _main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog=f"python -m {_MODULE}",
+                                description="Compile the named kernels of the list into numba's cache.")
+    p.add_argument("--tier", help="the tier to compile them for (default: this CPU's)")
+    p.add_argument("names", nargs="+", help="module:qualname of the kernels to compile")
+    args = p.parse_args(argv)
+    _compile(args.names, args.tier or backend())
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

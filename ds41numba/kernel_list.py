@@ -1,0 +1,133 @@
+"""The list of kernels a first run compiles ahead (``kernels.txt``), traced from the default golden.
+
+:mod:`.compile_ahead` reads the list; this module writes it. ``python -m ds41numba.kernel_list``
+runs the default golden (``ds41numba golden``) on every tier this CPU has, at one thread and at
+eight (the tiny golden calls the same kernels at both today; a kernel chosen by thread count
+would show here), each in a fresh process on an empty numba cache and then again on the cache
+it filled; it notes each kernel Python called with argument types it had no code for, and how
+long that took, and rewrites the list. A developer's step after a kernel's arguments change,
+which the test suite asks for by failing (``tests/test_compile_ahead.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from numba.core import types
+from numba.core.dispatcher import Dispatcher
+
+from . import cli
+from .compile_ahead import ANY_TIER, KERNELS
+from .numerics import BACKENDS, backend, use_backend
+
+__all__ = ["traced_kernels"]
+
+_MODULE = "ds41numba.kernel_list"       # run as `python -m` (then __name__ is "__main__")
+_THREADS = (1, 8)
+
+
+def spelling(t) -> str:
+    """A kernel argument's type in numba's signature syntax (``float32[:, ::1]``, ...), which
+    :func:`numba.core.sigutils.normalize_signature` reads back."""
+    if isinstance(t, types.Array):
+        if t.layout != "C" or not t.mutable or not t.aligned:
+            raise ValueError(f"kernel_list: a kernel takes a non-contiguous or read-only array {t}")
+        return f"{t.dtype}[{', '.join([':'] * (t.ndim - 1) + ['::1'])}]"
+    if isinstance(t, types.UniTuple):
+        return f"UniTuple({spelling(t.dtype)}, {t.count})"
+    if isinstance(t, types.Tuple):
+        return f"Tuple(({', '.join(spelling(x) for x in t.types)},))"
+    if isinstance(t, (types.Integer, types.Float, types.Boolean)):
+        return str(t)
+    raise ValueError(f"kernel_list: no spelling for a kernel argument of type {t}")
+
+
+def _trace(tier: str, argv: list[str]) -> None:
+    """Run ``ds41numba ARGV`` on ``tier`` and print, a JSON line each, the kernels Python called
+    with types they had no code for (compiled, or loaded from the cache) and the seconds each took."""
+    calls = []
+    inner = Dispatcher._compile_for_args
+
+    def noting(self, *args, **kws):
+        before = set(self.signatures)
+        start = time.perf_counter()
+        try:
+            return inner(self, *args, **kws)
+        finally:
+            name = f"{self.py_func.__module__}:{self.py_func.__qualname__}"
+            for sig in set(self.signatures) - before:
+                if name.startswith("ds41numba"):
+                    calls.append((name, f"({', '.join(spelling(t) for t in sig)})",
+                                  time.perf_counter() - start))
+
+    Dispatcher._compile_for_args = noting
+    try:
+        with use_backend(tier):
+            cli.main(argv)
+    finally:
+        Dispatcher._compile_for_args = inner
+    for call in calls:
+        print(json.dumps(call))
+
+
+def _traced_calls(tier: str, threads: int, cache: str | None) -> list[tuple]:
+    """``(name, signature, seconds)`` of the kernels the default golden calls on ``tier`` with
+    ``threads`` threads, in a fresh process (``cache``: its numba cache directory; None: the
+    usual one)."""
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), DS41NUMBA_COMPILE_AHEAD="0")
+    if cache is not None:
+        env["NUMBA_CACHE_DIR"] = cache
+    with tempfile.TemporaryDirectory() as tmp:
+        golden = ["golden", "--out", os.path.join(tmp, "g.safetensors"), "--quiet"]
+        out = subprocess.run([sys.executable, "-m", _MODULE, "--trace", tier, *golden],
+                             env=env, check=True, capture_output=True, text=True).stdout
+    return [tuple(json.loads(line)) for line in out.splitlines() if line.startswith("[")]
+
+
+def traced_kernels(tier: str, threads: int) -> set[tuple[str, str]]:
+    """``(name, signature)`` of each kernel the default golden calls on ``tier`` with ``threads``
+    threads, traced in a fresh process on the usual numba cache."""
+    return {(name, sig) for name, sig, _ in _traced_calls(tier, threads, None)}
+
+
+def _record(path: Path) -> None:
+    """Rewrite the list from the default golden's runs on every tier this CPU has."""
+    available = BACKENDS[BACKENDS.index(backend()):]     # the tiers nest
+    seen: dict[str, dict[tuple[str, str], float]] = {}
+    for tier in available:
+        seen[tier] = {}
+        for threads in _THREADS:
+            with tempfile.TemporaryDirectory() as cache:
+                # Cold, then warm: a function a kernel compiled along with it on the cold run is
+                # one Python calls (and numba loads) on a warm one.
+                for name, sig, seconds in (_traced_calls(tier, threads, cache)
+                                           + _traced_calls(tier, threads, cache)):
+                    seen[tier][name, sig] = max(seconds, seen[tier].get((name, sig), 0.0))
+            print(f"{tier} at {threads} threads: {len(seen[tier])} kernels", file=sys.stderr)
+    everywhere = set.intersection(*(set(calls) for calls in seen.values()))
+    rows: dict[tuple[str, str, str], float] = {}
+    for tier, calls in seen.items():
+        for (name, sig), seconds in calls.items():
+            row = (ANY_TIER if (name, sig) in everywhere else tier, name, sig)
+            rows[row] = max(seconds, rows.get(row, 0.0))
+    lines = ["# The kernels the default golden (`ds41numba golden`) calls from Python, read by",
+             "# ds41numba/compile_ahead.py: tier ('*': every tier), compile seconds, module:qualname,",
+             "# argument types. Written by `python -m ds41numba.kernel_list` on a CPU with the",
+             f"# tiers {', '.join(available)}."]
+    lines += [f"{tier} {rows[tier, name, sig]:.2f} {name} {sig}" for tier, name, sig in sorted(rows)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--trace"]:
+        _trace(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:]:
+        sys.exit(f"usage: python -m {_MODULE}   (rewrites {KERNELS})")
+    else:
+        _record(KERNELS)

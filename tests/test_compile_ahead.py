@@ -1,0 +1,94 @@
+"""Compiling ahead (ds41numba/compile_ahead.py): the list of kernels is what the default golden
+calls, its types spell and read back exactly, the shares keep a kernel whole, and a kernel
+compiled ahead in one process is what another finds in the cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+from numba.core import sigutils
+
+from ds41numba import compile_ahead as ahead, kernel_list
+from ds41numba.numerics import BACKENDS, backend
+
+VALUES = [
+    (np.zeros(3, np.float32), "float32[::1]"),
+    (np.zeros((2, 3), np.uint32), "uint32[:, ::1]"),
+    (np.zeros((2, 3, 4), np.int64), "int64[:, :, ::1]"),
+    ((np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32)), "UniTuple(float32[:, ::1], 2)"),
+    ((np.zeros((2, 3), np.uint32), np.zeros((2, 3), np.int32)), "Tuple((uint32[:, ::1], int32[:, ::1],))"),
+    (np.int64(3), "int64"), (np.uint64(3), "uint64"), (np.float32(1), "float32"),
+    (1.5, "float64"), (True, "bool"),
+]
+
+
+@pytest.mark.parametrize("value,spelling", VALUES, ids=[s for _, s in VALUES])
+def test_spelling_reads_back_as_the_type_numba_gives_the_value(value, spelling):
+    t = numba.typeof(value)
+    assert kernel_list.spelling(t) == spelling
+    assert sigutils.normalize_signature(f"({spelling},)")[0][0] == t
+
+
+@pytest.mark.parametrize("value", [np.zeros((3, 4), np.float32, order="F"),
+                                   np.zeros((3, 4), np.float32)[:, ::2], "text"])
+def test_a_type_without_a_spelling_is_refused(value):
+    with pytest.raises(ValueError, match="kernel_list"):
+        kernel_list.spelling(numba.typeof(value))
+
+
+def test_shares_keep_a_kernel_whole_and_balance_the_seconds():
+    k = lambda name, s: ahead.Kernel("*", s, name, "(int64,)")
+    kernels = [k("m:a", 10.0), k("m:b", 6.0), k("m:b", 3.0), k("m:c", 5.0), k("m:d", 4.0), k("m:e", 1.0)]
+    shares = ahead._shares(kernels, 2)
+    assert sorted(n for s in shares for n in s) == ["m:a", "m:b", "m:c", "m:d", "m:e"]
+    assert shares == [["m:a", "m:d", "m:e"], ["m:b", "m:c"]]      # 15 s and 14 s
+    assert ahead._shares(kernels, 8) == [["m:a"], ["m:b"], ["m:c"], ["m:d"], ["m:e"]]
+
+
+def test_the_list_reads_and_names_kernels_that_exist():
+    kernels = ahead.read_kernels()
+    assert len(kernels) >= 20
+    for k in kernels:
+        assert k.tier == "*" or k.tier in BACKENDS
+        assert isinstance(k.dispatcher(), numba.core.registry.CPUDispatcher), k.name
+        assert k.argtypes()
+
+
+def test_the_list_holds_every_kernel_the_default_golden_calls_on_this_tier():
+    """Run the default golden (a fresh process) and note the kernels it calls from Python: each
+    must be on the list for this tier, or a first run compiles it alone."""
+    listed = {(k.name, k.signature) for k in ahead.read_kernels() if k.tier in ("*", backend())}
+    called = kernel_list.traced_kernels(backend(), numba.get_num_threads())
+    assert called and called <= listed, sorted(called - listed)
+
+
+def test_a_kernel_compiled_ahead_is_in_the_cache_another_process_reads(tmp_path):
+    """A child compiles one listed kernel into an empty cache: another process finds it there,
+    and the kernels still missing are one fewer."""
+    kernel = next(k for k in ahead.read_kernels() if k.name.endswith(":_pack_picks"))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    check = [sys.executable, "-c", "from ds41numba import compile_ahead as a; "
+             f"k = [k for k in a.read_kernels() if k.name == {kernel.name!r}][0]; "
+             "print(a._cached(k), len(a._missing(a.backend())))"]
+    before = subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.split()
+    subprocess.run([sys.executable, "-m", "ds41numba.compile_ahead", kernel.name], env=env, check=True)
+    after = subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert before[0] == "False" and after[0] == "True"
+    assert int(after[1]) == int(before[1]) - 1
+
+
+def test_a_stale_line_is_skipped_not_raised(tmp_path, monkeypatch):
+    stale = tmp_path / "kernels.txt"
+    stale.write_text("* 1.00 ds41numba.indexer.candidates:_pack_picks (float32[::1],)\n")
+    monkeypatch.setattr(ahead, "KERNELS", stale)
+    ahead._compile(["ds41numba.indexer.candidates:_pack_picks"], backend())
+
+
+def test_switched_off_it_compiles_nothing(monkeypatch):
+    monkeypatch.setenv("DS41NUMBA_COMPILE_AHEAD", "0")
+    assert ahead.compile_ahead(quiet=True) == 0
