@@ -78,9 +78,16 @@ def _cached(kernel: Kernel) -> bool:
 
 
 def _missing(tier: str) -> list[Kernel]:
-    """The list's kernels for ``tier`` that numba's cache lacks."""
-    wanted = [k for k in read_kernels() if k.tier in (ANY_TIER, tier)]
-    return [k for k in wanted if not _cached(k)]
+    """The list's kernels for ``tier`` that numba's cache lacks (a stale line, naming a kernel
+    that is gone or types that do not read, is left out: the run compiles what it calls)."""
+    missing = []
+    for k in read_kernels():
+        try:
+            if k.tier in (ANY_TIER, tier) and not _cached(k):
+                missing.append(k)
+        except Exception:
+            continue
+    return missing
 
 
 def _shares(kernels: list[Kernel], n: int) -> list[list[str]]:

@@ -26,7 +26,7 @@ from . import cli
 from .compile_ahead import ANY_TIER, KERNELS
 from .numerics import BACKENDS, backend, use_backend
 
-__all__ = ["traced_kernels"]
+__all__ = ["signature_spelling", "spelling", "traced_kernels"]
 
 _MODULE = "ds41numba.kernel_list"       # run as `python -m` (then __name__ is "__main__")
 _THREADS = (1, 8)
@@ -48,6 +48,12 @@ def spelling(t) -> str:
     raise ValueError(f"kernel_list: no spelling for a kernel argument of type {t}")
 
 
+def signature_spelling(argtypes) -> str:
+    """A kernel's argument types as numba reads a signature: ``(int64,)``, ``(float32[::1], bool)``."""
+    parts = [spelling(t) for t in argtypes]
+    return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+
+
 def _trace(tier: str, argv: list[str]) -> None:
     """Run ``ds41numba ARGV`` on ``tier`` and print, a JSON line each, the kernels Python called
     with types they had no code for (compiled, or loaded from the cache) and the seconds each took."""
@@ -63,7 +69,7 @@ def _trace(tier: str, argv: list[str]) -> None:
             name = f"{self.py_func.__module__}:{self.py_func.__qualname__}"
             for sig in set(self.signatures) - before:
                 if name.startswith("ds41numba"):
-                    calls.append((name, f"({', '.join(spelling(t) for t in sig)})",
+                    calls.append((name, signature_spelling(sig),
                                   time.perf_counter() - start))
 
     Dispatcher._compile_for_args = noting

@@ -41,6 +41,14 @@ def test_a_type_without_a_spelling_is_refused(value):
         kernel_list.spelling(numba.typeof(value))
 
 
+@pytest.mark.parametrize("argtypes,spelling", [
+    ((numba.int64,), "(int64,)"),
+    ((numba.float32[::1], numba.boolean), "(float32[::1], bool)")])
+def test_a_signature_spells_as_numba_reads_it(argtypes, spelling):
+    assert kernel_list.signature_spelling(argtypes) == spelling
+    assert tuple(sigutils.normalize_signature(spelling)[0]) == argtypes
+
+
 def test_shares_keep_a_kernel_whole_and_balance_the_seconds():
     k = lambda name, s: ahead.Kernel("*", s, name, "(int64,)")
     kernels = [k("m:a", 10.0), k("m:b", 6.0), k("m:b", 3.0), k("m:c", 5.0), k("m:d", 4.0), k("m:e", 1.0)]
@@ -82,11 +90,19 @@ def test_a_kernel_compiled_ahead_is_in_the_cache_another_process_reads(tmp_path)
     assert int(after[1]) == int(before[1]) - 1
 
 
-def test_a_stale_line_is_skipped_not_raised(tmp_path, monkeypatch):
+STALE = ["* 1.00 ds41numba.indexer.candidates:_pack_picks (float32[::1],)",    # retyped
+         "* 1.00 ds41numba.indexer.candidates:_pack_picks (int64)",            # not a tuple
+         "* 1.00 ds41numba.indexer.candidates:_gone (int64,)",                 # renamed
+         "* 1.00 ds41numba.gone:_pack_picks (int64,)"]                         # moved
+
+
+@pytest.mark.parametrize("line", STALE)
+def test_a_stale_line_is_skipped_not_raised(line, tmp_path, monkeypatch):
     stale = tmp_path / "kernels.txt"
-    stale.write_text("* 1.00 ds41numba.indexer.candidates:_pack_picks (float32[::1],)\n")
+    stale.write_text(line + "\n")
     monkeypatch.setattr(ahead, "KERNELS", stale)
-    ahead._compile(["ds41numba.indexer.candidates:_pack_picks"], backend())
+    ahead._missing(backend())
+    ahead._compile([line.split()[2]], backend())
 
 
 def test_switched_off_it_compiles_nothing(monkeypatch):
