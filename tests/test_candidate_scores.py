@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 import naive
-from helpers import EPS, bf16
+from helpers import EPS, bf16, random_config
 from ds41numba import fp4_quant_e8m0_inplace
 from ds41numba.attention import layer_rope_table
 from ds41numba.numerics import BACKENDS, DOT_LANES, backend, use_backend
-from helpers import random_config
 
 indexer_mod = importlib.import_module("ds41numba.indexer")
 candidate_scores = importlib.import_module("ds41numba.indexer.candidate_scores")
@@ -105,7 +104,8 @@ def test_consumer_scores_and_picks_only_inside_its_candidates(tier, case):
 
 
 def _scoring_inputs(args):
-    """The indexer's own queries, head weights and keys, as naive.tile_scores takes them."""
+    """The indexer's own queries, head weights and keys, as naive.tile_scores takes them
+    (test_indexer's, which a consumer's arguments also fit)."""
     from test_indexer import _indexer_scoring_inputs
     return _indexer_scoring_inputs(args)
 
