@@ -62,16 +62,22 @@ def piece_rows(where: str) -> int:
 
 
 def run_worker(layer: int, prefill: int, decode: int, chunk: int, directory: str) -> dict:
-    """One streamed golden in this process: the seconds of every forward, and the peak RSS."""
+    """One streamed golden in this process: the seconds of every forward of ``layer``, and the
+    peak RSS. A layer that reads another's selection or candidates (a candidate consumer) runs
+    with its sources (``closed_selection``); only its own forwards are timed."""
     from ds41numba.config import preset
     from ds41numba.golden import GoldenPlan, write_golden
+    from ds41numba.golden.plan import closed_selection
 
-    plan = GoldenPlan(config=preset(common.PRESET), layers=(layer,), prefill=prefill,
+    config = preset(common.PRESET)
+    plan = GoldenPlan(config=config, layers=closed_selection(config, (layer,))[0], prefill=prefill,
                       decode=decode, capture="io", preset=common.PRESET)
     forwards, started = [], {}
 
     def progress(n, where):
         now = time.perf_counter()
+        if not where.endswith(f"layer {layer}"):
+            return
         if n == 0:
             started["t"] = now
         else:
@@ -104,7 +110,10 @@ def indexer_seconds(layer: int, width: int, prefill: int, queries: int = 64, rep
     The marginal cost: calls of ``queries`` and of ``2 * queries`` queries (medians of
     ``repeat``), their difference divided by ``queries``. A call's own fixed work (the first
     tile's mask of a fresh score buffer: 64 MB of -inf at 1,048,576 positions) is then left out;
-    a real prefill pays it once per chunk of thousands of queries, not once per 64."""
+    a real prefill pays it once per chunk of thousands of queries, not once per 64.
+
+    A candidate consumer's queries each get ``candidate_topk_blocks`` blocks of the positions
+    they see (:func:`random_candidates`)."""
     from ds41numba.attention import layer_rope_table
     from ds41numba.indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer
 
@@ -120,14 +129,32 @@ def indexer_seconds(layer: int, width: int, prefill: int, queries: int = 64, rep
     medians = []
     for n in (queries, 2 * queries):
         start = width * r - n         # the last query sees ``width`` positions
+        cands = random_candidates(icfg, start, n, prefill // r) if icfg.use_candidates else None
         times = []
         for _ in range(repeat + 1):           # the first call loads the kernels
             t0 = time.perf_counter()
             indexer(x[:n], qr[:n], start, icfg, weights, table, keys, cfg.window_size,
-                    prefill_len=prefill)
+                    prefill_len=prefill, candidate_blocks=cands[:n] if cands is not None else None)
             times.append(time.perf_counter() - t0)
         medians.append(float(np.median(times[1:])))
     return max(medians[1] - medians[0], 0.0) / queries
+
+
+def random_candidates(icfg, start: int, n: int, width: int, seed: int = 17) -> np.ndarray:
+    """A candidate consumer's packed candidate bits for queries ``start ..`` of a prefill whose
+    score rows are ``width`` positions wide: each query's newest visible block and
+    ``candidate_topk_blocks - 1`` others it sees, drawn at random (spread over what it sees, as
+    the generator's candidate source picks them: at 32,768 tokens 98% of a query's key blocks
+    of 32 positions held one)."""
+    rng = np.random.default_rng(seed)
+    block = icfg.candidate_block_size
+    bits = np.zeros((n, -(-width // block)), bool)
+    for s in range(n):
+        seen = -(-((start + s + 1) // icfg.ratio) // block)
+        if seen:
+            bits[s, rng.permutation(seen - 1)[:icfg.candidate_topk_blocks - 1]] = True
+            bits[s, seen - 1] = True
+    return np.packbits(bits, axis=1)
 
 
 def indexer_total(per_query: dict, n: int, ratio: int) -> float:

@@ -452,7 +452,8 @@ def test_another_head_order_passes_as_boundary_swaps(tmp_path, monkeypatch):
     indexer = importlib.import_module("ds41numba.indexer")
     block_maxima = importlib.import_module("ds41numba.indexer.block_maxima")
 
-    def scores(self, iq, w, clen, width, out=None, qbuf=None, dirty_to=None, maxima=None):
+    def scores(self, iq, w, clen, width, out=None, qbuf=None, dirty_to=None, maxima=None,
+               need=None):     # need: a consumer may be scored whole (then masked)
         got = _reversed_head_sum_scores(iq, w, self.keys[:width], clen, width, out)
         if maxima is not None:      # the candidate source's block maxima, of these scores
             block_maxima.visible_block_maxima(got, clen, *maxima)

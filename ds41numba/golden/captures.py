@@ -297,6 +297,12 @@ class StepObserver:
             self._samples[name] = np.zeros((self.rows.size,) + values.shape[1:], np.float32)
         self._samples[name][i] = values
 
+    def wants_index_scores(self, s0: int, n: int) -> bool:
+        """Whether the tile of ``n`` rows from ``s0`` holds a sampled row, whose scores before
+        the candidate mask :meth:`index_scores` records (a candidate consumer forms them
+        only then)."""
+        return bool(self._sampled(s0, n)[0].size)
+
     def index_scores(self, s0: int, iq: np.ndarray, w: np.ndarray, scores: np.ndarray):
         i, t = self._sampled(s0, scores.shape[0])
         if i.size:

@@ -26,6 +26,7 @@ One module a concept:
 - ``key_cache``: :class:`IndexKeyCache`, the keys in the layout their tier reads;
 - ``block_maxima``: the rows' maxima over blocks of positions;
 - ``candidates``: the candidate source's blocks;
+- ``candidate_scores``: a candidate consumer's scores, formed only inside its candidate blocks;
 - ``selection``: the top-k selection.
 """
 

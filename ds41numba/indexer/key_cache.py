@@ -122,9 +122,15 @@ class IndexKeyCache:
 
     def scores(self, iq: np.ndarray, w: np.ndarray, clen: np.ndarray, width: int,
                out: np.ndarray | None = None, qbuf: np.ndarray | None = None,
-               dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray:
+               dirty_to: int | None = None, maxima: tuple | None = None,
+               need: np.ndarray | None = None) -> np.ndarray:
         """A tile's scores ``[T, width]`` after the visibility mask (see :func:`tile_scores`);
         ``dirty_to``: the columns of ``out`` from there on hold -inf already (:func:`masked_buffer`).
+
+        ``need`` (a candidate consumer's, :func:`~.candidate_scores.needed_key_blocks`): the
+        key blocks of ``DOT_LANES`` positions whose scores each query needs; the packed kernels
+        form no other, leaving those positions (below ``clen``) as they were for the caller to
+        mask. BLAS's tier forms every score.
 
         ``maxima = (block, block_max)``: also each row's maxima of the blocks of ``block``
         positions it sees, into ``block_max [T, >= ceil(width / block)]`` (float32): entry
@@ -155,10 +161,11 @@ class IndexKeyCache:
             if getattr(self, layout) is None:   # made while the products ran on another tier
                 pack(self.keys.shape[0])
             got = tier_scores(iq, w, getattr(self, layout), getattr(self, layout + "_range"), clen,
-                              width, out=out, qbuf=qbuf, dirty_to=dirty_to, maxima=maxima)
+                              width, out=out, qbuf=qbuf, dirty_to=dirty_to, maxima=maxima,
+                              need=need)
             if got is not None:
                 return got
         if self.blocks is None:
             self._pack_all(self.keys.shape[0])
         return tile_scores_bf16(iq, w, self.blocks, clen, width, out=out, qbuf=qbuf,
-                                dirty_to=dirty_to, maxima=maxima)
+                                dirty_to=dirty_to, maxima=maxima, need=need)

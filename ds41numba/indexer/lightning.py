@@ -15,10 +15,12 @@ import numpy as np
 from ml_dtypes import bfloat16 as BF16
 
 from ..batch import SINGLE, BatchRow, checked_batch
-from ..numerics import fp4_quant_e8m0_inplace, is_int, linear_bf16, rms_norm, tier_at_least, to_bf16_rne
+from ..numerics import (DOT_LANES, fp4_quant_e8m0_inplace, is_int, linear_bf16, rms_norm,
+                        tier_at_least, to_bf16_rne)
 from ..rope import apply_rotary
 from ..step import Step
-from .candidates import candidate_block_bits, candidate_mask
+from .candidate_scores import candidate_hints, mask_outside_candidates, needed_key_blocks
+from .candidates import candidate_block_bits
 from .key_cache import IndexKeyCache
 from .query_layouts import query_pairs_size
 from .selection import select_rows
@@ -183,12 +185,16 @@ class _Scorer:
         self.block_max = (np.empty((rows, -(-width // self.block)), np.float32)
                           if cfg.candidate_source else None)
 
-    def scores(self, iq, w, clen) -> tuple:
-        """A tile's scores after the visibility mask, and ``(block, block maxima)`` or None."""
+    def scores(self, iq, w, clen, candidates=None) -> tuple:
+        """A tile's scores after the visibility mask, and ``(block, block maxima)`` or None.
+        ``candidates``: a consumer's candidate bits of these queries; then only the scores
+        inside them are formed, the rest left for :func:`mask_outside_candidates`."""
         n = len(clen)
         maxima = None if self.block_max is None else (self.block, self.block_max[:n])
+        need = (None if candidates is None else
+                needed_key_blocks(candidates, clen, self.block, DOT_LANES, -(-self.width // DOT_LANES)))
         got = self.keys.scores(iq, w, clen, self.width, out=self.buf[:n], qbuf=self.qbuf,
-                               dirty_to=self.dirty_to, maxima=maxima)
+                               dirty_to=self.dirty_to, maxima=maxima, need=need)
         # What the tile wrote: below each row's clen (later writers only write -inf).
         self.dirty_to = max(int(clen.max(initial=0)), 0)
         return got, maxima
@@ -196,8 +202,9 @@ class _Scorer:
 
 def _selection(scores, clen, k: int, offset: int, maxima) -> np.ndarray:
     """A tile's ``topk_idxs``: each row's top-k positions plus ``offset``, -1 past its visible
-    range. ``maxima``: the candidate source's block scores (each at least its block's max, the
-    pinned block's +inf too), which let the top-k's scan skip runs of a row."""
+    range. ``maxima``: ``(block, hints)``, each hint at least its block's max (the candidate
+    source's block scores, the pinned block's +inf too; a consumer's
+    :func:`candidate_hints`), which let the top-k's scan skip runs of a row."""
     picked = np.zeros((len(clen), k), np.int64)
     if k:
         select_rows(scores, clen, k, picked, maxima)
@@ -232,11 +239,16 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
 
     ``observer`` (the golden captures' hook, :mod:`ds41numba.golden.captures`), if given, sees
     every tile of queries (``s0`` counts from this call's first row, a chunk's too) while its
-    buffers are live (copy what it keeps):
+    buffers are live (copy what it keeps): where ``observer.wants_index_scores(s0, T)``,
     ``observer.index_scores(s0, iq, w, scores)`` with the fp4-rounded queries ``[T, ih, id]``,
     the head weights ``[T, ih]`` and the scores after the visibility mask, before candidate
     masking; then ``observer.index_selection(s0, scores, topk)`` with the scores top-k chose
     from (candidate-masked) and the tile's rows of ``topk_idxs``. It changes nothing computed.
+
+    A candidate consumer forms only the scores inside its queries' candidate blocks (in key
+    blocks of ``DOT_LANES``; :mod:`.candidate_scores`) unless the scores before the candidate
+    mask are recorded (``capture``, or an observer that wants them): its masked rows, and so
+    its selection, are the same either way.
     """
     _check_indexer_args(x, qr, start_pos, cfg, weights, index_k, offset, candidate_blocks, tile,
                         prefill_len)
@@ -261,19 +273,22 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
         iq = queries.tile(s0, s1)
-        scores, maxima = scorer.scores(iq, w_all[s0:s1], clen[s0:s1])
+        cands = candidate_blocks[s0:s1] if cfg.use_candidates else None
+        # Every score is formed where they are recorded before the candidate mask.
+        whole = capture or (observer is not None and observer.wants_index_scores(s0, s1 - s0))
+        scores, maxima = scorer.scores(iq, w_all[s0:s1], clen[s0:s1], None if whole else cands)
         if capture:
             score_capture[s0:s1] = scores
-        if observer is not None:
+        if whole and observer is not None:
             observer.index_scores(s0, iq, w_all[s0:s1], scores)
         if cfg.candidate_source:
             candidate_block_bits(scores, clen[s0:s1], cfg.candidate_topk_blocks,
                                  cfg.candidate_block_size, published[s0:s1], maxima[1])
-        if cfg.use_candidates:
-            allowed = candidate_mask(candidate_blocks[s0:s1], width, cfg.candidate_block_size)
-            scores[~allowed] = -np.inf
-        topk_idxs[s0:s1] = _selection(scores, clen[s0:s1], k, offset,
-                                      maxima if cfg.candidate_source else None)
+        if cands is not None:
+            mask_outside_candidates(scores, cands, clen[s0:s1], cfg.candidate_block_size)
+            maxima = (cfg.candidate_block_size,
+                      candidate_hints(cands, -(-width // cfg.candidate_block_size)))
+        topk_idxs[s0:s1] = _selection(scores, clen[s0:s1], k, offset, maxima)
         if observer is not None:
             observer.index_selection(s0, scores, topk_idxs[s0:s1])
     return topk_idxs, published, score_capture

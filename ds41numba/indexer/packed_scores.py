@@ -40,6 +40,21 @@ def _first_seeing(clen, T, t0):
 
 
 @njit(cache=True)
+def _next_run(need, b, a, T):
+    """The next run ``[a, e)`` of queries from ``a`` that need key block ``b`` (``need [T,
+    blocks]``; no column: every query needs every block), ``(T, T)`` when none does: the
+    kernels form the scores of a run of queries at once, and none of a query that needs none."""
+    if need.shape[1] == 0:
+        return a, T
+    while a < T and not need[a, b]:
+        a += 1
+    e = a
+    while e < T and need[e, b]:
+        e += 1
+    return a, e
+
+
+@njit(cache=True)
 def _mix_dots(d, w, clen, t0, s_lo, out, block, block_max):
     """The dot products ``d`` of a key block (a query head a row) of the queries ``s_lo ..``,
     mixed into ``out`` where visible, and their block maxima when ``block`` > 0."""
@@ -83,85 +98,109 @@ def _finish_mixed(mixed, clen, s_lo, t0, out, whole, maxima, block, block_max):
         key_block_maxima(out, clen, t0, s_lo, block, block_max)
 
 
+@njit(cache=True)
+def _bf16_run(pairs, blocks, w, clen, b, s_lo, e, d, out, block, block_max):
+    """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX512-BF16."""
+    ih = w.shape[1]
+    first = s_lo * ih // DOT_ROWS * DOT_ROWS
+    d[first:] = 0
+    for r in range(first, e * ih, DOT_ROWS):
+        bf16_dot_tile(pairs[r:r + DOT_ROWS], blocks[b], d[r:r + DOT_ROWS])
+    _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max)
+
+
 @njit(parallel=True, cache=True)
-def _bf16_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
+def _bf16_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX512-BF16: ``q = (pairs,)``, ``keys = (blocks,)``."""
-    T, ih = w.shape
+    T = w.shape[0]
     pairs, blocks = q[0], keys[0]
     for wk in prange(workers):
         d = np.empty((pairs.shape[0], DOT_LANES), np.float32)
         for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
-            s_lo = _first_seeing(clen, T, b * DOT_LANES)
-            if s_lo == T:
-                continue
-            first = s_lo * ih // DOT_ROWS * DOT_ROWS
-            d[first:] = 0
-            for r in range(first, T * ih, DOT_ROWS):
-                bf16_dot_tile(pairs[r:r + DOT_ROWS], blocks[b], d[r:r + DOT_ROWS])
-            _mix_dots(d, w, clen, b * DOT_LANES, s_lo, out, block, block_max)
+            a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
+            while a < T:
+                _bf16_run(pairs, blocks, w, clen, b, a, e, d, out, block, block_max)
+                a, e = _next_run(need, b, e, T)
+
+
+@njit(cache=True)
+def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, block, block_max):
+    """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX512-VNNI."""
+    ih = w.shape[1]
+    quads, corr, scales = q
+    key_quads, key_scales = keys
+    t0 = b * DOT_LANES
+    if ih % AMX_ROWS == 0 and corr.shape[1] == 1:
+        rows = slice(s_lo * ih, e * ih)
+        got, got_max, maxima, whole = _mix_target(out[:e], mixed, clen[:e], s_lo, t0, block, block_max)
+        vnni_mix_tile(quads[rows], corr[rows], scales[rows], w_rows[rows], key_quads[b],
+                      key_scales[b], got, got_max, converts, maxima)
+        _finish_mixed(mixed, clen[:e], s_lo, t0, out[:e], whole, maxima, block, block_max)
+        return
+    for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, e * ih, DOT_ROWS):
+        int8_dot_into(quads[r:r + DOT_ROWS], corr[r:r + DOT_ROWS], scales[r:r + DOT_ROWS],
+                      key_quads[b], key_scales[b], d[r:r + DOT_ROWS])
+    _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max)
 
 
 @njit(parallel=True, cache=True)
-def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
+def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX512-VNNI: ``q = (quads, corr, scales)``, ``keys = (quads, scales)``,
     per-block or folded. Folded rows (one correction a row) of whole row tiles a query are
     mixed as they are formed (:func:`~ds41numba.numerics.vnni_mix_tile`)."""
     T, ih = w.shape
-    quads, corr, scales = q
-    key_quads, key_scales = keys
-    on_tiles = ih % AMX_ROWS == 0 and corr.shape[1] == 1
     w_rows = w.reshape((T * ih, 1))
     for wk in prange(workers):
-        d = np.empty((quads.shape[0], DOT_LANES), np.float32)
+        d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
         mixed = np.empty((T, DOT_LANES), np.float32)
         for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
-            t0 = b * DOT_LANES
-            s_lo = _first_seeing(clen, T, t0)
-            if s_lo == T:
-                continue
-            if on_tiles:
-                rows = slice(s_lo * ih, T * ih)
-                got, got_max, maxima, whole = _mix_target(out, mixed, clen, s_lo, t0, block, block_max)
-                vnni_mix_tile(quads[rows], corr[rows], scales[rows], w_rows[rows], key_quads[b],
-                              key_scales[b], got, got_max, converts, maxima)
-                _finish_mixed(mixed, clen, s_lo, t0, out, whole, maxima, block, block_max)
-                continue
-            for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, T * ih, DOT_ROWS):
-                int8_dot_into(quads[r:r + DOT_ROWS], corr[r:r + DOT_ROWS], scales[r:r + DOT_ROWS],
-                              key_quads[b], key_scales[b], d[r:r + DOT_ROWS])
-            _mix_dots(d, w, clen, t0, s_lo, out, block, block_max)
+            a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
+            while a < T:
+                _vnni_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, converts, out, block,
+                          block_max)
+                a, e = _next_run(need, b, e, T)
+
+
+@njit(cache=True)
+def _amx_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, block, block_max):
+    """Key block ``b``'s scores of the queries ``s_lo .. e`` on AMX (the thread holds the tile
+    state)."""
+    ih = w.shape[1]
+    quads, scales = q
+    key_quads, key_scales = keys
+    t0 = b * DOT_LANES
+    if ih % AMX_ROWS:
+        first = s_lo * ih // AMX_ROWS * AMX_ROWS
+        d[first:] = 0
+        for r in range(first, e * ih, AMX_ROWS):
+            amx_dot_tile(quads[r:r + AMX_ROWS], scales[r:r + AMX_ROWS], key_quads[b],
+                         key_scales[b], d[r:r + AMX_ROWS])
+        _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max)
+        return
+    rows = slice(s_lo * ih, e * ih)
+    got, got_max, maxima, whole = _mix_target(out[:e], mixed, clen[:e], s_lo, t0, block, block_max)
+    amx_mix_tile(quads[rows], scales[rows], w_rows[rows], key_quads[b], key_scales[b],
+                 got, got_max, converts, maxima)
+    _finish_mixed(mixed, clen[:e], s_lo, t0, out[:e], whole, maxima, block, block_max)
 
 
 @njit(parallel=True, cache=True)
-def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
+def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AMX: ``q = (quads, scales)``, ``keys = (quads, scales)``, both folded.
     Queries of whole row tiles are mixed as they are formed
     (:func:`~ds41numba.numerics.amx_mix_tile`); each worker holds the tile state throughout."""
     T, ih = w.shape
-    quads, scales = q
-    key_quads, key_scales = keys
-    on_tiles = ih % AMX_ROWS == 0
     w_rows = w.reshape((T * ih, 1))
     for wk in prange(workers):
-        d = np.empty((quads.shape[0], DOT_LANES), np.float32)
+        d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
         mixed = np.empty((T, DOT_LANES), np.float32)
         amx_begin()
         for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
-            t0 = b * DOT_LANES
-            s_lo = _first_seeing(clen, T, t0)
-            if s_lo < T and not on_tiles:
-                first = s_lo * ih // AMX_ROWS * AMX_ROWS
-                d[first:] = 0
-                for r in range(first, T * ih, AMX_ROWS):
-                    amx_dot_tile(quads[r:r + AMX_ROWS], scales[r:r + AMX_ROWS], key_quads[b],
-                                 key_scales[b], d[r:r + AMX_ROWS])
-                _mix_dots(d, w, clen, t0, s_lo, out, block, block_max)
-            elif s_lo < T:
-                rows = slice(s_lo * ih, T * ih)
-                got, got_max, maxima, whole = _mix_target(out, mixed, clen, s_lo, t0, block, block_max)
-                amx_mix_tile(quads[rows], scales[rows], w_rows[rows], key_quads[b], key_scales[b],
-                             got, got_max, converts, maxima)
-                _finish_mixed(mixed, clen, s_lo, t0, out, whole, maxima, block, block_max)
+            a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
+            while a < T:
+                _amx_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, converts, out, block,
+                         block_max)
+                a, e = _next_run(need, b, e, T)
         amx_end()
 
 
@@ -171,17 +210,22 @@ LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kern
 
 # The kernel's block maxima buffer when none are asked for (one type for every call).
 _NO_MAXIMA = np.empty((1, 1), np.float32)
+# The kernel's key blocks needed when every query needs every one (no column: see _next_run).
+_ALL_NEEDED = np.ones((1, 0), np.uint8)
 
 
 def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray,
                        width: int, out: np.ndarray | None = None, dirty_to: int | None = None,
-                       converts: bool = False, maxima: tuple | None = None) -> np.ndarray:
+                       converts: bool = False, maxima: tuple | None = None,
+                       need: np.ndarray | None = None) -> np.ndarray:
     """A tile's scores ``[T, width]`` after the visibility mask, from queries and keys packed
     in ``layout`` (a key of :data:`LAYOUTS`); ``converts``: AMX's and VNNI's mixers may round on
     the CPU's conversion (:func:`~ds41numba.numerics.converted_mix_exact`). With ``maxima =
     (block, block_max)`` also the rows' block maxima (:meth:`.IndexKeyCache.scores`): taken by
     the kernel while each key block is in cache where ``block`` divides DOT_LANES, else by a
-    pass over the scores after them."""
+    pass over the scores after them. ``need`` (uint8 ``[T, >= ceil(max clen / DOT_LANES)]``,
+    :func:`~.candidate_scores.needed_key_blocks`): the key blocks whose scores a query needs;
+    the others' positions are left as they were (the caller writes them)."""
     T = w.shape[0]
     block, block_max = maxima if maxima is not None and DOT_LANES % maxima[0] == 0 else (0, _NO_MAXIMA)
     out = masked_buffer(out, (T, width), clen, dirty_to, "tile_scores_packed")
@@ -191,8 +235,14 @@ def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: 
                          "positions")
     if n_vis:
         n_blocks = -(-n_vis // DOT_LANES)
+        if need is None:
+            need = _ALL_NEEDED
+        elif need.dtype != np.uint8 or need.shape[0] != T or need.shape[1] < n_blocks:
+            raise ValueError(f"tile_scores_packed: need must be uint8 [{T}, >= {n_blocks}], got "
+                             f"{need.dtype} {need.shape}")
         LAYOUTS[layout](q, keys, np.ascontiguousarray(w, np.float32), clen, n_blocks,
-                        min(numba.get_num_threads(), n_blocks), converts, out, block, block_max)
+                        min(numba.get_num_threads(), n_blocks), converts, out, block, block_max,
+                        need)
     if maxima is not None and not block:
         visible_block_maxima(out, clen, *maxima)
     return out

@@ -46,21 +46,23 @@ def _check_key_dims(name: str, packed: np.ndarray, per_value: int, idim: int) ->
 def tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                      width: int, out: np.ndarray | None = None,
                      qbuf: np.ndarray | None = None, dirty_to: int | None = None,
-                     maxima: tuple | None = None) -> np.ndarray:
+                     maxima: tuple | None = None, need: np.ndarray | None = None) -> np.ndarray:
     """The scores (:func:`~.blas_scores.tile_scores`) on AVX512-BF16 against packed keys
     (``[blocks, id / 2, DOT_LANES]``); ``qbuf`` a reusable uint32 buffer of at least
-    :func:`~.query_layouts.query_pairs_size` elements."""
+    :func:`~.query_layouts.query_pairs_size` elements; ``need``: the key blocks each query
+    needs (:func:`~.packed_scores.tile_scores_packed`)."""
     T, ih, idim = iq.shape
     _check_key_dims("tile_scores_bf16", keys, 2, idim)
     q = query_pairs(iq, query_buffer(qbuf, T, ih, idim))
     return tile_scores_packed("bf16", q, (keys,), w, clen, width, out=out, dirty_to=dirty_to,
-                              maxima=maxima)
+                              maxima=maxima, need=need)
 
 
 def tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.ndarray,
                      clen: np.ndarray, width: int, out: np.ndarray | None = None,
                      qbuf: np.ndarray | None = None,
-                     dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray | None:
+                     dirty_to: int | None = None, maxima: tuple | None = None,
+                     need: np.ndarray | None = None) -> np.ndarray | None:
     """The scores on AVX512-VNNI against keys packed by
     :func:`~ds41numba.numerics.pack_int8_blocks` (``(quads, scales)`` and their range), or None
     when these queries and keys are not all fp4 values whose dot products are exact in f32
@@ -72,13 +74,14 @@ def tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.n
     if not int8_dot_exact(q_range, key_range, idim):
         return None
     return tile_scores_packed("int8", q, keys, w, clen, width, out=out, dirty_to=dirty_to,
-                              maxima=maxima)
+                              maxima=maxima, need=need)
 
 
 def _tile_scores_folded(layout: str, query, iq: np.ndarray, w: np.ndarray, keys: tuple,
                         key_range: np.ndarray, clen: np.ndarray, width: int,
                         out: np.ndarray | None = None, qbuf: np.ndarray | None = None,
-                        dirty_to: int | None = None, maxima: tuple | None = None) -> np.ndarray | None:
+                        dirty_to: int | None = None, maxima: tuple | None = None,
+                     need: np.ndarray | None = None) -> np.ndarray | None:
     """The scores on folded rows (``layout`` ``"amx"`` or ``"vnni_folded"``), the queries folded
     by ``query``, or None when the queries or keys do not fold or their products are not exact;
     the mix rounds on the conversion where :func:`~ds41numba.numerics.converted_mix_exact`
@@ -90,7 +93,7 @@ def _tile_scores_folded(layout: str, query, iq: np.ndarray, w: np.ndarray, keys:
         return None
     converts = converted_mix_exact(q[-1], key_range, w)
     return tile_scores_packed(layout, q, keys, w, clen, width, out=out, dirty_to=dirty_to,
-                              converts=converts, maxima=maxima)
+                              converts=converts, maxima=maxima, need=need)
 
 
 def tile_scores_vnni_folded(iq, w, keys, key_range, clen, width, **kwargs):
