@@ -11,7 +11,8 @@ fixed order, so the result does not depend on the thread count.
 
 The layouts (:data:`LAYOUTS`): ``"bf16"`` (bf16 pairs, AVX512-BF16), ``"int8"`` (VNNI's
 per-block layout, a scale a 32-value block), ``"vnni_folded"`` (VNNI's folded rows: one scale a
-row, unsigned key bytes), ``"amx"`` (AMX's folded rows).
+row, unsigned key bytes), ``"amx"`` (AMX's folded rows), ``"int8_pairs"`` (the per-block
+layout on AVX2).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, amx_begin, amx_dot_tile, amx_end,
-                        amx_mix_tile, bf16_dot_tile, int8_dot_into, vnni_mix_tile)
+                        amx_mix_tile, bf16_dot_tile, int8_dot_into, int8_pairs_into, vnni_mix_tile)
 from .blas_scores import mix_heads_by_head
 from .block_maxima import key_block_maxima, visible_block_maxima
 from .visibility import masked_buffer
@@ -133,6 +134,25 @@ def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, bloc
 
 
 @njit(parallel=True, cache=True)
+def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
+    """The scores on AVX2: the per-block layout of :func:`_vnni_kernel`, ``q = (quads, corr,
+    scales)``, ``keys = (quads, scales)``, through :func:`~ds41numba.numerics.int8_pairs_into`."""
+    T, ih = w.shape
+    quads, corr, scales = q
+    key_quads, key_scales = keys
+    for wk in prange(workers):
+        d = np.empty((quads.shape[0], DOT_LANES), np.float32)
+        for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
+            s_lo = _first_seeing(clen, T, b * DOT_LANES)
+            if s_lo == T:
+                continue
+            for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, T * ih, DOT_ROWS):
+                int8_pairs_into(quads[r:r + DOT_ROWS], corr[r:r + DOT_ROWS], scales[r:r + DOT_ROWS],
+                                key_quads[b], key_scales[b], d[r:r + DOT_ROWS])
+            _mix_dots(d, w, clen, b * DOT_LANES, s_lo, out, block, block_max)
+
+
+@njit(parallel=True, cache=True)
 def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max):
     """The scores on AMX: ``q = (quads, scales)``, ``keys = (quads, scales)``, both folded.
     Queries of whole row tiles are mixed as they are formed
@@ -167,7 +187,7 @@ def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block
 
 #: The packed layouts, each with the kernel that scores it.
 LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kernel,
-           "amx": _amx_kernel}
+           "amx": _amx_kernel, "int8_pairs": _pairs_kernel}
 
 # The kernel's block maxima buffer when none are asked for (one type for every call).
 _NO_MAXIMA = np.empty((1, 1), np.float32)
