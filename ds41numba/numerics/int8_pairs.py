@@ -40,15 +40,17 @@ def _passes():
             for r in range(0, DOT_ROWS, _PASS_ROWS) for v in range(0, DOT_LANES // 8, _PASS_VECS)]
 
 
-def pair_sums(builder, a_op, b_op, p0, rows, vecs):
-    """The int16 sums of one group (quads ``p0 .. p0 + GROUP_QUADS``): per row ``m`` of A and
-    vector ``v`` of 8 keys of B, ``{(m, v): <16 x i16>}``, lanes ``2k`` and ``2k + 1`` key
-    ``k``'s (values ``4p, 4p + 1`` and ``4p + 2, 4p + 3`` of each quad).
+def pair_sums(builder, a_op, b_op, p0, rows, vecs, start):
+    """The int16 sums of one group (quads ``p0 .. p0 + GROUP_QUADS``) from ``start[m]`` (a
+    ``<16 x i16>`` a row of A): per row ``m`` and vector ``v`` of 8 keys of B, ``{(m, v): <16 x
+    i16>}``, lanes ``2k`` and ``2k + 1`` key ``k``'s (values ``4p, 4p + 1`` and ``4p + 2, 4p +
+    3`` of each quad).
 
     Exact, never saturating: a key byte is ``n + 12`` in [0, 24] and a query byte ``|n| <= 12``,
     so a pair of products (``vpmaddubsw``'s saturating int16 sum) is at most 2 * 24 * 12 = 576 in
-    magnitude and a lane's sum over the group's 8 quads at most 8 * 576 = 4608 (int16 to 32767).
-    Rows that are not fp4 values may carry any bytes, but the caller never uses their sums
+    magnitude and a lane's sum over the group's 8 quads at most 8 * 576 = 4608; with a start of
+    at most 12 * 32 * 12 = 4608 (the correction) at most 9216 (int16 to 32767). Rows that are
+    not fp4 values may carry any bytes, but the caller never uses their sums
     (:func:`.int8_dot.int8_dot_exact` is False for them)."""
     madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16S, [_V32B, _V32B]),
                                           "llvm.x86.avx2.pmadd.ub.sw")
@@ -65,8 +67,8 @@ def pair_sums(builder, a_op, b_op, p0, rows, vecs):
 
     # A loop, not straight-line code: unrolled, LLVM loaded every quad's operands first and
     # spilled them (AVX2's 16 registers).
-    sums = counted_loop(builder, i64(GROUP_QUADS), [ir.Constant(_V16S, None)] * len(tile), step,
-                        "pairsums", unrolled=False)
+    sums = counted_loop(builder, i64(GROUP_QUADS), [start[m] for m, _ in tile], step, "pairsums",
+                        unrolled=False)
     return dict(zip(tile, sums))
 
 
@@ -85,14 +87,17 @@ def _pairs_codegen(fresh):
             g, _ = open_loop(builder, f"int8pairs{part}")
             g4 = builder.mul(g, i64(4))
             first = builder.icmp_signed("==", g, i64(0)) if fresh else None
-            sums = pair_sums(builder, a_op, b_op, builder.mul(g, i64(GROUP_QUADS)), rows, vecs)
+            # Each key's even int16 lane starts from the row's correction (the offset's products
+            # back out), its odd lane from 0: vpmaddwd adds them into the group's integer.
+            start = {m: builder.bitcast(splat(builder, builder.and_(load(c_op, i64(m), g4, I32),
+                                                                    ir.Constant(I32, 0xFFFF)), V8I), _V16S)
+                     for m in rows}
+            sums = pair_sums(builder, a_op, b_op, builder.mul(g, i64(GROUP_QUADS)), rows, vecs, start)
             sk = {v: load(t_op, g, i64(32 * v), V8F) for v in vecs}
             for m in rows:
-                corr = splat(builder, load(c_op, i64(m), g4, I32), V8I)
                 sq = splat(builder, load(s_op, i64(m), g4, F32), V8F)
                 for v in vecs:
-                    # the group's 32 products of key k (|.| <= 9216), then the offset's back out
-                    ints = builder.add(builder.call(widen, [sums[m, v], ones]), corr)
+                    ints = builder.call(widen, [sums[m, v], ones])
                     add_group_term(builder, row_pointer(builder, o_op, i64(m), i64(32 * v), V8F), ints,
                                    builder.fmul(sq, sk[v]), first)
             close_loop(builder, g, n_groups, f"int8pairs{part}")
