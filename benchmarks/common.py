@@ -449,12 +449,12 @@ def _indexer_case():
 
 def _index_scores_case(path: str):
     """Scoring one tile: ``path`` "default" is what the indexer runs on this machine (AMX,
-    AVX512-VNNI or AVX512-BF16 where the CPU has them), "vnni" the AVX512-VNNI kernel (where
-    AMX is the default, the kernel it replaced; skipped on CPUs without it), "f32" numpy's f32
-    BLAS (the fallback)."""
+    AVX512-VNNI or AVX2's integer kernel where the CPU has them), "vnni" the AVX512-VNNI kernel
+    (where AMX is the default, the kernel it replaced; skipped on CPUs without it), "avx2int8"
+    AVX2's integer kernel, "f32" numpy's f32 BLAS (the fallback)."""
     cfg = layer_config(_CTX)
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
-    tier = {"f32": "blas", "vnni": "avx512vnni"}.get(path)
+    tier = {"f32": "blas", "vnni": "avx512vnni", "avx2int8": "avx2int8"}.get(path)
 
     def build():
         from ds41numba.indexer import IndexKeyCache
@@ -474,6 +474,7 @@ def _index_scores_case(path: str):
 
     name, what = {"default": ("indexer_scores_tile", "indexer scoring only"),
                   "vnni": ("indexer_scores_tile_vnni", "indexer scoring on AVX512-VNNI"),
+                  "avx2int8": ("indexer_scores_tile_avx2int8", "indexer scoring on AVX2 integers"),
                   "f32": ("indexer_scores_tile_f32", "indexer scoring on f32 BLAS")}[path]
     return KernelCase(name, f"{what} (64 queries x 4096 positions)",
                       f"iq {_TILE}x{ih}x{idim}, keys {_CTX}x{idim}", build, run,
@@ -583,6 +584,7 @@ def kernel_cases() -> dict[str, KernelCase]:
         _indexer_case(),
         _index_scores_case("default"),
         _index_scores_case("vnni"),
+        _index_scores_case("avx2int8"),
         _index_scores_case("f32"),
         _compressor_case(),
         _pool_case(),

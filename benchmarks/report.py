@@ -491,7 +491,7 @@ def _meta() -> dict:
             "int8_dot": "on" if tier_at_least("avx512vnni") else "off",
             "index_scores": ("AMX" if tier_at_least("amx")
                              else "AVX512-VNNI" if tier_at_least("avx512vnni")
-                             else "AVX512-BF16" if tier_at_least("avx512bf16") else "BLAS"),
+                             else "AVX2 int8" if tier_at_least("avx2int8") else "BLAS"),
             "python": platform.python_version(),
             "load_before": " ".join(f"{v:.1f}" for v in os.getloadavg())}
 

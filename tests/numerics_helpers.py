@@ -60,11 +60,27 @@ needs_int8_dot = pytest.mark.skipif(not nm.tier_at_least("avx512vnni"), reason="
                                     "such CPU, or DS41NUMBA_INT8_DOT=0)")
 
 
+needs_avx2_int8 = pytest.mark.skipif(not nm.tier_at_least("avx2int8"), reason="the AVX2 integer kernel is off "
+                                     "(no AVX2, or DS41NUMBA_AVX2_INT8=0)")
+
+
 @numba.njit
 def int8_dot_blocks(qa, ca, sa, qb, sb, out):
     """Each block of B against the same rows of A, through the micro-kernel."""
     for k in range(qb.shape[0]):
         nm.int8_dot_tile(qa, ca, sa, qb[k], sb[k], out[k])
+
+
+@numba.njit
+def int8_pairs_blocks(qa, ca, sa, qb, sb, out):
+    """:func:`int8_dot_blocks` through AVX2's twin of the micro-kernel."""
+    for k in range(qb.shape[0]):
+        nm.int8_pairs_tile(qa, ca, sa, qb[k], sb[k], out[k])
+
+
+#: The per-block integer micro-kernels, each run only where its tier is on.
+INT8_KERNELS = [pytest.param(int8_dot_blocks, marks=needs_int8_dot, id="vnni"),
+                pytest.param(int8_pairs_blocks, marks=needs_avx2_int8, id="avx2")]
 
 
 def strided(x, extra):
@@ -74,15 +90,15 @@ def strided(x, extra):
     return out
 
 
-def int8_dot_rows(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0):
-    """:func:`bf16_dot_rows` on the VNNI kernel (which also adds to its output); returns the products and
-    the two ranges."""
+def int8_dot_rows(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0, blocks=int8_dot_blocks):
+    """:func:`bf16_dot_rows` on the VNNI kernel (or ``blocks``: :data:`INT8_KERNELS`; each also adds to
+    its output); returns the products and the two ranges."""
     R, L = nm.DOT_ROWS, nm.DOT_LANES
     *qa, ra = nm.int8_rows(a_rows)
     qb, sb, rb = nm.pack_int8_blocks(b_rows)
     out = np.full((qb.shape[0], R, L + out_stride), np.nan, F32)[:, :, :L]
     out[:] = start
-    int8_dot_blocks(*(strided(x, a_stride) for x in qa), qb, sb, out)
+    blocks(*(strided(x, a_stride) for x in qa), qb, sb, out)
     return out.transpose(1, 0, 2).reshape(R, -1)[:, :b_rows.shape[0]], ra, rb
 
 

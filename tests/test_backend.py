@@ -16,7 +16,8 @@ def test_backend_tiers_nest():
             assert nm.backend() == tier
             assert nm.tier_at_least("amx") == (tier == "amx")
             assert nm.tier_at_least("avx512vnni") == (tier in ("amx", "avx512vnni"))
-            assert nm.tier_at_least("avx512bf16") == (tier != "blas")
+            assert nm.tier_at_least("avx512bf16") == (tier not in ("avx2int8", "blas"))
+            assert nm.tier_at_least("avx2int8") == (tier != "blas")
     with pytest.raises(ValueError, match="not one of"):
         with nm.use_backend("avx2"):
             pass
@@ -25,10 +26,10 @@ def test_backend_tiers_nest():
 
 
 @pytest.mark.parametrize("env, highest", [("DS41NUMBA_AMX", "avx512vnni"), ("DS41NUMBA_INT8_DOT", "avx512bf16"),
-                                          ("DS41NUMBA_BF16_DOT", "blas")])
+                                          ("DS41NUMBA_BF16_DOT", "avx2int8"), ("DS41NUMBA_AVX2_INT8", "blas")])
 def test_backend_environment_switches(env, highest):
     """``DS41NUMBA_AMX=0`` stops below the AMX tier, ``DS41NUMBA_INT8_DOT=0`` below the VNNI
-    tier, ``DS41NUMBA_BF16_DOT=0`` at BLAS."""
+    tier, ``DS41NUMBA_BF16_DOT=0`` below the BF16 tier, ``DS41NUMBA_AVX2_INT8=0`` at BLAS."""
     import os
     import subprocess
     import sys

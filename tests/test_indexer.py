@@ -119,9 +119,15 @@ needs_int8_dot = pytest.mark.skipif(not tier_at_least("avx512vnni"), reason="the
                                     "such CPU, or DS41NUMBA_INT8_DOT=0)")
 needs_amx = pytest.mark.skipif(not tier_at_least("amx"), reason="the AMX kernel is off (no AMX-INT8, no "
                                "tile state from Linux, or DS41NUMBA_AMX=0)")
-# The f32 BLAS path in both of its layouts, the AVX512-BF16, AVX512-VNNI and AMX kernels.
-SCORE_PATHS = [*LAYOUTS, pytest.param("avx512-bf16", marks=needs_bf16_dot),
+needs_avx2_int8 = pytest.mark.skipif(not tier_at_least("avx2int8"), reason="the AVX2 integer kernel is off "
+                                     "(no AVX2, or DS41NUMBA_AVX2_INT8=0)")
+# The f32 BLAS path in both of its layouts, the AVX2 integer, AVX512-BF16, AVX512-VNNI and AMX
+# kernels.
+SCORE_PATHS = [*LAYOUTS, pytest.param("avx2-int8", marks=needs_avx2_int8),
+               pytest.param("avx512-bf16", marks=needs_bf16_dot),
                pytest.param("avx512-vnni", marks=needs_int8_dot), pytest.param("amx", marks=needs_amx)]
+# The tier each integer path of SCORE_PATHS runs on.
+INT8_PATHS = {"avx2-int8": "avx2int8", "avx512-vnni": "avx512vnni"}
 # The tiers this CPU runs, from the highest down.
 TIERS = [b for b in BACKENDS if b == "blas" or BACKENDS.index(b) >= BACKENDS.index(backend())]
 # Every tier, those this CPU lacks skipped.
@@ -130,10 +136,12 @@ ALL_TIERS = [pytest.param(b, marks=pytest.mark.skipif(b not in TIERS, reason=f"t
              for b in BACKENDS]
 
 
-def int8_tile_scores(iq, w, keys, clen, n):
-    """The VNNI kernel's scores, or None where it declines (products not exact as integers)."""
+def int8_tile_scores(iq, w, keys, clen, n, tier="avx512vnni"):
+    """The per-block integer kernel's scores on ``tier`` (VNNI's, or AVX2's on "avx2int8"), or
+    None where it declines (products not exact as integers)."""
     quads, scales, rng = pack_int8_blocks(keys)
-    return tier_scores.tile_scores_int8(iq, w, (quads, scales), rng, clen, n)
+    with use_backend(tier):
+        return tier_scores.tile_scores_int8(iq, w, (quads, scales), rng, clen, n)
 
 
 def amx_tile_scores(iq, w, keys, clen, n):
@@ -167,10 +175,10 @@ def package_tile_scores(path, monkeypatch, iq, w, keys, clen, n):
         return got
     if path == "avx512-bf16":
         return tier_scores.tile_scores_bf16(iq, w, pack_bf16_pairs(keys), clen, n)
-    if path == "avx512-vnni":
-        got = int8_tile_scores(iq, w, keys, clen, n)
-        if got is None:     # not fp4 values (a NaN key): the cache runs the bf16 kernel
-            with use_backend("avx512vnni"):
+    if path in INT8_PATHS:
+        got = int8_tile_scores(iq, w, keys, clen, n, INT8_PATHS[path])
+        if got is None:     # not fp4 values (a NaN key): the cache runs the bf16 kernel (or BLAS)
+            with use_backend(INT8_PATHS[path]):
                 got = indexer_mod.IndexKeyCache(keys).scores(iq, w, clen, n)
         return got
     monkeypatch.setattr(blas_scores, "_HEAD_MAJOR_MIN", LAYOUTS[path])
@@ -189,8 +197,8 @@ def test_tile_scores_bit_identical_to_naive(monkeypatch, path):
         clen[-1] = n
         got = package_tile_scores(path, monkeypatch, iq, w, keys, clen, n)
         want = naive.tile_scores(iq, w, keys, clen)
-        if path == "avx512-vnni":
-            assert int8_tile_scores(iq, w, keys, clen, n) is not None, "the VNNI kernel declined"
+        if path in INT8_PATHS:
+            assert int8_tile_scores(iq, w, keys, clen, n, INT8_PATHS[path]) is not None, "declined"
         if path == "amx" and idim % 64 == 0:
             assert amx_tile_scores(iq, w, keys, clen, n) is not None, "the AMX kernel declined"
         assert got.dtype == np.float32 and got.shape == (T, n)
@@ -207,6 +215,26 @@ def _naive_visible_maxima(scores, clen, block):
             vals = scores[s, j * block:min(int(n), (j + 1) * block)]
             out[s, j] = np.float32(np.nan) if np.isnan(vals).any() else vals.max()
     return out
+
+
+@pytest.mark.parametrize("path", SCORE_PATHS)
+@pytest.mark.parametrize("T, ih, idim, n", [(3, 3, 64, 57), (2, 16, 128, 100), (1, 5, 32, 31)])
+def test_tile_scores_on_every_fp4_byte(monkeypatch, path, T, ih, idim, n):
+    """The integer kernels' extreme bytes through the whole path: query integers -12..12 and
+    key bytes 0..24 (e2m1's values and the integers between, each group's scale pinned by a
+    +-12), odd head counts and key tails; every path gives the naive scores bit for bit."""
+    ints = (np.arange(T * ih * idim).reshape(T, ih, idim) * 7) % 25 - 12
+    ints[..., ::32] = 12
+    iq = (ints / 2).astype(np.float32)
+    kints = (np.arange(n * idim).reshape(n, idim) * 3 + np.arange(n)[:, None]) % 25 - 12
+    kints[::2, ::32] = -12
+    keys = (kints / 4).astype(np.float32)
+    w = bf16(np.random.default_rng(T), (T, ih), 0.2)
+    clen = np.linspace(n // 3, n, T).astype(np.int64)
+    got = package_tile_scores(path, monkeypatch, iq, w, keys, clen, n)
+    if path in INT8_PATHS:
+        assert int8_tile_scores(iq, w, keys, clen, n, INT8_PATHS[path]) is not None, "declined"
+    assert np.array_equal(got, naive.tile_scores(iq, w, keys, clen))
 
 
 @pytest.mark.parametrize("tier", ALL_TIERS)
@@ -281,12 +309,13 @@ def test_tile_scores_across_position_chunks_and_workers(monkeypatch, path):
     got = package_tile_scores(path, monkeypatch, iq, w, keys, clen, n)
     assert np.array_equal(got, naive.tile_scores(iq, w, keys, clen), equal_nan=True)
     assert np.isnan(got[1, 17]) and np.isnan(got[2, 17])
-    if path == "avx512-vnni":
-        assert int8_tile_scores(iq, w, keys, clen, n) is None
+    if path in INT8_PATHS:
+        assert int8_tile_scores(iq, w, keys, clen, n, INT8_PATHS[path]) is None
 
 
 @pytest.mark.parametrize("path", [pytest.param("avx512-bf16", marks=needs_bf16_dot),
                                   pytest.param("avx512-vnni", marks=needs_int8_dot),
+                                  pytest.param("avx2-int8", marks=needs_avx2_int8),
                                   pytest.param("amx", marks=needs_amx)])
 def test_packed_tile_scores_do_not_depend_on_the_thread_count(path):
     rng = np.random.default_rng(13)
@@ -300,7 +329,7 @@ def test_packed_tile_scores_do_not_depend_on_the_thread_count(path):
         for threads in (1, before):
             numba.set_num_threads(threads)
             got.append(tier_scores.tile_scores_bf16(iq, w, packed, clen, n) if path == "avx512-bf16"
-                       else int8_tile_scores(iq, w, keys, clen, n) if path == "avx512-vnni"
+                       else int8_tile_scores(iq, w, keys, clen, n, INT8_PATHS[path]) if path in INT8_PATHS
                        else amx_tile_scores(iq, w, keys, clen, n))
     finally:
         numba.set_num_threads(before)
@@ -315,28 +344,30 @@ def _spread(x, head, groups, factor):
     return x
 
 
-@needs_int8_dot
-def test_int8_scores_fall_back_to_bf16_where_integer_products_are_not_exact():
-    """Block scales far apart (a query head's spread plus a key's above 9): the VNNI kernel
-    declines and the cache scores that tile on the bf16 kernel, which gives what it always gave;
-    up to that bound it runs and equals the bf16 kernel and the naive scores bit for bit."""
+@pytest.mark.parametrize("tier", [pytest.param("avx512vnni", marks=needs_int8_dot),
+                                  pytest.param("avx512bf16", marks=needs_bf16_dot),
+                                  pytest.param("avx2int8", marks=needs_avx2_int8)])
+def test_int8_scores_fall_back_a_tier_where_integer_products_are_not_exact(tier):
+    """Block scales far apart (a query head's spread plus a key's above 9): the per-block
+    integer kernel declines and the cache scores that tile on the bf16 kernel (on AVX2 alone,
+    numpy's f32 BLAS), which gives what it always gave; up to that bound it runs and equals
+    the naive scores bit for bit."""
     rng = np.random.default_rng(16)
     T, ih, idim, n = 4, 3, 128, 90
     iq, w, keys = _index_inputs(rng, T, ih, idim, n)
     keys = _spread(keys[:, None], 0, [1], 2.0 ** 4)[:, 0]        # every key: spread 4 or 5
     clen = np.full(T, n)
     wide = _spread(iq, 1, [2, 3], 2.0 ** 6)                      # one head: spread 6 or 7
-    bf16_scores = tier_scores.tile_scores_bf16(wide, w, pack_bf16_pairs(keys), clen, n)
-    assert int8_tile_scores(wide, w, keys, clen, n) is None
-    with use_backend("avx512vnni"):
+    assert int8_tile_scores(wide, w, keys, clen, n, tier) is None
+    with use_backend(tier):
         cache = indexer_mod.IndexKeyCache(keys)
-        assert cache.blocks is None
-        assert np.array_equal(cache.scores(wide, w, clen, n), bf16_scores)
-        assert cache.blocks is not None                          # packed once, on demand
+        assert cache.blocks is None and cache.int8 is not None
+        assert np.array_equal(cache.scores(wide, w, clen, n), naive.tile_scores(wide, w, keys, clen))
+        # the bf16 layout packed once, on demand, where the bf16 kernel runs
+        assert (cache.blocks is not None) == (tier != "avx2int8")
     narrow = _spread(iq, 1, [2, 3], 2.0 ** 3)
-    got = int8_tile_scores(narrow, w, keys, clen, n)
+    got = int8_tile_scores(narrow, w, keys, clen, n, tier)
     assert got is not None
-    assert np.array_equal(got, tier_scores.tile_scores_bf16(narrow, w, pack_bf16_pairs(keys), clen, n))
     assert np.array_equal(got, naive.tile_scores(narrow, w, keys, clen))
 
 
@@ -472,7 +503,8 @@ def _indexer_scoring_inputs(args):
     return iq, w, args["index_k"][:width], np.arange(1, seqlen + 1) // cfg.ratio
 
 
-@pytest.mark.parametrize("tier", [pytest.param("avx512bf16", marks=needs_bf16_dot),
+@pytest.mark.parametrize("tier", [pytest.param("avx2int8", marks=needs_avx2_int8),
+                                  pytest.param("avx512bf16", marks=needs_bf16_dot),
                                   pytest.param("avx512vnni", marks=needs_int8_dot),
                                   pytest.param("amx", marks=needs_amx)])
 def test_index_key_cache_keeps_its_layout_as_keys_are_written(tier):
@@ -483,10 +515,7 @@ def test_index_key_cache_keeps_its_layout_as_keys_are_written(tier):
         for lo, hi in [(0, 33), (33, 34), (34, 60)]:       # a prefill, then rows a step at a time
             cache.write(lo, args["index_k"][lo:hi])
         assert np.array_equal(cache.keys, args["index_k"])
-        if tier == "avx512bf16":
-            assert np.array_equal(cache.blocks, pack_bf16_pairs(args["index_k"]))
-            assert cache.int8 is None
-        elif tier == "amx":
+        if tier == "amx":
             quads, scales, key_range = pack_folded_blocks(args["index_k"])
             assert np.array_equal(cache.folded[0], quads) and np.array_equal(cache.folded[1], scales)
             assert np.array_equal(cache.folded_range, key_range)
@@ -503,13 +532,16 @@ def test_index_key_cache_keeps_its_layout_as_keys_are_written(tier):
             late = indexer_mod.IndexKeyCache(args["index_k"].copy())
         assert late.blocks is None and late.int8 is None
         assert np.array_equal(indexer_mod.indexer(**dict(args, index_k=late))[0], want)
-        if tier == "avx512bf16":
-            assert np.array_equal(late.blocks, cache.blocks)
-        elif tier == "amx":
+        if tier == "amx":
             assert np.array_equal(late.folded[0], cache.folded[0]) and late.int8 is None
         else:
             assert np.array_equal(late.int8[0], cache.int8[0])
         args["index_k"] = args["index_k"] + np.float32(2.0 ** -12)
+        if tier == "avx2int8":      # not fp4 values: scored on BLAS, as on the blas tier
+            got = indexer_mod.indexer(**args)[0]
+            with use_backend("blas"):
+                assert np.array_equal(got, indexer_mod.indexer(**args)[0])
+            return
         with pytest.raises(ValueError, match="bf16 values"):
             indexer_mod.indexer(**args)
 

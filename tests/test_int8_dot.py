@@ -1,11 +1,12 @@
-"""Exact fp4 dot products on AVX512-VNNI, their packed layouts and exactness bounds
-(ds41numba.numerics.int8_dot, int8_layouts)."""
+"""Exact fp4 dot products on AVX512-VNNI and AVX2, their packed layouts and exactness bounds
+(ds41numba.numerics.int8_dot, int8_pairs, int8_layouts)."""
 
 import numba
 import numpy as np
 import pytest
 
-from numerics_helpers import assert_same_bits, bf16_dot_rows, F32, fp4_rows, int8_dot_blocks, int8_dot_rows, needs_bf16_dot, needs_int8_dot
+from numerics_helpers import (INT8_KERNELS, assert_same_bits, bf16_dot_rows, F32, fp4_rows, int8_dot_blocks,
+                              int8_dot_rows, needs_avx2_int8, needs_bf16_dot, needs_int8_dot)
 from ds41numba import numerics as nm
 
 
@@ -17,28 +18,59 @@ def _int8_dot_into(qa, ca, sa, qb, sb, out):
     nm.int8_dot_into(qa, ca, sa, qb, sb, out)
 
 
-@needs_int8_dot
+@pytest.mark.parametrize("blocks", INT8_KERNELS)
 @pytest.mark.parametrize("d, a_stride, out_stride", [(32, 0, 0), (64, 3, 5), (128, 0, 0), (160, 8, 16)])
-def test_int8_dot_exact_on_fp4_values(d, a_stride, out_stride):
-    """The VNNI kernel's products of fp4 rows are the exact dot products, the bf16 kernel's bit
-    for bit, whatever the group scales within the bound int8_dot_exact checks (spreads of 4 + 4
-    here: every 32-value group scaled apart)."""
+def test_int8_dot_exact_on_fp4_values(d, a_stride, out_stride, blocks):
+    """The integer kernels' products of fp4 rows are the exact dot products, the bf16 kernel's
+    bit for bit, whatever the group scales within the bound int8_dot_exact checks (spreads of
+    4 + 4 here: every 32-value group scaled apart)."""
     rng = np.random.default_rng(50 + d)
     a, b = fp4_rows(rng, nm.DOT_ROWS, d, 4), fp4_rows(rng, 75, d, 4)
-    got, ra, rb = int8_dot_rows(a, b, a_stride, out_stride)
+    got, ra, rb = int8_dot_rows(a, b, a_stride, out_stride, blocks=blocks)
     assert nm.int8_dot_exact(ra, rb, d) and (d == 32 or ra[3] + rb[3] >= 5)
     exact = a.astype(np.float64) @ b.T.astype(np.float64)
     assert_same_bits(got, exact.astype(F32))
     if nm.tier_at_least("avx512bf16"):
         assert_same_bits(got, bf16_dot_rows(a, b, a_stride, out_stride))
     # The kernel continues the sum already in its output.
-    assert_same_bits(int8_dot_rows(a, b, a_stride, out_stride, start=0.75)[0], (exact + 0.75).astype(F32))
+    assert_same_bits(int8_dot_rows(a, b, a_stride, out_stride, start=0.75, blocks=blocks)[0],
+                     (exact + 0.75).astype(F32))
 
 
-@needs_int8_dot
-def test_int8_dot_at_its_largest_bytes():
+# Query integers (rows) by key integers (columns) of the byte table: every query byte -12..12
+# against every key byte 0..24 (n + 12), each group holding a +-12 so that its scale is 1/2.
+_EVERY_INT = np.arange(-12, 13)
+
+
+def _byte_table_rows(n_rows, d, shift):
+    """``n_rows`` rows of ``d`` values ``n / 2``, the integers n cycling through -12..12 (row
+    ``i`` from ``shift * i``), a +-12 in every 32-value group."""
+    ints = np.array([[_EVERY_INT[(shift * i + j) % 25] for j in range(d)] for i in range(n_rows)])
+    ints[:, ::32] = np.where(np.arange(n_rows) % 2, -12, 12)[:, None]
+    return (ints / 2).astype(F32)
+
+
+@pytest.mark.parametrize("blocks", INT8_KERNELS)
+@pytest.mark.parametrize("d, n_keys", [(32, 25), (64, 33), (96, 63), (128, 1), (256, 70)])
+def test_int8_dot_on_every_byte(d, n_keys, blocks):
+    """Table-driven: every query byte (-12..12) meets every key byte (0..24) at every position
+    of a quad and of a pair, in key blocks with tails (key counts not a multiple of 32); the
+    integer kernels give the exact products, VNNI's and AVX2's the same bits."""
+    a = _byte_table_rows(nm.DOT_ROWS, d, 7)
+    b = _byte_table_rows(n_keys, d, 3)[::-1].copy()
+    got, ra, rb = int8_dot_rows(a, b, blocks=blocks)
+    assert nm.int8_dot_exact(ra, rb, d) and ra[1] == ra[2] == rb[1] == rb[2] == -1
+    assert_same_bits(got, (a.astype(np.float64) @ b.T.astype(np.float64)).astype(F32))
+    pairs = [(qa, qb) for qa in range(-12, 13) for qb in range(-12, 13)]
+    seen = {(int(2 * x), int(2 * y)) for r in a for k in b for x, y in zip(r, k)}
+    assert n_keys < 25 or seen.issuperset(pairs), "the table misses a byte pair"
+
+
+@pytest.mark.parametrize("blocks", INT8_KERNELS)
+def test_int8_dot_at_its_largest_bytes(blocks):
     """Every value +-6 s (the integers +-12, the keys' bytes 0 and 24): the largest group sums
-    (+-4608) and corrections, with no int32 overflow and exact f32 results."""
+    (+-4608) and corrections (on AVX2 the largest int16 pairs, +-576, and group sums of
+    pairs, +-4608), with no overflow or saturation and exact f32 results."""
     d = 128
     a = np.full((nm.DOT_ROWS, d), 6.0, F32)
     a[1] = -6.0
@@ -47,7 +79,7 @@ def test_int8_dot_at_its_largest_bytes():
     b = np.full((40, d), 6.0, F32)
     b[1::2] = -6.0
     b[5, 64:] = F32(6.0 * 2.0 ** 3)
-    got, ra, rb = int8_dot_rows(a, b)
+    got, ra, rb = int8_dot_rows(a, b, blocks=blocks)
     assert nm.int8_dot_exact(ra, rb, d)
     assert_same_bits(got, (a.astype(np.float64) @ b.T.astype(np.float64)).astype(F32))
     assert got[0, 0] == 36.0 * d and got[1, 0] == -36.0 * d and got[2, 0] == 0.0

@@ -14,8 +14,8 @@ from ..numerics import (DOT_LANES, EMPTY_RANGE, FOLDED_KEY_OFFSET, KEY_OFFSET, e
                         tier_at_least)
 from .blas_scores import tile_scores
 from .block_maxima import visible_block_maxima
-from .tier_scores import (amx_scored, tile_scores_amx, tile_scores_bf16, tile_scores_int8,
-                          tile_scores_vnni_folded, vnni_folded_scored, vnni_scored)
+from .tier_scores import (amx_scored, int8_scored, tile_scores_amx, tile_scores_bf16, tile_scores_int8,
+                          tile_scores_vnni_folded, vnni_folded_scored)
 
 __all__ = ["IndexKeyCache"]
 
@@ -33,7 +33,8 @@ class IndexKeyCache:
     :func:`~ds41numba.numerics.pack_offset_folded_blocks`, with ``vnni_folded_range``) for heads of
     a multiple of 64 values, else ``int8`` (``(quads, scales)``, see
     :func:`~ds41numba.numerics.pack_int8_blocks`, with ``int8_range``, what decides whether their
-    integer dot products are exact); on AVX512-BF16 ``blocks`` (see
+    integer dot products are exact); on AVX2 (the ``avx2int8`` tier) ``int8`` alone, scored
+    with ``vpmaddubsw``; on AVX512-BF16 ``blocks`` (see
     :func:`~ds41numba.numerics.pack_bf16_pairs`). A tier also packs the next tier's layout,
     once, the first time its own kernel cannot score the keys (rows that do not fold, products
     not exact as integers). :meth:`scores` picks the kernel; every kernel gives the same scores.
@@ -53,7 +54,7 @@ class IndexKeyCache:
             self._pack_folded(rows)
         if vnni_folded_scored(keys.shape[1]):
             self._pack_vnni_folded(rows)
-        if vnni_scored(keys.shape[1]) and not self._folds():
+        if int8_scored(keys.shape[1]) and not self._folds():
             self._pack_int8(rows)
         if tier_at_least("avx512bf16") and not (self._folds() or (self.int8 is not None and not self.int8_range[0])):
             self._pack_all(rows)
@@ -117,7 +118,8 @@ class IndexKeyCache:
         if self.int8 is not None:
             self.int8_range = merge_ranges(self.int8_range,
                                            pack_int8_blocks(rows, self.int8, first_row)[2])
-            if self.int8_range[0] and self.blocks is None:    # keys the bf16 kernel will score
+            if self.int8_range[0] and self.blocks is None and tier_at_least("avx512bf16"):
+                # keys the bf16 kernel will score
                 self._pack_all(self.keys.shape[0])
 
     def scores(self, iq: np.ndarray, w: np.ndarray, clen: np.ndarray, width: int,
@@ -146,16 +148,11 @@ class IndexKeyCache:
                 raise ValueError(f"IndexKeyCache.scores: block maxima of {block} positions need a "
                                  f"float32 [{len(clen)}, {-(-width // max(block, 1))}] buffer, got "
                                  f"{block_max.dtype} {block_max.shape}")
-        if not tier_at_least("avx512bf16"):
-            got = tile_scores(iq, w, self.keys[:width], clen, width, out=out, dirty_to=dirty_to)
-            if maxima is not None:
-                visible_block_maxima(got, clen, *maxima)
-            return got
         # The integer tiers, highest first; each declines (None) where it is not exact.
         for scored, layout, pack, tier_scores in (
                 (amx_scored, "folded", self._pack_folded, tile_scores_amx),
                 (vnni_folded_scored, "vnni_folded", self._pack_vnni_folded, tile_scores_vnni_folded),
-                (vnni_scored, "int8", self._pack_int8, tile_scores_int8)):
+                (int8_scored, "int8", self._pack_int8, tile_scores_int8)):
             if not scored(self.keys.shape[1]):
                 continue
             if getattr(self, layout) is None:   # made while the products ran on another tier
@@ -165,6 +162,11 @@ class IndexKeyCache:
                               need=need)
             if got is not None:
                 return got
+        if not tier_at_least("avx512bf16"):
+            got = tile_scores(iq, w, self.keys[:width], clen, width, out=out, dirty_to=dirty_to)
+            if maxima is not None:
+                visible_block_maxima(got, clen, *maxima)
+            return got
         if self.blocks is None:
             self._pack_all(self.keys.shape[0])
         return tile_scores_bf16(iq, w, self.blocks, clen, width, out=out, qbuf=qbuf,

@@ -180,7 +180,7 @@ class _Scorer:
         self.buf = np.empty((rows, width), np.float32)
         self.dirty_to = None        # buf's columns from here on hold -inf (None: unknown)
         self.qbuf = (np.empty(query_pairs_size(rows, cfg.n_heads, cfg.head_dim), np.uint32)
-                     if tier_at_least("avx512bf16") else None)
+                     if tier_at_least("avx2int8") else None)
         self.block = cfg.candidate_block_size
         self.block_max = (np.empty((rows, -(-width // self.block)), np.float32)
                           if cfg.candidate_source else None)

@@ -11,7 +11,8 @@ fixed order, so the result does not depend on the thread count.
 
 The layouts (:data:`LAYOUTS`): ``"bf16"`` (bf16 pairs, AVX512-BF16), ``"int8"`` (VNNI's
 per-block layout, a scale a 32-value block), ``"vnni_folded"`` (VNNI's folded rows: one scale a
-row, unsigned key bytes), ``"amx"`` (AMX's folded rows).
+row, unsigned key bytes), ``"amx"`` (AMX's folded rows), ``"int8_pairs"`` (the per-block
+layout on AVX2).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, amx_begin, amx_dot_tile, amx_end,
-                        amx_mix_tile, bf16_dot_tile, int8_dot_into, vnni_mix_tile)
+                        amx_mix_tile, bf16_dot_tile, int8_dot_into, int8_pairs_into, vnni_mix_tile)
 from .blas_scores import mix_heads_by_head
 from .block_maxima import key_block_maxima, visible_block_maxima
 from .visibility import masked_buffer
@@ -185,6 +186,33 @@ def _amx_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, bloc
 
 
 @njit(parallel=True, cache=True)
+@njit(cache=True)
+def _pairs_run(q, keys, w, clen, b, s_lo, e, d, out, block, block_max):
+    """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX2."""
+    ih = w.shape[1]
+    quads, corr, scales = q
+    key_quads, key_scales = keys
+    for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, e * ih, DOT_ROWS):
+        int8_pairs_into(quads[r:r + DOT_ROWS], corr[r:r + DOT_ROWS], scales[r:r + DOT_ROWS],
+                        key_quads[b], key_scales[b], d[r:r + DOT_ROWS])
+    _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max)
+
+
+@njit(parallel=True, cache=True)
+def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
+    """The scores on AVX2: the per-block layout of :func:`_vnni_kernel`, ``q = (quads, corr,
+    scales)``, ``keys = (quads, scales)``, through :func:`~ds41numba.numerics.int8_pairs_into`."""
+    T = w.shape[0]
+    for wk in prange(workers):
+        d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
+        for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
+            a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
+            while a < T:
+                _pairs_run(q, keys, w, clen, b, a, e, d, out, block, block_max)
+                a, e = _next_run(need, b, e, T)
+
+
+@njit(parallel=True, cache=True)
 def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AMX: ``q = (quads, scales)``, ``keys = (quads, scales)``, both folded.
     Queries of whole row tiles are mixed as they are formed
@@ -206,7 +234,7 @@ def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block
 
 #: The packed layouts, each with the kernel that scores it.
 LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kernel,
-           "amx": _amx_kernel}
+           "amx": _amx_kernel, "int8_pairs": _pairs_kernel}
 
 # The kernel's block maxima buffer when none are asked for (one type for every call).
 _NO_MAXIMA = np.empty((1, 1), np.float32)

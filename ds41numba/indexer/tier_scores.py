@@ -5,7 +5,7 @@ layout's kernel (:func:`~.packed_scores.tile_scores_packed`). The integer tiers 
 where their integer dot products would not be the f32 value the other kernels give (values
 that are not fp4, rows that do not fold): the caller, :class:`~.key_cache.IndexKeyCache`, then
 runs the next tier down. Which tier scores a head size: :func:`amx_scored`,
-:func:`vnni_folded_scored`, :func:`vnni_scored` (else AVX512-BF16, else BLAS).
+:func:`vnni_folded_scored`, :func:`int8_scored` (else AVX512-BF16, else BLAS).
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from ..numerics import (AMX_K, INT8_GROUP, converted_mix_exact, foldable, int8_d
 from .packed_scores import tile_scores_packed
 from .query_layouts import query_buffer, query_folded, query_int8, query_offset_folded, query_pairs
 
-__all__ = ["vnni_scored", "amx_scored", "vnni_folded_scored", "tile_scores_bf16",
+__all__ = ["int8_scored", "amx_scored", "vnni_folded_scored", "tile_scores_bf16",
            "tile_scores_int8", "tile_scores_vnni_folded", "tile_scores_amx"]
 
 
-def vnni_scored(head_dim: int) -> bool:
-    """Index scores of this head size run on AVX512-VNNI: the tier is on, and the heads split
-    into the fp4 quantiser's blocks (which any quantised head does)."""
-    return tier_at_least("avx512vnni") and head_dim % INT8_GROUP == 0
+def int8_scored(head_dim: int) -> bool:
+    """Index scores of this head size run as integer dot products on the per-block layout
+    (AVX512-VNNI, else AVX2): the tier is on, and the heads split into the fp4 quantiser's
+    blocks (which any quantised head does)."""
+    return tier_at_least("avx2int8") and head_dim % INT8_GROUP == 0
 
 
 def amx_scored(head_dim: int) -> bool:
@@ -34,7 +35,7 @@ def amx_scored(head_dim: int) -> bool:
 
 def vnni_folded_scored(head_dim: int) -> bool:
     """... and first on VNNI's folded rows: the VNNI tier (not AMX), heads as long as AMX's."""
-    return vnni_scored(head_dim) and not tier_at_least("amx") and head_dim % AMX_K == 0
+    return tier_at_least("avx512vnni") and not tier_at_least("amx") and head_dim % AMX_K == 0
 
 
 def _check_key_dims(name: str, packed: np.ndarray, per_value: int, idim: int) -> None:
@@ -63,7 +64,7 @@ def tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.n
                      qbuf: np.ndarray | None = None,
                      dirty_to: int | None = None, maxima: tuple | None = None,
                      need: np.ndarray | None = None) -> np.ndarray | None:
-    """The scores on AVX512-VNNI against keys packed by
+    """The scores on AVX512-VNNI (on AVX2 where VNNI is not on) against keys packed by
     :func:`~ds41numba.numerics.pack_int8_blocks` (``(quads, scales)`` and their range), or None
     when these queries and keys are not all fp4 values whose dot products are exact in f32
     (:func:`~ds41numba.numerics.int8_dot_exact`): only then is the integer dot product the f32
@@ -73,7 +74,8 @@ def tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.n
     q, q_range = query_int8(iq, query_buffer(qbuf, T, ih, idim))
     if not int8_dot_exact(q_range, key_range, idim):
         return None
-    return tile_scores_packed("int8", q, keys, w, clen, width, out=out, dirty_to=dirty_to,
+    layout = "int8" if tier_at_least("avx512vnni") else "int8_pairs"
+    return tile_scores_packed(layout, q, keys, w, clen, width, out=out, dirty_to=dirty_to,
                               maxima=maxima, need=need)
 
 

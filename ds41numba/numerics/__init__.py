@@ -3,7 +3,7 @@
 - ``formats``: rounding f32 onto bf16, e4m3, e2m1 and powers of two (scalar ``@njit`` helpers
   and array functions), and the array checks the numeric functions share;
 - ``quant``: the reference's fp8 / fp4 quantise-dequantise schemes;
-- ``backend``: the one choice of kernels (AMX, AVX512-VNNI, AVX512-BF16 or numpy's BLAS:
+- ``backend``: the one choice of kernels (AMX, AVX512-VNNI, AVX512-BF16, AVX2 or numpy's BLAS:
   ``backend``, ``tier_at_least``, ``use_backend``);
 - ``bf16_dot``: the AVX512-BF16 micro-kernel, its FMA twin and their many-row product;
 - ``bf16_layouts``: the bf16-pair layouts those read;
@@ -14,6 +14,7 @@
   row), the layouts AMX reads and the VNNI tier's folded keys;
 - ``int8_dot``: exact fp4 dot products as integer dot products on AVX512-VNNI, the test of when
   they are exact, and the VNNI mixer of folded rows (``vnni_mix_tile``);
+- ``int8_pairs``: the same integer dot products on AVX2 (``vpmaddubsw``), on the per-block layout;
 - ``amx_dot``: the same dot products on AMX's tile multiplier, from the folded layouts, and
   AMX's mixer (``amx_mix_tile``);
 - ``head_mix``: the head mix both mixers share (its two roundings, ``converted_mix_exact``);
@@ -38,6 +39,7 @@ from .folded_layouts import (AMX_K, AMX_ROWS, FOLD_SPREAD, FOLDED_KEY_OFFSET, em
                              pack_folded_blocks, pack_offset_folded_blocks)
 from .head_mix import MAX_BLOCK, converted_mix_exact
 from .int8_dot import int8_dot_exact, int8_dot_into, int8_dot_tile, vnni_mix_tile
+from .int8_pairs import int8_pairs_into, int8_pairs_tile
 from .int8_layouts import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_blocks_shape,
                            int8_rows, merge_ranges, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
@@ -64,7 +66,7 @@ __all__ = [
     "DOT_LANES", "DOT_ROWS", "bf16_dot_run", "bf16_dot_tile", "bf16_fma_run", "bf16_fma_tile", "bf16_pairs", "fma_faster",
     "fma_safe", "gemm_bf16", "pack_bf16_pairs", "values_range",
     "EMPTY_RANGE", "INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "int8_blocks_shape", "int8_dot_exact",
-    "int8_dot_into",
+    "int8_dot_into", "int8_pairs_into", "int8_pairs_tile",
     "int8_dot_tile", "int8_rows", "merge_ranges", "pack_int8_blocks",
     "F32Matrix", "linear_f32_ordered", "matmul_nn_f32_ordered",
     "E2M1_MAX", "E4M3_MAX", "ELEMENT_COST", "FP4_BLOCK", "FP8_BLOCK", "LATENT_BLOCK",

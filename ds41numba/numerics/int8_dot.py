@@ -23,7 +23,7 @@ from .int8_layouts import INT8_MAX, MIN_EXP
 from .vector_ir import (F32, I32, I64, V16F, V16I, close_loop, extent, i64, open_loop, row_operands,
                         row_pointer, splat)
 
-__all__ = ["int8_dot_tile", "int8_dot_into", "int8_dot_exact", "vnni_mix_tile"]
+__all__ = ["int8_dot_tile", "int8_dot_into", "int8_dot_exact", "vnni_mix_tile", "add_group_term"]
 
 
 # An fp4 (e8m0) quantised block is ``e2m1 * s`` with ``s`` a power of two, and twice an e2m1
@@ -128,13 +128,26 @@ def quad_sums(builder, a_op, b_op, start, p0, n_quads, row0, name):
     return new
 
 
+def add_group_term(builder, ptr, ints, scale, first):
+    """``out += f32(ints) * scale`` at ``ptr`` (a vector of f32 lanes): a group's integer sums
+    placed by their scale product, the step every integer kernel ends a group with. ``first``
+    (an i1, or None): where true the output's old contents are not read (``0 + term``)."""
+    vty = ir.VectorType(F32, ints.type.count)
+    # f32(I) and the scale product are exact; so is their product (a power of two apart), and
+    # the one rounding point, the addition, is exact when int8_dot_exact.
+    term = builder.fmul(builder.sitofp(ints, vty), scale)
+    before = builder.load(ptr, align=4)
+    if first is not None:
+        before = builder.select(first, ir.Constant(vty, None), before)
+    builder.store(builder.fadd(before, term), ptr, align=4)
+
+
 def _int8_codegen(fresh):
     def codegen(context, builder, signature, args):
         (a_op, c_op, s_op, b_op, t_op, o_op), arrays = row_operands(context, builder, signature, args)
         n_groups = extent(builder, arrays[4])
         group_quads = builder.sdiv(extent(builder, arrays[3]), n_groups)
         nvec = DOT_LANES // 16
-        zero = ir.Constant(V16F, [0.0] * 16)
 
         def load(operand, row, offset, ty):
             return builder.load(row_pointer(builder, operand, row, offset, ty), align=4)
@@ -150,13 +163,7 @@ def _int8_codegen(fresh):
             sq = splat(builder, load(s_op, i64(m), g4, F32), V16F)
             for v in range(nvec):
                 ptr = row_pointer(builder, o_op, i64(m), i64(64 * v), V16F)
-                # f32(I) and the scale product are exact; so is their product (a power of two
-                # apart), and the one rounding point, the addition, is exact when int8_dot_exact.
-                term = builder.fmul(builder.sitofp(new[m][v], V16F), builder.fmul(sq, sk[v]))
-                before = builder.load(ptr, align=4)
-                if fresh:
-                    before = builder.select(first, zero, before)
-                builder.store(builder.fadd(before, term), ptr, align=4)
+                add_group_term(builder, ptr, new[m][v], builder.fmul(sq, sk[v]), first if fresh else None)
         close_loop(builder, g, n_groups, "int8dot")
         return context.get_dummy_value()
 

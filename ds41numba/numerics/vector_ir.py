@@ -12,23 +12,47 @@ import numba
 from numba import types
 from numba.core import cgutils
 
-__all__ = ["I32", "I64", "F32", "V16I", "V16F", "compiles_for", "wide_registers", "row_operands",
+__all__ = ["I32", "I64", "F32", "V16I", "V16F", "V8I", "V8F", "compiles_for", "wide_registers", "row_operands",
            "row_pointer", "extent", "i64", "splat", "lane_masks", "open_loop", "close_loop",
            "counted_loop", "broadcast_tile", "not_unrolled", "prefetch"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+# One AVX2 register of int32 or f32 lanes.
+V8I, V8F = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
 
 
 def compiles_for(feature: str) -> bool:
     """Whether numba compiles for a CPU with the LLVM feature ``feature`` (``"avx512bf16"``):
-    the host CPU has it and numba's target is the host, its features not overridden without it."""
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
+    the host CPU has it and numba's target is the host, its features not overridden without it.
+
+    A named target (``NUMBA_CPU_NAME=haswell``: the AVX2 machines' code paths on a bigger CPU)
+    is taken to have AVX2 alone, and only when LLVM knows it does (:func:`_named_cpu_has_avx2`):
+    its other features are not probed, so the AVX-512 tiers stay off there."""
     overridden = numba.config.CPU_FEATURES
     if overridden is not None and f"+{feature}" not in overridden.split(","):
         return False
-    return bool(llb.get_host_cpu_features().get(feature, False))
+    if not llb.get_host_cpu_features().get(feature, False):
+        return False
+    name = numba.config.CPU_NAME
+    return name in (None, "host") or (feature == "avx2" and _named_cpu_has_avx2(name))
+
+
+def _named_cpu_has_avx2(name: str) -> bool:
+    """Whether LLVM compiles an add of eight int32 lanes for CPU ``name`` as one 256-bit
+    instruction, which only AVX2 has (AVX's 256-bit registers hold floats alone). llvmlite tells
+    a named CPU's features no other way."""
+    if name not in _named_avx2:
+        llb.initialize_native_target()
+        llb.initialize_native_asmprinter()
+        mod = llb.parse_assembly("define <8 x i32> @f(<8 x i32> %a, <8 x i32> %b) {\n"
+                                 "  %c = add <8 x i32> %a, %b\n  ret <8 x i32> %c\n}\n")
+        machine = llb.Target.from_default_triple().create_target_machine(cpu=name, features="")
+        _named_avx2[name] = "vpaddd\t%ymm" in machine.emit_assembly(mod)
+    return _named_avx2[name]
+
+
+_named_avx2: dict = {}
 
 
 def wide_registers() -> bool:
@@ -83,9 +107,9 @@ def prefetch(builder, ptr):
 
 
 def splat(builder, value, vty):
-    """``value`` in every lane of a 16-lane vector of type ``vty`` (its element's type)."""
+    """``value`` in every lane of a vector of type ``vty`` (its element's type)."""
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, v, ir.Constant(V16I, None))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, vty.count), None))
 
 
 def lane_masks(builder, width, n_vectors):
