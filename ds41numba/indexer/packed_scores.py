@@ -185,7 +185,6 @@ def _amx_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, bloc
     _finish_mixed(mixed, clen[:e], s_lo, t0, out[:e], whole, maxima, block, block_max)
 
 
-@njit(parallel=True, cache=True)
 @njit(cache=True)
 def _pairs_run(q, keys, w, clen, b, s_lo, e, d, out, block, block_max):
     """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX2."""
