@@ -26,7 +26,7 @@ from tqdm import tqdm
 from . import golden
 from .arguments import default_run, load_config, parse_layers, parse_rows, run_config
 from .compile_ahead import compile_ahead
-from .golden.files import ranges_text
+from .golden.files import check_target, ranges_text
 from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError, RunInterrupted
 from .golden.inputs_file import InputsFile
 from .golden.weights_dir import WeightsDir
@@ -362,6 +362,7 @@ def _golden(args) -> int:
         source = args.config or os.path.abspath(args.weights or "")
         stem = preset_name or os.path.splitext(os.path.basename(source))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
+    check_target(out, args.force)       # said before a first run's compile, not after it
     compile_ahead(quiet=args.quiet)
     with _cluster(args, plan) as cluster, \
             _progress(plan.total_work, args.quiet, f"golden {preset_name or 'config'}") as progress:
