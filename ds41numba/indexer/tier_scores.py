@@ -83,7 +83,7 @@ def _tile_scores_folded(layout: str, query, iq: np.ndarray, w: np.ndarray, keys:
                         key_range: np.ndarray, clen: np.ndarray, width: int,
                         out: np.ndarray | None = None, qbuf: np.ndarray | None = None,
                         dirty_to: int | None = None, maxima: tuple | None = None,
-                     need: np.ndarray | None = None) -> np.ndarray | None:
+                        need: np.ndarray | None = None) -> np.ndarray | None:
     """The scores on folded rows (``layout`` ``"amx"`` or ``"vnni_folded"``), the queries folded
     by ``query``, or None when the queries or keys do not fold or their products are not exact;
     the mix rounds on the conversion where :func:`~ds41numba.numerics.converted_mix_exact`

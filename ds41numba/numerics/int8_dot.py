@@ -20,8 +20,8 @@ from .bf16_dot import DOT_LANES, DOT_ROWS
 from .folded_layouts import AMX_ROWS
 from .head_mix import BitsMix, ConvertedMix
 from .int8_layouts import INT8_MAX, MIN_EXP
-from .vector_ir import (F32, I32, I64, V16F, V16I, close_loop, extent, i64, open_loop, row_operands,
-                        row_pointer, splat)
+from .vector_ir import (F32, I32, I64, V16F, V16I, close_loop, extent, i64, load_row, open_loop,
+                        row_operands, row_pointer, splat)
 
 __all__ = ["int8_dot_tile", "int8_dot_into", "int8_dot_exact", "vnni_mix_tile", "add_group_term"]
 
@@ -113,11 +113,11 @@ def quad_sums(builder, a_op, b_op, start, p0, n_quads, row0, name):
             acc[m][v].add_incoming(start[m], entry)
     p = builder.add(p0, q)
     p4 = builder.mul(p, i64(4))
-    bv = [builder.load(row_pointer(builder, b_op, p, i64(64 * v), V16I), align=4) for v in range(nvec)]
+    bv = [load_row(builder, b_op, p, i64(64 * v), V16I) for v in range(nvec)]
     new = []
     for m in range(DOT_ROWS):
         row = builder.add(row0, i64(m))
-        aq = splat(builder, builder.load(row_pointer(builder, a_op, row, p4, I32), align=4), V16I)
+        aq = splat(builder, load_row(builder, a_op, row, p4, I32), V16I)
         # vpdpbusd's unsigned operand is its second (the keys), the signed one its third
         new.append([builder.call(dot, [acc[m][v], bv[v], aq]) for v in range(nvec)])
     body = builder.basic_block
@@ -149,18 +149,15 @@ def _int8_codegen(fresh):
         group_quads = builder.sdiv(extent(builder, arrays[3]), n_groups)
         nvec = DOT_LANES // 16
 
-        def load(operand, row, offset, ty):
-            return builder.load(row_pointer(builder, operand, row, offset, ty), align=4)
-
         g, _ = open_loop(builder, "int8dot")
         g4 = builder.mul(g, i64(4))
         first = builder.icmp_signed("==", g, i64(0))
-        start = [splat(builder, load(c_op, i64(m), g4, I32), V16I) for m in range(DOT_ROWS)]
+        start = [splat(builder, load_row(builder, c_op, i64(m), g4, I32), V16I) for m in range(DOT_ROWS)]
         new = quad_sums(builder, a_op, b_op, start, builder.mul(g, group_quads), group_quads, i64(0),
                         "int8quads")
-        sk = [load(t_op, g, i64(64 * v), V16F) for v in range(nvec)]
+        sk = [load_row(builder, t_op, g, i64(64 * v), V16F) for v in range(nvec)]
         for m in range(DOT_ROWS):
-            sq = splat(builder, load(s_op, i64(m), g4, F32), V16F)
+            sq = splat(builder, load_row(builder, s_op, i64(m), g4, F32), V16F)
             for v in range(nvec):
                 ptr = row_pointer(builder, o_op, i64(m), i64(64 * v), V16F)
                 add_group_term(builder, ptr, new[m][v], builder.fmul(sq, sk[v]), first if fresh else None)

@@ -20,8 +20,8 @@ from numba.extending import intrinsic
 from .bf16_dot import DOT_LANES, DOT_ROWS
 from .int8_dot import add_group_term
 from .int8_layouts import INT8_GROUP
-from .vector_ir import (F32, I32, V8F, V8I, close_loop, counted_loop, extent, i64, open_loop, row_operands,
-                        row_pointer, splat)
+from .vector_ir import (F32, I32, V8F, V8I, close_loop, counted_loop, extent, i64, load_row, open_loop,
+                        row_operands, row_pointer, splat)
 
 __all__ = ["GROUP_QUADS", "int8_pairs_tile", "int8_pairs_into"]
 
@@ -58,10 +58,9 @@ def pair_sums(builder, a_op, b_op, p0, rows, vecs, start):
 
     def step(k, acc):
         p = builder.add(p0, k)
-        bv = {v: builder.bitcast(builder.load(row_pointer(builder, b_op, p, i64(32 * v), V8I), align=4), _V32B)
-              for v in vecs}
-        aq = {m: builder.bitcast(splat(builder, builder.load(row_pointer(
-            builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4), V8I), _V32B) for m in rows}
+        bv = {v: builder.bitcast(load_row(builder, b_op, p, i64(32 * v), V8I), _V32B) for v in vecs}
+        aq = {m: builder.bitcast(splat(builder, load_row(builder, a_op, i64(m), builder.mul(p, i64(4)), I32),
+                                       V8I), _V32B) for m in rows}
         # vpmaddubsw's unsigned operand is its first (the keys), the signed one its second
         return [builder.add(a, builder.call(madd, [bv[v], aq[m]])) for a, (m, v) in zip(acc, tile)]
 
@@ -80,22 +79,19 @@ def _pairs_codegen(fresh):
                                                "llvm.x86.avx2.pmadd.wd")
         ones = ir.Constant(_V16S, [1] * 16)
 
-        def load(operand, row, offset, ty):
-            return builder.load(row_pointer(builder, operand, row, offset, ty), align=4)
-
         for part, (rows, vecs) in enumerate(_passes()):
             g, _ = open_loop(builder, f"int8pairs{part}")
             g4 = builder.mul(g, i64(4))
             first = builder.icmp_signed("==", g, i64(0)) if fresh else None
             # Each key's even int16 lane starts from the row's correction (the offset's products
             # back out), its odd lane from 0: vpmaddwd adds them into the group's integer.
-            start = {m: builder.bitcast(splat(builder, builder.and_(load(c_op, i64(m), g4, I32),
+            start = {m: builder.bitcast(splat(builder, builder.and_(load_row(builder, c_op, i64(m), g4, I32),
                                                                     ir.Constant(I32, 0xFFFF)), V8I), _V16S)
                      for m in rows}
             sums = pair_sums(builder, a_op, b_op, builder.mul(g, i64(GROUP_QUADS)), rows, vecs, start)
-            sk = {v: load(t_op, g, i64(32 * v), V8F) for v in vecs}
+            sk = {v: load_row(builder, t_op, g, i64(32 * v), V8F) for v in vecs}
             for m in rows:
-                sq = splat(builder, load(s_op, i64(m), g4, F32), V8F)
+                sq = splat(builder, load_row(builder, s_op, i64(m), g4, F32), V8F)
                 for v in vecs:
                     ints = builder.call(widen, [sums[m, v], ones])
                     add_group_term(builder, row_pointer(builder, o_op, i64(m), i64(32 * v), V8F), ints,

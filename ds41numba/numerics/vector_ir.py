@@ -13,7 +13,7 @@ from numba import types
 from numba.core import cgutils
 
 __all__ = ["I32", "I64", "F32", "V16I", "V16F", "V8I", "V8F", "compiles_for", "wide_registers", "row_operands",
-           "row_pointer", "extent", "i64", "splat", "lane_masks", "open_loop", "close_loop",
+           "row_pointer", "load_row", "extent", "i64", "splat", "lane_masks", "open_loop", "close_loop",
            "counted_loop", "broadcast_tile", "not_unrolled", "prefetch"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -89,6 +89,12 @@ def row_pointer(builder, operand, row, offset, ty):
     base, row_stride = operand
     addr = builder.add(base, builder.add(builder.mul(row_stride, row), offset))
     return builder.inttoptr(addr, ty.as_pointer())
+
+
+def load_row(builder, operand, row, offset, ty):
+    """The ``ty`` at byte ``offset`` of row ``row`` of a row operand (:func:`row_pointer`),
+    loaded with 4-byte alignment (the operands' rows are f32 / int32 arrays)."""
+    return builder.load(row_pointer(builder, operand, row, offset, ty), align=4)
 
 
 def i64(v):
