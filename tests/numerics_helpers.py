@@ -11,6 +11,25 @@ F32 = np.float32
 U32 = np.uint32
 
 
+# ================================================================== the tiers this CPU runs
+# Each kernel's tests skip where its tier is off (no such CPU, or switched off); a test over
+# every tier runs the ones this CPU has, from the highest down, and lists the others skipped.
+needs_avx2_int8 = pytest.mark.skipif(not nm.tier_at_least("avx2int8"), reason="the AVX2 integer kernel is off "
+                                     "(no AVX2, or DS41NUMBA_AVX2_INT8=0)")
+needs_bf16_dot = pytest.mark.skipif(not nm.tier_at_least("avx512bf16"), reason="the AVX512-BF16 kernel is off (no "
+                                    "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
+needs_int8_dot = pytest.mark.skipif(not nm.tier_at_least("avx512vnni"), reason="the AVX512-VNNI kernel is off (no "
+                                    "such CPU, or DS41NUMBA_INT8_DOT=0)")
+needs_amx = pytest.mark.skipif(not nm.tier_at_least("amx"), reason="the AMX kernel is off (no AMX-INT8, "
+                               "no tile state from Linux, or DS41NUMBA_AMX=0)")
+#: The tiers this CPU runs, from the highest down.
+TIERS = [b for b in nm.BACKENDS if b == "blas" or nm.BACKENDS.index(b) >= nm.BACKENDS.index(nm.backend())]
+#: Every tier, those this CPU lacks skipped.
+ALL_TIERS = [pytest.param(b, marks=pytest.mark.skipif(b not in TIERS, reason=f"this CPU lacks the "
+                                                      f"{b} tier (or it is switched off)"))
+             for b in nm.BACKENDS]
+
+
 def bits(a):
     return np.ascontiguousarray(a, dtype=F32).view(U32)
 
@@ -28,10 +47,6 @@ def assert_same_bits(got, want, *, nan_any=False):
         g, w = got.reshape(-1)[i[:5]], want.reshape(-1)[i[:5]]
         pytest.fail(f"{i.size} mismatches, first: got {g} ({[hex(v) for v in bits(g)]}), "
                     f"want {w} ({[hex(v) for v in bits(w)]})")
-
-
-needs_bf16_dot = pytest.mark.skipif(not nm.tier_at_least("avx512bf16"), reason="the AVX512-BF16 kernel is off (no "
-                                    "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
 
 
 @numba.njit
@@ -54,14 +69,6 @@ def bf16_dot_rows(a_rows, b_rows, a_stride=0, out_stride=0, start=0.0):
     out[:] = start
     bf16_dot_blocks(a, b, out)
     return out.transpose(1, 0, 2).reshape(R, -1)[:, :b_rows.shape[0]]
-
-
-needs_int8_dot = pytest.mark.skipif(not nm.tier_at_least("avx512vnni"), reason="the AVX512-VNNI kernel is off (no "
-                                    "such CPU, or DS41NUMBA_INT8_DOT=0)")
-
-
-needs_avx2_int8 = pytest.mark.skipif(not nm.tier_at_least("avx2int8"), reason="the AVX2 integer kernel is off "
-                                     "(no AVX2, or DS41NUMBA_AVX2_INT8=0)")
 
 
 @numba.njit
@@ -108,6 +115,3 @@ def fp4_rows(rng, rows, d, spread=0):
     x *= np.exp2(rng.integers(0, spread + 1, size=(rows, d // 32))).repeat(32, axis=1).astype(F32)
     return nm.fp4_quant_e8m0_inplace(x)
 
-
-needs_amx = pytest.mark.skipif(not nm.tier_at_least("amx"), reason="the AMX kernel is off (no AMX-INT8, "
-                               "no tile state from Linux, or DS41NUMBA_AMX=0)")

@@ -5,7 +5,7 @@ import numba
 import numpy as np
 import pytest
 
-from numerics_helpers import assert_same_bits, bits, F32, fp4_rows, int8_dot_rows, needs_amx, strided
+from numerics_helpers import assert_same_bits, F32, fp4_rows, int8_dot_rows, needs_amx, strided
 from ds41numba import numerics as nm
 
 

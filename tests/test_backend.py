@@ -1,6 +1,5 @@
 """The backend's tiers and switches (ds41numba.numerics.backend)."""
 
-import numpy as np
 import pytest
 
 from ds41numba import numerics as nm

@@ -14,15 +14,13 @@ import pytest
 
 import naive
 from helpers import EPS, bf16, random_config
+from numerics_helpers import TIERS
 from ds41numba import fp4_quant_e8m0_inplace
 from ds41numba.attention import layer_rope_table
-from ds41numba.numerics import BACKENDS, DOT_LANES, backend, use_backend
+from ds41numba.numerics import DOT_LANES, use_backend
 
 indexer_mod = importlib.import_module("ds41numba.indexer")
 candidate_scores = importlib.import_module("ds41numba.indexer.candidate_scores")
-
-TIERS = [b for b in BACKENDS if b == "blas" or BACKENDS.index(b) >= BACKENDS.index(backend())]
-
 
 class _Recorder:
     """An observer that keeps the masked scores top-k chose from, and wants no scores before

@@ -26,7 +26,7 @@ from ds41numba import (AttentionStack, AttnConfig, act_quant_fp8_inplace, apply_
                        fp4_quant_e4m3_inplace, fp4_quant_e8m0_inplace, is_bf16_valued,
                        linear_bf16, linear_f32, pow2ceil, rms_norm, select_candidate_blocks,
                        sparse_attn, to_bf16_rne, to_e2m1_rne, to_e4m3_rne, torch_cpu_topk_rows,
-                       torch_cpu_topk_set, weight_specs, window_index_rows, yarn_freqs_cis)
+                       torch_cpu_topk_set, window_index_rows, yarn_freqs_cis)
 from ds41numba.compressor import CompressorState, CompressorWeights, compressor
 from ds41numba.golden import make_weights
 from ds41numba.indexer import IndexerCfg, IndexerWeights, indexer

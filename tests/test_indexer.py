@@ -15,11 +15,13 @@ import pytest
 
 import naive
 from helpers import EPS, bf16, captured_steps, random_config, random_weights
+from numerics_helpers import (ALL_TIERS, TIERS, needs_amx, needs_avx2_int8, needs_bf16_dot,
+                              needs_int8_dot)
 from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, linear_bf16,
                        select_candidate_blocks, to_bf16_rne)
 from ds41numba.attention import layer_rope_table
-from ds41numba.numerics import (BACKENDS, backend, pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks,
-                                pack_offset_folded_blocks, tier_at_least, use_backend, workers)
+from ds41numba.numerics import (pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks,
+                                pack_offset_folded_blocks, use_backend, workers)
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
 indexer_mod = importlib.import_module("ds41numba.indexer")
@@ -113,14 +115,6 @@ def _index_inputs(rng, T, ih, idim, n):
 
 
 LAYOUTS = {"position-major": 1 << 30, "head-major": 1}
-needs_bf16_dot = pytest.mark.skipif(not tier_at_least("avx512bf16"), reason="the AVX512-BF16 kernel is off (no "
-                                    "such CPU, or DS41NUMBA_BF16_DOT=0): the f32 BLAS path runs")
-needs_int8_dot = pytest.mark.skipif(not tier_at_least("avx512vnni"), reason="the AVX512-VNNI kernel is off (no "
-                                    "such CPU, or DS41NUMBA_INT8_DOT=0)")
-needs_amx = pytest.mark.skipif(not tier_at_least("amx"), reason="the AMX kernel is off (no AMX-INT8, no "
-                               "tile state from Linux, or DS41NUMBA_AMX=0)")
-needs_avx2_int8 = pytest.mark.skipif(not tier_at_least("avx2int8"), reason="the AVX2 integer kernel is off "
-                                     "(no AVX2, or DS41NUMBA_AVX2_INT8=0)")
 # The f32 BLAS path in both of its layouts, the AVX2 integer, AVX512-BF16, AVX512-VNNI and AMX
 # kernels.
 SCORE_PATHS = [*LAYOUTS, pytest.param("avx2-int8", marks=needs_avx2_int8),
@@ -128,12 +122,6 @@ SCORE_PATHS = [*LAYOUTS, pytest.param("avx2-int8", marks=needs_avx2_int8),
                pytest.param("avx512-vnni", marks=needs_int8_dot), pytest.param("amx", marks=needs_amx)]
 # The tier each integer path of SCORE_PATHS runs on.
 INT8_PATHS = {"avx2-int8": "avx2int8", "avx512-vnni": "avx512vnni"}
-# The tiers this CPU runs, from the highest down.
-TIERS = [b for b in BACKENDS if b == "blas" or BACKENDS.index(b) >= BACKENDS.index(backend())]
-# Every tier, those this CPU lacks skipped.
-ALL_TIERS = [pytest.param(b, marks=pytest.mark.skipif(b not in TIERS, reason=f"this CPU lacks the "
-                                                      f"{b} tier (or it is switched off)"))
-             for b in BACKENDS]
 
 
 def int8_tile_scores(iq, w, keys, clen, n, tier="avx512vnni"):

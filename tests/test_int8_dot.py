@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from numerics_helpers import (INT8_KERNELS, assert_same_bits, bf16_dot_rows, F32, fp4_rows, int8_dot_blocks,
-                              int8_dot_rows, needs_avx2_int8, needs_bf16_dot, needs_int8_dot)
+                              int8_dot_rows, needs_bf16_dot, needs_int8_dot)
 from ds41numba import numerics as nm
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import naive
 from helpers import linear_case, linear_case_names
-from numerics_helpers import assert_same_bits, bf16_dot_blocks, bits, F32, needs_bf16_dot
+from numerics_helpers import assert_same_bits, bf16_dot_blocks, F32, needs_bf16_dot
 from ds41numba import numerics as nm
 from ds41numba.numerics import linear as linear_mod
 

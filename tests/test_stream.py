@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from ds41numba import preset
-from ds41numba.golden import GoldenPlan, make_input, run_golden, stream_golden, write_golden
+from ds41numba.golden import GoldenPlan, make_input, run_golden, stream_golden
 
 
 def sha(path):

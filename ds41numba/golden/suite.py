@@ -149,8 +149,8 @@ def _topk_exact(c, r):
            p: "the first decode"}
     if k * r - 1 - r >= 0:
         pos[k * r - 1 - r] = f"a query that sees index_topk - 1 = {k - 1} positions"
-    return Case(f"r{r}-query-sees-topk-or-one-more", f"queries that see index_topk - 1, exactly "
-                f"index_topk and index_topk + 1 compressed positions", p, 1, pos, r)
+    return Case(f"r{r}-query-sees-topk-or-one-more", "queries that see index_topk - 1, exactly "
+                "index_topk and index_topk + 1 compressed positions", p, 1, pos, r)
 
 
 def _candidate_block(c, r):
