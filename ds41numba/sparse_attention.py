@@ -19,8 +19,8 @@ from numba.extending import intrinsic
 from .numerics import SOFTMAX_LANES, bf16_scalar, output_buffer, softmax_rows
 from .numerics.f32_products import KC, blocked_rows
 from .numerics.f32_tiles import fma_sums
-from .numerics.vector_ir import (F32, I32, I64, V16F, extent, i64, lane_masks, row_operands,
-                                 row_pointer, wide_registers)
+from .numerics.vector_ir import (F32, I32, I64, V16F, extent, i64, lane_masks, load_row,
+                                 row_operands, row_pointer, wide_registers)
 from .numerics.vector_ir import prefetch as prefetch_line
 
 __all__ = ["sparse_attn"]
@@ -107,8 +107,7 @@ def _tile_operands(builder, ops, arrays, rows, nvec, by_address, prefetch, maske
             return builder.load(builder.inttoptr(at, F32.as_pointer()), align=4)
 
         def load_b(k):
-            return [builder.load(row_pointer(builder, b_op, k, i64(64 * v), V16F), align=4)
-                    for v in range(nvec)]
+            return [load_row(builder, b_op, k, i64(64 * v), V16F) for v in range(nvec)]
 
         return extent(builder, arrays[2]), load_a, load_b, o_op, accumulate
 
@@ -118,8 +117,7 @@ def _tile_operands(builder, ops, arrays, rows, nvec, by_address, prefetch, maske
     masks = lane_masks(builder, width, nvec) if masked else None
 
     def load_a(k, i):
-        return builder.load(row_pointer(builder, a_op, k, builder.mul(a_stride, i64(i)), F32),
-                            align=4)
+        return load_row(builder, a_op, k, builder.mul(a_stride, i64(i)), F32)
 
     def load_b(k):
         if prefetch:

@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 from .bf16_dot import DOT_LANES
 from .folded_layouts import AMX_K, AMX_ROWS
 from .head_mix import BitsMix, ConvertedMix
-from .vector_ir import F32, I32, I64, V16F, V16I, extent, row_operands, row_pointer, splat
+from .vector_ir import F32, I32, I64, V16F, V16I, extent, load_row, row_operands, row_pointer, splat
 
 __all__ = ["amx_begin", "amx_end", "amx_dot_tile", "amx_mix_tile", "request_tile_state"]
 
@@ -156,14 +156,13 @@ def amx_dot_tile(typingctx, a, a_scale, b, b_scale, out):
             dst = builder.inttoptr(builder.add(sums_op[0], ir.Constant(I64, 64 * h)), _P8)
             _call(builder, "llvm.x86.tilestored64", [_tile(_C[h]), dst, sums_op[1]], [_I8, _P8, I64])
         zero = ir.Constant(I64, 0)
-        sk = [builder.load(row_pointer(builder, t_op, zero, ir.Constant(I64, 64 * h), V16F), align=4)
-              for h in range(_HALVES)]
+        sk = [load_row(builder, t_op, zero, ir.Constant(I64, 64 * h), V16F) for h in range(_HALVES)]
         for m in range(AMX_ROWS):
             row = ir.Constant(I64, m)
-            sq = splat(builder, builder.load(row_pointer(builder, s_op, row, zero, F32)), V16F)
+            sq = splat(builder, load_row(builder, s_op, row, zero, F32), V16F)
             for h in range(_HALVES):
                 at = ir.Constant(I64, 64 * h)
-                total = builder.load(row_pointer(builder, sums_op, row, at, V16I), align=4)
+                total = load_row(builder, sums_op, row, at, V16I)
                 ptr = row_pointer(builder, o_op, row, at, V16F)
                 # f32(total) is exact (below 2^24), the scale product a power of two in range:
                 # their product is the exact dot product, and adding it to a zero is exact.

@@ -13,8 +13,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .vector_ir import (F32, V16F, broadcast_tile, counted_loop, extent, i64, row_operands,
-                        row_pointer, splat)
+from .vector_ir import (F32, V16F, broadcast_tile, counted_loop, extent, i64, load_row,
+                        row_operands, row_pointer, splat)
 
 __all__ = ["TILE_ROWS", "TILE_LANES", "CHAIN_ROWS", "CHAIN_LANES", "fma_sums", "fma_tile",
            "lanes_tile", "chain_tile"]
@@ -43,8 +43,7 @@ def fma_sums(builder, n_k, rows, nvec, load_a, load_b, name="fmatile", unrolled=
 
 def _vectors(builder, operand, row, nvec):
     """Row ``row`` (an i64) of a row operand as ``nvec`` 16-lane float vectors."""
-    return [builder.load(row_pointer(builder, operand, row, i64(64 * v), V16F), align=4)
-            for v in range(nvec)]
+    return [load_row(builder, operand, row, i64(64 * v), V16F) for v in range(nvec)]
 
 
 def _row_elements(builder, operand, rows, n):
@@ -130,8 +129,7 @@ def lanes_tile(typingctx, x, w, lane0, out):
             new = []
             for lane in range(4):
                 k = builder.add(builder.mul(q, i64(4)), i64(lane))
-                x = builder.load(row_pointer(builder, x_op, i64(0), builder.mul(k, i64(4)), F32),
-                                 align=4)
+                x = load_row(builder, x_op, i64(0), builder.mul(k, i64(4)), F32)
                 xs = splat(builder, x, V16F)
                 new += [builder.fadd(acc[lane * _NV + v], builder.fmul(xs, w))
                         for v, w in enumerate(_vectors(builder, w_op, k, _NV))]

@@ -17,7 +17,7 @@ from numba.core import cgutils
 
 from .bf16_dot import DOT_LANES
 from .folded_layouts import AMX_ROWS
-from .vector_ir import F32, I32, V16F, V16I, i64, row_pointer, splat
+from .vector_ir import F32, I32, V16F, V16I, i64, load_row, row_pointer, splat
 
 __all__ = ["MAX_BLOCK", "BitsMix", "ConvertedMix", "converted_mix_exact"]
 
@@ -63,8 +63,7 @@ class BitsMix:
         self.m_op, self.maxima = maxima
         zero = ir.Constant(V16F, [0.0] * 16)
         self.acc = [cgutils.alloca_once_value(builder, zero) for _ in range(_HALVES)]
-        self.sk = [builder.load(row_pointer(builder, t_op, i64(0), i64(64 * h), V16F), align=4)
-                   for h in range(_HALVES)]
+        self.sk = [load_row(builder, t_op, i64(0), i64(64 * h), V16F) for h in range(_HALVES)]
 
     def rows(self, src_at, rt, rows=range(AMX_ROWS)):
         """Row tile ``rt``'s products (int32 ``[AMX_ROWS, DOT_LANES]`` at ``src_at``), its rows
@@ -74,10 +73,10 @@ class BitsMix:
         zero = ir.Constant(V16F, [0.0] * 16)
         for m in rows:
             row = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(m))
-            sq = splat(builder, builder.load(row_pointer(builder, self.s_op, row, i64(0), F32)), V16F)
-            wr = splat(builder, builder.load(row_pointer(builder, self.w_op, row, i64(0), F32)), V16F)
+            sq = splat(builder, load_row(builder, self.s_op, row, i64(0), F32), V16F)
+            wr = splat(builder, load_row(builder, self.w_op, row, i64(0), F32), V16F)
             for h in range(_HALVES):
-                total = builder.load(row_pointer(builder, src, i64(m), i64(64 * h), V16I), align=4)
+                total = load_row(builder, src, i64(m), i64(64 * h), V16I)
                 # The score is exact and finite (see amx_dot_tile): no NaN to keep. It is never
                 # -0 either (an integer zero times a scale).
                 v = _bf16_round(builder, builder.fmul(builder.sitofp(total, V16F),
@@ -172,11 +171,9 @@ class ConvertedMix(BitsMix):
         src = (src_at, i64(4 * DOT_LANES))
         for m in rows:
             row = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(m))
-            sq = builder.load(row_pointer(builder, self.s_op, row, i64(0), F32))
-            wq = splat(builder, builder.fmul(builder.load(row_pointer(builder, self.w_op, row, i64(0), F32)),
-                                             sq), V16F)
-            f = [builder.sitofp(builder.load(row_pointer(builder, src, i64(m), i64(64 * h), V16I),
-                                             align=4), V16F)
+            sq = load_row(builder, self.s_op, row, i64(0), F32)
+            wq = splat(builder, builder.fmul(load_row(builder, self.w_op, row, i64(0), F32), sq), V16F)
+            f = [builder.sitofp(load_row(builder, src, i64(m), i64(64 * h), V16I), V16F)
                  for h in range(_HALVES)]
             rounded = _round_pair(builder, *f, relu=True)
             products = [builder.fmul(rounded[i], builder.fmul(wq, self.sk[i])) for i in range(2)]

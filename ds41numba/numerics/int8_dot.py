@@ -207,8 +207,7 @@ def vnni_mix_tile(typingctx, a, a_corr, a_scale, w, b, b_scale, out, block_max, 
 def _vnni_rows(builder, a_op, c_op, b_op, n_quads, row0, dst):
     """The folded integers of rows ``row0 .. row0 + DOT_ROWS`` against the key block, stored as
     rows of ``dst`` (int32, ``DOT_LANES`` a row)."""
-    start = [splat(builder, builder.load(row_pointer(builder, c_op, builder.add(row0, i64(m)), i64(0),
-                                                     I32)), V16I)
+    start = [splat(builder, load_row(builder, c_op, builder.add(row0, i64(m)), i64(0), I32), V16I)
              for m in range(DOT_ROWS)]
     sums = quad_sums(builder, a_op, b_op, start, i64(0), n_quads, row0, "vnnimix")
     for m in range(DOT_ROWS):
