@@ -424,15 +424,18 @@ def _indexer_case():
 
     def build():
         from ds41numba.attention import layer_rope_table
-        from ds41numba.indexer import IndexerCfg, IndexerWeights
+        from ds41numba.indexer import IndexerCfg, IndexerWeights, IndexKeyCache
+        from ds41numba.numerics import Bf16Matrix
 
+        # As a layer holds them: the projections as Bf16Matrix (the reference's bf16 order, not
+        # numpy's f32 BLAS), the keys packed once in the scorer's layout as a key owner writes them.
         w = weight_subset(layer, ["indexer.wq_b.weight", "indexer.weights_proj.weight"])
         return {"x": layer_input(layer, _TILE), "qr": normal_bf16((_TILE, cfg.q_lora_rank), 15),
                 "cfg": IndexerCfg.for_layer(cfg, layer),
-                "weights": IndexerWeights(wq_b=w["indexer.wq_b.weight"],
-                                          weights_proj=w["indexer.weights_proj.weight"]),
+                "weights": IndexerWeights(wq_b=Bf16Matrix(w["indexer.wq_b.weight"]),
+                                          weights_proj=Bf16Matrix(w["indexer.weights_proj.weight"])),
                 "table": layer_rope_table(cfg, cfg.ratio(layer), _CTX),
-                "keys": index_keys(_CTX, idim, 16)}
+                "keys": IndexKeyCache(index_keys(_CTX, idim, 16))}
 
     def run(st):
         from ds41numba.indexer import indexer
