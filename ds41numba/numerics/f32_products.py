@@ -113,7 +113,9 @@ def _blocked_item(x, wp, out, rows, n_out, col_groups, item):
                 _tiles(xs, panel, scratch, k0, k1, first)
     if ragged:
         c0 = (j1 - 1) * TILE_LANES
-        out[r0:r1, c0:n_out] = scratch[:, :n_out - c0]
+        for r in range(r1 - r0):    # a loop: docs/architecture.md, cold start
+            for c in range(n_out - c0):
+                out[r0 + r, c0 + c] = scratch[r, c]
 
 
 @njit(cache=True)
@@ -140,7 +142,8 @@ def _small_item(x, wp, out, first_row, peels, n_out, j):
             xk = xr[k]
             for t in range(TILE_LANES):
                 res[t] += xk * panel[k, t]
-        out[r, c0:c0 + nc] = res[:nc]
+        for t in range(nc):         # a loop: docs/architecture.md, cold start
+            out[r, c0 + t] = res[t]
 
 
 @njit(cache=True)

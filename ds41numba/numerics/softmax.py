@@ -109,7 +109,8 @@ def softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes):
                 for h in range(lo, hi):
                     lanes[i, h] += lanes[i + half, h]
             half //= 2
-        total[lo:hi] = lanes[0, lo:hi]
+        for h in range(lo, hi):     # a loop: docs/architecture.md, cold start
+            total[h] = lanes[0, h]
     for h in range(lo, hi):
         total[h] = np.float32(1.0) / total[h]
     for c in range(n):
