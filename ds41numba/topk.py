@@ -26,6 +26,10 @@ from numba import njit, prange
 
 from .numerics import is_int
 
+#: 0 as an int64, where a literal 0 would make numba compile the called helper a second time,
+#: specialised on the constant (seconds of a cold start; the hot loops gain nothing from it).
+_ZERO = np.int64(0)
+
 __all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partial_sort_set_into",
            "partial_sort_set_hinted",
            "topk_scratch_len"]
@@ -101,7 +105,7 @@ def _heap_select(v, ix, first, middle, last):
             vidx = ix[i]
             v[i] = v[first]
             ix[i] = ix[first]
-            _adjust_heap(v, ix, first, 0, length, val, vidx)
+            _adjust_heap(v, ix, first, _ZERO, length, val, vidx)
 
 
 @njit(cache=True)
@@ -120,7 +124,7 @@ def _heap_select_row(row, k, hv, hi, hint, block):
     for j in range(k):
         hv[j] = row[j]
         hi[j] = j
-    _make_heap(hv, hi, 0, k)
+    _make_heap(hv, hi, _ZERO, k)
     top = hv[0]
     i = k
     while i < n:
@@ -140,7 +144,7 @@ def _heap_select_row(row, k, hv, hi, hint, block):
             x = row[j]
             # Inlined `before(x, top)`.
             if x > top or (x != x and top == top):
-                _adjust_heap(hv, hi, 0, 0, k, x, j)
+                _adjust_heap(hv, hi, _ZERO, _ZERO, k, x, j)
                 top = hv[0]
         i += _SCAN_RUN
 
@@ -345,7 +349,7 @@ def partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     past a visible length): they may pass only the prefix, the branch being decided by the full
     length. Scratch: k entries each.
     """
-    partial_sort_set_hinted(row_vals, k, out_idx, scratch_vals, scratch_idx, row_vals, 0)
+    partial_sort_set_hinted(row_vals, k, out_idx, scratch_vals, scratch_idx, row_vals, _ZERO)
 
 
 @njit(cache=True)
