@@ -262,7 +262,7 @@ def _nth_element(v, ix, n, nth):
     """libstdc++ ``std::nth_element(v, v + nth, v + n, before)`` (``__introselect``) in place."""
     if n == 0 or nth == n:
         return
-    first = 0
+    first = _ZERO
     last = n
     depth = 2 * _floor_log2(n)
     while last - first > 3:
