@@ -22,7 +22,7 @@ from .batch import SINGLE, BatchRow, checked_batch
 from .compressor import CompressorState, CompressorWeights
 from .config import FALLBACK_KEY_OWNER, AttnConfig
 from .indexer import IndexerWeights, IndexKeyCache, candidate_mask
-from .numerics import Bf16Matrix, F32Matrix, is_bf16_valued, is_int
+from .numerics import Bf16Matrix, F32Matrix, SharedInput, is_bf16_valued, is_int
 from .step_order import StepOrder
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "StepOrder",
@@ -101,6 +101,21 @@ def _checked_weight(name: str, array, shape: tuple[int, ...], kind: str, groups:
     return Bf16Matrix(a, groups=groups) if kind == "bf16" else F32Matrix(a)
 
 
+# The projections that read one input, by that input: a decode step runs each set as one call.
+_SHARED_INPUTS = {"x": ("wkv.weight", "compressor.wkv.weight", "wq_a.weight",
+                        "indexer.weights_proj.weight"),
+                  "qr": ("wq_b.weight", "indexer.wq_b.weight")}
+
+
+def _share_inputs(got: dict) -> None:
+    """Each set of a layer's bf16 projections that read the same input (``_SHARED_INPUTS``;
+    the layer's parameters as held, by name) made a :class:`SharedInput`."""
+    for names in _SHARED_INPUTS.values():
+        members = [got[n] for n in names if isinstance(got.get(n), Bf16Matrix)]
+        if len(members) > 1:
+            SharedInput(members)
+
+
 @dataclass
 class AttnWeights:
     """One layer's attention parameters: float32 arrays (norms, the sink), :class:`Bf16Matrix`
@@ -142,6 +157,7 @@ class AttnWeights:
                                  weights_proj=got["indexer.weights_proj.weight"],
                                  wk=got.get("indexer.wk.weight"),
                                  k_norm=got.get("indexer.k_norm.weight"))
+        _share_inputs(got)
         return cls(attn_sink=got["attn_sink"], wq_a=got["wq_a.weight"], q_norm=got["q_norm.weight"],
                    wq_b=got["wq_b.weight"], wkv=got["wkv.weight"], kv_norm=got["kv_norm.weight"],
                    wo_a=got["wo_a.weight"], wo_b=got["wo_b.weight"], compressor=comp, indexer=idx)

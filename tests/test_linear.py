@@ -311,3 +311,91 @@ def test_bf16_and_f32_inputs_build_the_same_matrix():
         nm.Bf16Matrix(_bf16_rows(rng, (4, 6)) + F32(2.0 ** -12))
     with pytest.raises(TypeError, match="float32"):
         nm.Bf16Matrix(np.zeros((4, 6)))
+
+
+# ------------------------------------------------------------------------- inputs shared by weights
+
+
+def _shared_case(rng, k, outs, groups=1):
+    """Weights of ``outs`` rows taking ``groups * k`` inputs, their naive products of ``x``."""
+    ws = [_bf16_rows(rng, (n, k), 1 / np.sqrt(k)) for n in outs]
+    mats = [nm.Bf16Matrix(w, groups=groups) for w in ws]
+
+    def want(x, ref_rows=None):
+        out = []
+        for w, n in zip(ws, outs):
+            rank = n // groups
+            out.append(np.concatenate([naive.linear_bf16_ordered(
+                x[:, g * k:(g + 1) * k], w[g * rank:(g + 1) * rank], ref_rows or len(x))
+                for g in range(groups)], axis=1))
+        return out
+    return mats, want
+
+
+@pytest.mark.parametrize("k, outs, groups, m, ref_rows", [
+    (5120 // 8, [512, 96, 1280 // 8, 32], 1, 1, None), (1537, [70, 33], 1, 2, None),
+    (300, [64, 8 * 40, 16], 8, 1, None), (1100, [129, 1, 64], 1, 3, 1), (513, [256, 40], 1, 1, 9)])
+def test_weights_sharing_an_input_give_each_its_own_product(k, outs, groups, m, ref_rows):
+    """Weights that share their input (a layer's projections of x) each get the literal
+    reference order's product, bit for bit, whichever asks first, one row or several, odd K,
+    outputs not a multiple of a block, grouped weights, a call's run length."""
+    rng = np.random.default_rng(k + len(outs))
+    mats, want = _shared_case(rng, k, outs, groups)
+    nm.SharedInput(mats)
+    x = _bf16_rows(rng, (m, groups * k))
+    expected = want(x, ref_rows)
+    for order in (range(len(mats)), reversed(range(len(mats)))):
+        for j in order:
+            assert_same_bits(mats[j].matvec(x, ref_rows), expected[j])
+    x2 = _bf16_rows(rng, (m, groups * k))
+    assert_same_bits(nm.linear_bf16(x2, mats[-1], ref_rows=ref_rows), want(x2, ref_rows)[-1])
+
+
+def test_weights_sharing_an_input_run_one_kernel_call_a_step(monkeypatch):
+    """The first member asked computes every member's product in one call; the others are handed
+    theirs for the same input, each once; another input, run length or a second request of one
+    member calls again (and still gets its own product)."""
+    from ds41numba.numerics import matvec as matvec_mod
+
+    calls = []
+    real = matvec_mod.matvec_into
+    monkeypatch.setattr(linear_mod, "matvec_into", lambda *a: calls.append(len(a[1])) or real(*a))
+    rng = np.random.default_rng(5)
+    mats, want = _shared_case(rng, 1100, [512, 96, 160, 32])
+    nm.SharedInput(mats)
+    x = _bf16_rows(rng, (1, 1100))
+    for mat in mats:
+        mat.matvec(x)
+    assert calls == [4]
+    assert_same_bits(mats[0].matvec(x), want(x)[0])            # asked again: a new call
+    x_other = x.copy()
+    x_other[0, 3] = -x_other[0, 3] if x_other[0, 3] else 1.0
+    assert_same_bits(mats[1].matvec(x_other), want(x_other)[1])
+    assert_same_bits(mats[2].matvec(x_other, ref_rows=2), want(x_other, 2)[2])   # runs of 1,024
+    assert calls == [4, 4, 4, 4]
+    assert_same_bits(mats[3].matvec(x_other, ref_rows=2), want(x_other, 2)[3])
+    assert calls == [4, 4, 4, 4]
+
+
+def test_shared_inputs_survive_a_pickle_and_refuse_what_cannot_share():
+    """A pickled layer's weights still share their input (and carry no output); weights of other
+    widths, a weight twice or in two groups, or more than MATVEC_MEMBERS are refused."""
+    import pickle
+
+    rng = np.random.default_rng(8)
+    mats, want = _shared_case(rng, 96, [64, 40])
+    group = nm.SharedInput(mats)
+    x = _bf16_rows(rng, (1, 96))
+    mats[0].matvec(x)
+    back = pickle.loads(pickle.dumps(mats))
+    assert back[0]._shared is back[1]._shared and back[0]._shared.members == tuple(back)
+    assert back[0]._shared._ready == {} and group._ready
+    for got, expected in zip(back, want(x)):
+        assert_same_bits(got.matvec(x), expected)
+    with pytest.raises(ValueError, match="one group at most"):
+        nm.SharedInput([mats[0], nm.Bf16Matrix(_bf16_rows(rng, (8, 96)))])
+    for bad in ([nm.Bf16Matrix(_bf16_rows(rng, (8, 96)))] * 2,
+                [nm.Bf16Matrix(_bf16_rows(rng, (8, 96))), nm.Bf16Matrix(_bf16_rows(rng, (8, 95)))],
+                [nm.Bf16Matrix(_bf16_rows(rng, (8, 96))) for _ in range(nm.MATVEC_MEMBERS + 1)]):
+        with pytest.raises(ValueError, match="SharedInput"):
+            nm.SharedInput(bad)

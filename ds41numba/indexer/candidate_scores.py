@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..numerics import sized_call
+
 __all__ = ["needed_key_blocks", "mask_outside_candidates", "candidate_hints"]
 
 
@@ -44,7 +46,8 @@ def needed_key_blocks(packed: np.ndarray, clen: np.ndarray, block: int, lanes: i
     positions from ``b * lanes``) and sees a position of it; the score kernels form no score of
     a key block a query does not need."""
     out = np.empty((packed.shape[0], n_key_blocks), np.uint8)
-    _needed_kernel(packed, np.ascontiguousarray(clen, np.int64), block, lanes, out)
+    sized_call(_needed_kernel, packed.shape[0], n_key_blocks * lanes // block, packed,
+               np.ascontiguousarray(clen, np.int64), block, lanes, out)
     return out
 
 
@@ -65,7 +68,8 @@ def mask_outside_candidates(scores: np.ndarray, packed: np.ndarray, clen: np.nda
     if packed.shape[0] != scores.shape[0] or packed.shape[1] * 8 * block < scores.shape[1]:
         raise ValueError(f"mask_outside_candidates: candidate bits {packed.shape} do not cover "
                          f"scores {scores.shape} in blocks of {block}")
-    _mask_kernel(scores, packed, np.ascontiguousarray(clen, np.int64), block)
+    sized_call(_mask_kernel, scores.shape[0], scores.shape[1], scores, packed,
+               np.ascontiguousarray(clen, np.int64), block)
 
 
 @njit(parallel=True, cache=True)
@@ -81,5 +85,5 @@ def candidate_hints(packed: np.ndarray, n_blocks: int) -> np.ndarray:
     there is -inf, so the scan may skip it), NaN on a candidate block (always read: NaN passes
     any top, where +inf would not pass a +inf top and could hide a NaN)."""
     out = np.empty((packed.shape[0], n_blocks), np.float32)
-    _hints_kernel(packed, out)
+    sized_call(_hints_kernel, out.shape[0], out.shape[1], packed, out)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..numerics import sized_call
 from ..topk import partial_sort_set_hinted, topk_set_into
 
 __all__ = ["select_rows", "top_k_sets"]
@@ -17,7 +18,9 @@ def select_rows(scores, clen, k, out, maxima=None):
     ``maxima = (block, block_scores)``: the candidate source's block scores of these rows (each
     at least its block's max), which let the scan skip runs of a row unread."""
     block, block_scores = maxima if maxima is not None else (0, scores)
-    top_k_sets(scores, clen, k, out, block_scores, block)
+    # A decode step's one row is selected in the calling thread (sized_call).
+    sized_call(top_k_sets, scores.shape[0], scores.shape[1], scores, clen, k, out, block_scores,
+               block)
 
 
 @njit(parallel=True, cache=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..numerics import output_buffer
+from ..numerics import output_buffer, sized_call
 
 __all__ = ["visible_lengths", "masked_buffer"]
 
@@ -35,5 +35,6 @@ def masked_buffer(out, shape, clen, dirty_to, name):
     fresh = out is None
     out = output_buffer(out, shape, name)
     upto = shape[1] if fresh or dirty_to is None else min(int(dirty_to), shape[1])
-    _mask_kernel(out, np.ascontiguousarray(clen, np.int64), upto)
+    # A decode step's one row is masked in the calling thread (sized_call).
+    sized_call(_mask_kernel, shape[0], upto, out, np.ascontiguousarray(clen, np.int64), upto)
     return out

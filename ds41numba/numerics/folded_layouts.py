@@ -16,9 +16,10 @@ import numpy as np
 from numba import njit, prange
 
 from .bf16_dot import DOT_LANES
-from .formats import aligned_empty
+from .formats import ELEMENT_COST, aligned_empty
 from .int8_layouts import (INT8_GROUP, INT8_MAX, MAX_EXP, MIN_EXP, NO_EXP, blocks_out, check_out,
                            group_exponent, int8_blocks_shape, int8_input, range_of)
+from .workers import sized_call
 
 __all__ = ["AMX_K", "AMX_ROWS", "FOLD_SPREAD", "FOLDED_KEY_OFFSET", "folded_rows",
            "pack_folded_blocks", "folded_blocks_shape", "empty_folded_blocks",
@@ -103,6 +104,14 @@ def _fold_kernel(x, out, scales, first, offset):
     return range_of(bad, emin, emax)
 
 
+def _fold(x, out, scales, first, offset):
+    """:func:`_fold_kernel`, in the calling thread for a few rows (a decode step's key, its query
+    heads: workers.sized_call)."""
+    n, d = x.shape
+    return sized_call(_fold_kernel, -(-n // _FOLD_CHUNK), _FOLD_CHUNK * d * ELEMENT_COST,
+                      x, out, scales, first, offset)
+
+
 def _folded_input(x, name):
     x = int8_input(x, name)
     if x.shape[1] % AMX_K:
@@ -124,8 +133,8 @@ def folded_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
     for a, s, t, what in zip(out, shapes, (np.uint32, np.float32), ("quads", "scales")):
         check_out(a, s, t, "folded_rows", what)
     quads, scales = out[0][:n], out[1][:n]
-    return quads, scales, _fold_kernel(x, quads.view(np.uint8).reshape(n, d // 4, 4),
-                                       scales.reshape(n, 1, 1), 0, 0)
+    return quads, scales, _fold(x, quads.view(np.uint8).reshape(n, d // 4, 4),
+                                scales.reshape(n, 1, 1), 0, 0)
 
 
 def folded_blocks_shape(n: int, d: int) -> tuple:
@@ -150,7 +159,7 @@ def _pack_folded(x, out, first, offset, name):
     n, d = x.shape
     out = blocks_out(out, folded_blocks_shape(n, d), n, first, name,
                       lambda: empty_folded_blocks(n, d, offset))
-    return out[0], out[1], _fold_kernel(x, out[0].view(np.uint8), out[1], first, offset)
+    return out[0], out[1], _fold(x, out[0].view(np.uint8), out[1], first, offset)
 
 
 def empty_folded_blocks(n: int, d: int, offset: int = 0) -> tuple:
@@ -198,7 +207,7 @@ def folded_corrections(quads: np.ndarray, out: np.ndarray | None = None) -> np.n
         raise ValueError("folded_corrections: quads must be a C-contiguous uint32 [n, d / 4]")
     out = np.empty((quads.shape[0], 1), np.int32) if out is None else out
     check_out(out, (quads.shape[0], 1), np.int32, "folded_corrections", "out")
-    _corrections_kernel(quads, out)
+    sized_call(_corrections_kernel, quads.shape[0], 4 * quads.shape[1], quads, out)
     return out
 
 

@@ -14,7 +14,8 @@ import numpy as np
 from numba import njit, prange
 
 from .bf16_dot import DOT_LANES
-from .formats import FP4_BLOCK, as_f32_array
+from .formats import ELEMENT_COST, FP4_BLOCK, as_f32_array
+from .workers import sized_call
 
 __all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_rows", "pack_int8_blocks",
            "int8_blocks_shape", "merge_ranges"]
@@ -189,7 +190,9 @@ def int8_rows(x: np.ndarray, out: tuple | None = None) -> tuple:
     for a, s, t, what in zip(out, shapes, dtypes, ("quads", "corr", "scales")):
         check_out(a, s, t, "int8_rows", what)
     quads, corr, scales = (a[:n] for a in out)
-    return quads, corr, scales, _rows_kernel(x, quads, corr, scales)
+    # A decode step's few rows run in the calling thread (workers.sized_call).
+    return quads, corr, scales, sized_call(_rows_kernel, n, d * ELEMENT_COST, x, quads, corr,
+                                           scales)
 
 
 def int8_blocks_shape(n: int, d: int) -> tuple:
@@ -209,7 +212,8 @@ def pack_int8_blocks(x: np.ndarray, out: tuple | None = None, first: int = 0) ->
     shapes = int8_blocks_shape(n, d)
     out = blocks_out(out, shapes, n, first, "pack_int8_blocks",
                       lambda: (np.full(shapes[0], np.uint32(KEY_OFFSET * 0x01010101)), np.ones(shapes[1], np.float32)))
-    return out[0], out[1], _blocks_kernel(x, out[0], out[1], first)
+    return out[0], out[1], sized_call(_blocks_kernel, n, d * ELEMENT_COST, x, out[0], out[1],
+                                      first)
 
 
 def blocks_out(out, shapes, n, first, name, fresh):

@@ -5,19 +5,21 @@ in the reference's own order where that order is known (docs/exactness.md).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import njit, prange
 
 from .backend import tier_at_least
-from .bf16_dot import DOT_LANES, DOT_ROWS, MATVEC_BLOCKS, bf16_matvec_tile, gemm_bf16
+from .bf16_dot import DOT_LANES, DOT_ROWS, gemm_bf16
 from .bf16_layouts import bf16_pairs
 from .fma_choice import fma_faster, fma_safe, values_range
 from .f32_products import F32Matrix, linear_f32_ordered
-from .formats import as_f32_array, bf16_scalar, is_bf16_valued, is_int, output_buffer, round_bf16_inplace
-from .workers import worth_parallel
+from .formats import as_f32_array, is_bf16_valued, is_int, output_buffer, round_bf16_inplace
+from .matvec import MATVEC_MEMBERS, matvec_into, pair_hi, pair_lo
 
-__all__ = ["linear_bf16", "linear_f32", "Bf16Matrix", "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR",
-           "bf16_k_block"]
+__all__ = ["linear_bf16", "linear_f32", "Bf16Matrix", "SharedInput", "MATVEC_MAX_ROWS",
+           "TINY_BF16_LINEAR", "bf16_k_block"]
 
 
 
@@ -177,18 +179,6 @@ TINY_BF16_LINEAR = 4096
 _PACK_ROWS = 1024
 
 
-@njit(cache=True)
-def _pair_lo(pair):
-    """The f32 value of a bf16 pair's low half (its even input)."""
-    return np.uint32(pair << np.uint32(16)).view(np.float32)
-
-
-@njit(cache=True)
-def _pair_hi(pair):
-    """The f32 value of a bf16 pair's high half (its odd input)."""
-    return np.uint32(pair & np.uint32(0xFFFF0000)).view(np.float32)
-
-
 @njit(parallel=True, cache=True)
 def _pack_bits(bits, out, first):
     """bf16 bit rows ``bits [n, k]`` (uint16) into lanes ``first ..`` of ``out [blocks, ceil(k/2),
@@ -223,80 +213,11 @@ def _widen_pairs(pairs, k_in, out):
                 row = out[b * DOT_LANES + j]
                 for p in range(p0, p1):
                     pair = pairs[b, p, j]
-                    row[2 * p] = _pair_lo(pair)
-                    row[2 * p + 1] = _pair_hi(pair)
+                    row[2 * p] = pair_lo(pair)
+                    row[2 * p + 1] = pair_hi(pair)
         if k_in % 2:
             for j in range(lanes):
-                out[b * DOT_LANES + j, k_in - 1] = _pair_lo(pairs[b, both, j])
-
-
-@njit(cache=True, nogil=True)
-def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
-    """Work item ``item`` of ``out = bf16(x @ W.T)``: up to ``MATVEC_BLOCKS`` blocks of one group.
-
-    The blocks of ``pairs`` split evenly into ``groups``; a group's blocks are covered by items of
-    ``MATVEC_BLOCKS`` (the last fewer), group g reads inputs ``x[:, g*k_in : (g+1)*k_in]`` and
-    writes outputs ``g*rank ..`` (``rank = out.shape[1] / groups``); padding lanes are dropped.
-    Each output adds its products in the reference's order: runs of ``block`` inputs (even, see
-    :func:`bf16_k_block`) each from zero, every pair as ``(acc + x[2i+1]*w[2i+1]) + x[2i]*w[2i]``
-    (:func:`~.bf16_dot.bf16_matvec_tile`), an odd K's last product added alone, run sums added
-    in order.
-    """
-    m = x.shape[0]
-    n_pairs = pairs.shape[1]
-    per_group = pairs.shape[0] // groups
-    items = -(-per_group // MATVEC_BLOCKS)
-    g = item // items
-    b0 = g * per_group + (item % items) * MATVEC_BLOCKS
-    nq = min(MATVEC_BLOCKS, (g + 1) * per_group - b0)
-    # An item short of four blocks repeats its last one (read from cache, its sums dropped).
-    q1, q2, q3 = b0 + min(1, nq - 1), b0 + min(2, nq - 1), b0 + min(3, nq - 1)
-    rank = out.shape[1] // groups
-    both = k_in // 2              # the pairs holding two products
-    acc = np.zeros((m, MATVEC_BLOCKS, DOT_LANES), np.float32)
-    part = np.empty((MATVEC_BLOCKS, DOT_LANES), np.float32)
-    for i in range(m):
-        xi = x[i:i + 1, g * k_in:(g + 1) * k_in]
-        for p0 in range(0, n_pairs, block // 2):
-            p1 = min(n_pairs, p0 + block // 2)
-            # The first run sums straight into the output row, later ones from zero apart.
-            run = acc[i] if p0 == 0 else part
-            if p0:
-                run[:] = 0
-            p_end = min(p1, both)
-            if p_end > p0:
-                bf16_matvec_tile(xi[:, 2 * p0:2 * p_end], pairs[b0, p0:p_end], pairs[q1, p0:p_end],
-                                 pairs[q2, p0:p_end], pairs[q3, p0:p_end], run)
-            if p1 > p_end:
-                # An odd K: its last product alone, as the reference adds it (x holds no value
-                # to pair it with).
-                xl = xi[0, k_in - 1]
-                for q in range(nq):
-                    w0 = pairs[b0 + q, p_end]
-                    for j in range(DOT_LANES):
-                        run[q, j] += xl * _pair_lo(w0[j])
-            if p0:
-                acc[i] += part
-    first = (b0 - g * per_group) * DOT_LANES
-    for i in range(m):
-        for j in range(min(nq * DOT_LANES, rank - first)):
-            out[i, g * rank + first + j] = bf16_scalar(acc[i, j // DOT_LANES, j % DOT_LANES])
-
-
-@njit(parallel=True, cache=True)
-def _matvec_bf16_parallel(x, pairs, out, groups, k_in, block):
-    items = groups * -(-(pairs.shape[0] // groups) // MATVEC_BLOCKS)
-    for item in prange(items):
-        _matvec_bf16_block(x, pairs, out, groups, k_in, block, item)
-
-
-@njit(cache=True)
-def _matvec_bf16_serial(x, pairs, out, groups, k_in, block):
-    # Small weights (the indexer's head weights, its keys' projection): waking numba's workers
-    # would cost more than the product (workers.worth_parallel).
-    items = groups * -(-(pairs.shape[0] // groups) // MATVEC_BLOCKS)
-    for item in range(items):
-        _matvec_bf16_block(x, pairs, out, groups, k_in, block, item)
+                out[b * DOT_LANES + j, k_in - 1] = pair_lo(pairs[b, both, j])
 
 
 def _even_width(x, groups=1):
@@ -322,7 +243,7 @@ class Bf16Matrix:
     (:meth:`to_f32`).
     """
 
-    __slots__ = ("shape", "groups", "_pairs", "_range")
+    __slots__ = ("shape", "groups", "_pairs", "_range", "_shared")
 
     def __init__(self, w, groups: int = 1):
         w = np.asarray(w)
@@ -338,6 +259,7 @@ class Bf16Matrix:
         self._pairs = self._packed(w)
         # The weight's exponents, for whether the FMA kernel may run (fma_choice.fma_safe).
         self._range = values_range(self._pairs)
+        self._shared = None         # the SharedInput this weight's decode products run with
 
     def _packed(self, w):
         """``w`` in the pairs layout, group by group, ``_PACK_ROWS`` rows at a time."""
@@ -437,15 +359,75 @@ class Bf16Matrix:
 
     def matvec(self, x, ref_rows: int | None = None):
         """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the held pairs, summed
-        in the reference's order for a call of ``ref_rows`` rows (default: the rows of x)."""
+        in the reference's order for a call of ``ref_rows`` rows (default: the rows of x). A
+        weight that shares its input (:class:`SharedInput`) computes it with the others'."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
-        n_out, k_in = self.shape
-        out = np.empty((x2.shape[0], n_out), np.float32)
-        block = bf16_k_block(x2.shape[0] if ref_rows is None else ref_rows, k_in)
-        kernel = _matvec_bf16_parallel if worth_parallel(x2.size * n_out // self.groups) \
-            else _matvec_bf16_serial
-        kernel(x2, self._pairs, out, self.groups, k_in, block + block % 2)
-        return out.reshape(x.shape[:-1] + (n_out,))
+        block = bf16_k_block(x2.shape[0] if ref_rows is None else ref_rows, self.shape[1])
+        block += block % 2
+        if self._shared is not None:
+            out = self._shared.product(self, x2, block)
+        else:
+            out = np.empty((x2.shape[0], self.shape[0]), np.float32)
+            matvec_into(x2, (self._pairs,), (self.groups,), self.shape[1], block, (out,))
+        return out.reshape(x.shape[:-1] + (self.shape[0],))
+
+
+class SharedInput:
+    """Weights that read the same input at a decode step, whose products run as one kernel call.
+
+    A layer's projections of its input ``x`` (``wkv``, ``wq_a``, the compressor's ``wkv``, the
+    indexer's ``weights_proj``) are asked for one at a time, far apart in the step's code; a
+    call each woke the threads four times and waited four times for the slower one. Here the
+    first member asked for the product of an input computes every member's
+    (:func:`~.matvec.matvec_into`: one list of work items over all their weights) and keeps the
+    others' outputs; a member then asking with the same input (the same values and row count,
+    the same run length) is handed its output, once. Any other request computes afresh, so the
+    results are those of each weight alone whatever the order of the requests: each output is
+    the same sum whichever call computes it.
+    """
+
+    __slots__ = ("members", "_lock", "_x", "_block", "_ready")
+
+    def __init__(self, members):
+        members = tuple(members)
+        if not 2 <= len(members) <= MATVEC_MEMBERS or len({id(m) for m in members}) != len(members):
+            raise ValueError(f"SharedInput: 2 to {MATVEC_MEMBERS} distinct weights, got "
+                             f"{len(members)}")
+        for m in members:
+            if not isinstance(m, Bf16Matrix) or m.in_features != members[0].in_features \
+                    or m.shape[1] != members[0].shape[1]:
+                raise ValueError("SharedInput: every member must be a Bf16Matrix of one input "
+                                 "width and one group width")
+            if m._shared is not None:
+                raise ValueError("SharedInput: a weight shares its input with one group at most")
+        self.__setstate__(members)
+        for m in members:
+            m._shared = self
+
+    def __getstate__(self):          # a pickle (a cluster's layer) carries the members alone
+        return self.members
+
+    def __setstate__(self, members):
+        self.members = members
+        self._lock = threading.Lock()
+        self._x, self._block, self._ready = None, None, {}
+
+    def product(self, member, x2, block: int) -> np.ndarray:
+        """``member``'s ``bf16(x2 @ w.T)`` (``x2 [m, in]`` float32, C-contiguous; ``block`` the
+        run length), from the last call when it holds it for this input, else from a new call
+        for every member."""
+        with self._lock:
+            if (block == self._block and x2.shape == self._x.shape
+                    and np.array_equal(x2.view(np.uint32), self._x.view(np.uint32))):
+                out = self._ready.pop(member, None)
+                if out is not None:
+                    return out
+            outs = [np.empty((x2.shape[0], m.shape[0]), np.float32) for m in self.members]
+            matvec_into(x2, [m._pairs for m in self.members], [m.groups for m in self.members],
+                        member.shape[1], block, outs)
+            self._x, self._block = x2.copy(), block
+            self._ready = {m: o for m, o in zip(self.members, outs) if m is not member}
+            return outs[self.members.index(member)]
 
 
 def _pairs_operand(chunk, rows):

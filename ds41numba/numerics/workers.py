@@ -15,8 +15,8 @@ import numba
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-__all__ = ["PARALLEL_MIN_MACS", "POOL_MIN_MACS", "worth_parallel", "single_threaded_blas",
-           "in_workers", "split_range"]
+__all__ = ["PARALLEL_MIN_MACS", "POOL_MIN_MACS", "worth_parallel", "sized_call",
+           "single_threaded_blas", "in_workers", "split_range"]
 
 #: Work, in multiply-adds, from which a numba parallel kernel repays waking its workers (tens of
 #: microseconds, up to ~0.4 ms on a busy machine, measured here). An element of an element-wise
@@ -33,6 +33,29 @@ def worth_parallel(items: int, cost: int = 1, pool: bool = False) -> bool:
     threads: numba's workers (``PARALLEL_MIN_MACS``) or, with ``pool``, the Python worker pool
     (``POOL_MIN_MACS``)."""
     return items * cost >= (POOL_MIN_MACS if pool else PARALLEL_MIN_MACS)
+
+
+def sized_call(kernel, items: int, cost: int, *args):
+    """``kernel(*args)``, a numba parallel kernel whose loop splits into ``items`` pieces of
+    ``cost`` multiply-adds each, on numba's threads where that is :func:`worth_parallel` (and
+    more than one piece), else in the calling thread alone.
+
+    A parallel call with little to split (a decode step's kernels of one row: one key folded,
+    one score row masked or selected) still wakes every worker and waits for the last of them:
+    tens of microseconds on a quiet machine, milliseconds when another process holds a core.
+    With numba's thread count set to 1 for the call none is woken, and the kernel's loop runs
+    as a plain loop; the results are the same either way.
+    """
+    if items > 1 and worth_parallel(items, cost):
+        return kernel(*args)
+    threads = numba.get_num_threads()
+    if threads == 1:
+        return kernel(*args)
+    numba.set_num_threads(1)
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=1)

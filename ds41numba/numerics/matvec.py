@@ -1,0 +1,142 @@
+"""The decode step's product: a few input rows against the held bf16 pairs of one weight, or of
+several weights that read the same input, in one kernel call.
+
+A decode step multiplies one row by every weight of the layer once: it is bound by reading the
+weights from memory, and each kernel call wakes the threads, splits its work and waits for the
+slower of them. The layer's projections of one input (its ``x``: ``wkv``, ``wq_a``, the
+compressor's and the indexer's; its query latent: ``wq_b`` and the indexer's) therefore run as
+one call (:func:`matvec_into` with several weights), their work items split evenly over the
+threads as one list. Each output is summed whole by one work item in the reference's order
+(:func:`_matvec_bf16_block`): which call, item or thread computes it changes no sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .bf16_dot import DOT_LANES, MATVEC_BLOCKS, bf16_matvec_tile
+from .formats import bf16_scalar
+from .workers import sized_call
+
+__all__ = ["MATVEC_MEMBERS", "matvec_into", "pair_lo", "pair_hi"]
+
+#: Weights one call takes at most (a layer's projections of ``x`` are four); fewer are padded
+#: with empty ones, so that one compiled kernel serves every count.
+MATVEC_MEMBERS = 4
+
+
+@njit(cache=True)
+def pair_lo(pair):
+    """The f32 value of a bf16 pair's low half (its even input)."""
+    return np.uint32(pair << np.uint32(16)).view(np.float32)
+
+
+@njit(cache=True)
+def pair_hi(pair):
+    """The f32 value of a bf16 pair's high half (its odd input)."""
+    return np.uint32(pair & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+@njit(cache=True, nogil=True)
+def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
+    """Work item ``item`` of ``out = bf16(x @ W.T)``: up to ``MATVEC_BLOCKS`` blocks of one group.
+
+    The blocks of ``pairs`` split evenly into ``groups``; a group's blocks are covered by items of
+    ``MATVEC_BLOCKS`` (the last fewer), group g reads inputs ``x[:, g*k_in : (g+1)*k_in]`` and
+    writes outputs ``g*rank ..`` (``rank = out.shape[1] / groups``); padding lanes are dropped.
+    Each output adds its products in the reference's order: runs of ``block`` inputs (even, see
+    :func:`~.linear.bf16_k_block`) each from zero, every pair as ``(acc + x[2i+1]*w[2i+1]) +
+    x[2i]*w[2i]`` (:func:`~.bf16_dot.bf16_matvec_tile`), an odd K's last product added alone,
+    run sums added in order.
+    """
+    m = x.shape[0]
+    n_pairs = pairs.shape[1]
+    per_group = pairs.shape[0] // groups
+    items = -(-per_group // MATVEC_BLOCKS)
+    g = item // items
+    b0 = g * per_group + (item % items) * MATVEC_BLOCKS
+    nq = min(MATVEC_BLOCKS, (g + 1) * per_group - b0)
+    # An item short of four blocks repeats its last one (read from cache, its sums dropped).
+    q1, q2, q3 = b0 + min(1, nq - 1), b0 + min(2, nq - 1), b0 + min(3, nq - 1)
+    rank = out.shape[1] // groups
+    both = k_in // 2              # the pairs holding two products
+    acc = np.zeros((m, MATVEC_BLOCKS, DOT_LANES), np.float32)
+    part = np.empty((MATVEC_BLOCKS, DOT_LANES), np.float32)
+    for i in range(m):
+        xi = x[i:i + 1, g * k_in:(g + 1) * k_in]
+        for p0 in range(0, n_pairs, block // 2):
+            p1 = min(n_pairs, p0 + block // 2)
+            # The first run sums straight into the output row, later ones from zero apart.
+            run = acc[i] if p0 == 0 else part
+            if p0:
+                run[:] = 0
+            p_end = min(p1, both)
+            if p_end > p0:
+                bf16_matvec_tile(xi[:, 2 * p0:2 * p_end], pairs[b0, p0:p_end], pairs[q1, p0:p_end],
+                                 pairs[q2, p0:p_end], pairs[q3, p0:p_end], run)
+            if p1 > p_end:
+                # An odd K: its last product alone, as the reference adds it (x holds no value
+                # to pair it with).
+                xl = xi[0, k_in - 1]
+                for q in range(nq):
+                    w0 = pairs[b0 + q, p_end]
+                    for j in range(DOT_LANES):
+                        run[q, j] += xl * pair_lo(w0[j])
+            if p0:
+                acc[i] += part
+    first = (b0 - g * per_group) * DOT_LANES
+    for i in range(m):
+        for j in range(min(nq * DOT_LANES, rank - first)):
+            out[i, g * rank + first + j] = bf16_scalar(acc[i, j // DOT_LANES, j % DOT_LANES])
+
+
+@njit(cache=True)
+def _item_starts(pairs, groups):
+    """The first work item of each weight in the call's one list (and the total, last)."""
+    starts = np.zeros(MATVEC_MEMBERS + 1, np.int64)
+    for j in range(MATVEC_MEMBERS):
+        per_group = pairs[j].shape[0] // groups[j]
+        starts[j + 1] = starts[j] + groups[j] * -(-per_group // MATVEC_BLOCKS)
+    return starts
+
+
+@njit(cache=True, nogil=True)
+def _run_item(x, pairs, outs, groups, k_in, block, starts, item):
+    j = 0
+    while item >= starts[j + 1]:
+        j += 1
+    _matvec_bf16_block(x, pairs[j], outs[j], groups[j], k_in, block, item - starts[j])
+
+
+@njit(parallel=True, cache=True)
+def _matvec_parallel(x, pairs, outs, groups, k_in, block):
+    starts = _item_starts(pairs, groups)
+    for item in prange(starts[MATVEC_MEMBERS]):
+        _run_item(x, pairs, outs, groups, k_in, block, starts, item)
+
+
+# What pads a call of fewer weights: no blocks, so no work items.
+_NO_PAIRS = np.zeros((0, 1, DOT_LANES), np.uint32)
+_NO_OUT = np.zeros((1, 0), np.float32)
+
+
+def matvec_into(x, pairs, groups, k_in: int, block: int, outs) -> None:
+    """``outs[j] = bf16(x @ W_j.T)`` for each held weight j, in one kernel call.
+
+    ``x [m, in]`` float32 (C-contiguous, a few rows of bf16 values, every weight's input),
+    ``pairs[j]`` weight j's pairs (``Bf16Matrix``'s layout, ``[blocks, ceil(k_in / 2),
+    DOT_LANES]``, each group's rows padded to whole blocks) of ``groups[j]`` groups of ``k_in``
+    inputs each (``in = groups[j] * k_in``), ``outs[j]`` float32 ``[m, out_j]``; ``block`` the
+    reference's run length (even). At most ``MATVEC_MEMBERS`` weights.
+    """
+    n = len(pairs)
+    if not 1 <= n <= MATVEC_MEMBERS or len(groups) != n or len(outs) != n:
+        raise ValueError(f"matvec_into: 1 to {MATVEC_MEMBERS} weights, each with its groups and "
+                         f"output, got {len(pairs)}, {len(groups)} and {len(outs)}")
+    pad = MATVEC_MEMBERS - n
+    # Small weights (the indexer's key projection) run in the calling thread (sized_call).
+    per_item = MATVEC_BLOCKS * DOT_LANES
+    sized_call(_matvec_parallel, -(-sum(o.shape[1] for o in outs) // per_item),
+               x.shape[0] * k_in * per_item, x, tuple(pairs) + (_NO_PAIRS,) * pad, tuple(outs) + (_NO_OUT,) * pad,
+               tuple(int(g) for g in groups) + (1,) * pad, k_in, block)
