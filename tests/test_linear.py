@@ -399,3 +399,20 @@ def test_shared_inputs_survive_a_pickle_and_refuse_what_cannot_share():
                 [nm.Bf16Matrix(_bf16_rows(rng, (8, 96))) for _ in range(nm.MATVEC_MEMBERS + 1)]):
         with pytest.raises(ValueError, match="SharedInput"):
             nm.SharedInput(bad)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 11])
+def test_the_decode_kernel_splits_its_items_whole_whatever_the_workers(workers):
+    """Each worker's run of work items (an equal share of the weights' blocks; a weight's last
+    item and a one-block weight's only one hold fewer) covers the call's list once: every
+    product is the literal order's for any number of workers, more than there are items too."""
+    from ds41numba.numerics import matvec as matvec_mod
+
+    rng = np.random.default_rng(workers)
+    mats, want = _shared_case(rng, 300, [512, 96, 160, 32])     # 4 + 1 + 2 + 1 items
+    x = _bf16_rows(rng, (1, 300))
+    outs = tuple(np.full((1, m.shape[0]), np.nan, F32) for m in mats)
+    matvec_mod._matvec_parallel(x, tuple(m._pairs for m in mats), outs, (1, 1, 1, 1), 300, 300,
+                                workers)
+    for got, expected in zip(outs, want(x)):
+        assert_same_bits(got, expected)

@@ -12,6 +12,7 @@ threads as one list. Each output is summed whole by one work item in the referen
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -39,7 +40,7 @@ def pair_hi(pair):
 
 
 @njit(cache=True, nogil=True)
-def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
+def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item, acc, part):
     """Work item ``item`` of ``out = bf16(x @ W.T)``: up to ``MATVEC_BLOCKS`` blocks of one group.
 
     The blocks of ``pairs`` split evenly into ``groups``; a group's blocks are covered by items of
@@ -48,7 +49,8 @@ def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
     Each output adds its products in the reference's order: runs of ``block`` inputs (even, see
     :func:`~.linear.bf16_k_block`) each from zero, every pair as ``(acc + x[2i+1]*w[2i+1]) +
     x[2i]*w[2i]`` (:func:`~.bf16_dot.bf16_matvec_tile`), an odd K's last product added alone,
-    run sums added in order.
+    run sums added in order. ``acc [m, MATVEC_BLOCKS, DOT_LANES]`` and ``part [MATVEC_BLOCKS,
+    DOT_LANES]`` (float32) are the item's sums, a thread's buffers for all its items.
     """
     m = x.shape[0]
     n_pairs = pairs.shape[1]
@@ -61,8 +63,7 @@ def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
     q1, q2, q3 = b0 + min(1, nq - 1), b0 + min(2, nq - 1), b0 + min(3, nq - 1)
     rank = out.shape[1] // groups
     both = k_in // 2              # the pairs holding two products
-    acc = np.zeros((m, MATVEC_BLOCKS, DOT_LANES), np.float32)
-    part = np.empty((MATVEC_BLOCKS, DOT_LANES), np.float32)
+    acc[:] = 0
     for i in range(m):
         xi = x[i:i + 1, g * k_in:(g + 1) * k_in]
         for p0 in range(0, n_pairs, block // 2):
@@ -92,28 +93,53 @@ def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item):
 
 
 @njit(cache=True)
-def _item_starts(pairs, groups):
-    """The first work item of each weight in the call's one list (and the total, last)."""
-    starts = np.zeros(MATVEC_MEMBERS + 1, np.int64)
+def _item_ends(pairs, groups):
+    """Per work item of the call's one list (each weight's items in order), the blocks of
+    weights read up to its end: what a thread's share is measured in (the items of a weight's
+    last blocks, and a small weight's only one, hold fewer than ``MATVEC_BLOCKS``)."""
+    n = 0
+    for j in range(MATVEC_MEMBERS):
+        n += groups[j] * -(-(pairs[j].shape[0] // groups[j]) // MATVEC_BLOCKS)
+    ends = np.empty(n, np.int64)
+    item, total = 0, 0
     for j in range(MATVEC_MEMBERS):
         per_group = pairs[j].shape[0] // groups[j]
-        starts[j + 1] = starts[j] + groups[j] * -(-per_group // MATVEC_BLOCKS)
-    return starts
+        for _ in range(groups[j]):
+            for b0 in range(0, per_group, MATVEC_BLOCKS):
+                total += min(MATVEC_BLOCKS, per_group - b0)
+                ends[item] = total
+                item += 1
+    return ends
 
 
 @njit(cache=True, nogil=True)
-def _run_item(x, pairs, outs, groups, k_in, block, starts, item):
-    j = 0
-    while item >= starts[j + 1]:
-        j += 1
-    _matvec_bf16_block(x, pairs[j], outs[j], groups[j], k_in, block, item - starts[j])
+def _run_items(x, pairs, outs, groups, k_in, block, lo, hi):
+    """Work items ``lo .. hi - 1`` of the call's one list."""
+    acc = np.empty((x.shape[0], MATVEC_BLOCKS, DOT_LANES), np.float32)
+    part = np.empty((MATVEC_BLOCKS, DOT_LANES), np.float32)
+    j, first = 0, 0
+    for item in range(lo, hi):
+        while True:
+            n = groups[j] * -(-(pairs[j].shape[0] // groups[j]) // MATVEC_BLOCKS)
+            if item < first + n:
+                break
+            j, first = j + 1, first + n
+        _matvec_bf16_block(x, pairs[j], outs[j], groups[j], k_in, block, item - first, acc, part)
 
 
 @njit(parallel=True, cache=True)
-def _matvec_parallel(x, pairs, outs, groups, k_in, block):
-    starts = _item_starts(pairs, groups)
-    for item in prange(starts[MATVEC_MEMBERS]):
-        _run_item(x, pairs, outs, groups, k_in, block, starts, item)
+def _matvec_parallel(x, pairs, outs, groups, k_in, block, workers):
+    # Each of ``workers`` takes one run of items holding an equal share of the blocks (numba's
+    # own split of the items would give one thread a whole item more of four blocks where a
+    # weight's last holds one), whole items in order.
+    ends = _item_ends(pairs, groups)
+    total = ends[-1] if len(ends) else 0
+    for w in prange(workers):
+        lo = np.searchsorted(ends, total * w // workers, side="right")
+        hi = np.searchsorted(ends, total * (w + 1) // workers, side="right")
+        if w == workers - 1:
+            hi = len(ends)
+        _run_items(x, pairs, outs, groups, k_in, block, lo, hi)
 
 
 # What pads a call of fewer weights: no blocks, so no work items.
@@ -138,5 +164,6 @@ def matvec_into(x, pairs, groups, k_in: int, block: int, outs) -> None:
     # Small weights (the indexer's key projection) run in the calling thread (sized_call).
     per_item = MATVEC_BLOCKS * DOT_LANES
     sized_call(_matvec_parallel, -(-sum(o.shape[1] for o in outs) // per_item),
-               x.shape[0] * k_in * per_item, x, tuple(pairs) + (_NO_PAIRS,) * pad, tuple(outs) + (_NO_OUT,) * pad,
-               tuple(int(g) for g in groups) + (1,) * pad, k_in, block)
+               x.shape[0] * k_in * per_item, x, tuple(pairs) + (_NO_PAIRS,) * pad,
+               tuple(outs) + (_NO_OUT,) * pad, tuple(int(g) for g in groups) + (1,) * pad, k_in,
+               block, numba.get_num_threads())
