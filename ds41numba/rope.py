@@ -154,7 +154,7 @@ def _rotate_kernel(y, pos, cos, sin, negate, coalesce):
 def _check_table(table):
     if not isinstance(table, (tuple, list)) or len(table) != 2:
         raise TypeError("apply_rotary: table must be the (cos, sin) pair yarn_freqs_cis returns")
-    cos, sin = (np.asarray(t) for t in table)
+    cos, sin = np.asarray(table[0]), np.asarray(table[1])
     if cos.dtype != np.float32 or sin.dtype != np.float32:
         raise TypeError(f"apply_rotary: table arrays must be float32, got {cos.dtype} and {sin.dtype}")
     if cos.ndim != 2 or cos.shape != sin.shape:
@@ -197,19 +197,21 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None, inplace
             f"apply_rotary: the last dimension of x (shape {arr.shape}) is shorter than rd = {rd}"
         )
     pos = np.asarray(positions)
-    if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
+    if pos.dtype.kind not in "iu":             # integers (not bool)
         raise TypeError(f"apply_rotary: positions must be integers, got dtype {pos.dtype}")
     if pos.shape != (arr.shape[0],):
         raise ValueError(
             f"apply_rotary: positions must have shape ({arr.shape[0]},) to match x of shape {arr.shape}, "
             f"got {pos.shape}"
         )
-    if pos.size and (pos.min() < 0 or pos.max() >= cos.shape[0]):
+    # A decode step's one position is read as it is (min and max are reductions).
+    lo, hi = (pos[0], pos[0]) if pos.size == 1 else (pos.min(), pos.max()) if pos.size else (0, 0)
+    if lo < 0 or hi >= cos.shape[0]:
         bad = pos[(pos < 0) | (pos >= cos.shape[0])][0]
         raise ValueError(f"apply_rotary: position {bad} is outside the table (0 .. {cos.shape[0] - 1})")
-    pos = pos.astype(np.int64)
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
     n = arr.shape[0]
-    heads = int(np.prod(arr.shape[1:-1], dtype=np.int64))
+    heads = math.prod(arr.shape[1:-1])
     if inplace:
         if not (arr.flags.c_contiguous and arr.flags.writeable):
             raise ValueError("apply_rotary: inplace=True needs a writeable C-contiguous x")

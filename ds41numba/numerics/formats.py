@@ -13,6 +13,7 @@ Python boundary and hand off to parallel kernels. The array helpers at the end (
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import llvmlite.ir as ir
@@ -260,8 +261,10 @@ def is_bf16_valued(x):
 def is_int(value, minimum=None) -> bool:
     """Whether ``value`` is an integer (Python's or numpy's, not a bool) of at least ``minimum``
     (any, when None): the one check behind every integer argument's error message."""
-    return (not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral)
-            and (minimum is None or value >= minimum))
+    if type(value) is not int:      # Python's int (not bool) answers without the ABC's check
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            return False
+    return minimum is None or value >= minimum
 
 
 def check_inplace(x, name):
@@ -314,7 +317,7 @@ def output_buffer(out, shape, name, dtype=np.float32):
     if out is None:
         return np.empty(shape, dtype)
     if (not isinstance(out, np.ndarray) or out.dtype != dtype or not out.flags.writeable
-            or out.size != int(np.prod(shape))):
+            or out.size != math.prod(shape)):
         raise ValueError(f"{name}: out must be a writeable {dtype} array of shape {list(shape)}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
     view = out.view()
