@@ -85,7 +85,9 @@ def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item, acc, part):
                     for j in range(DOT_LANES):
                         run[q, j] += xl * pair_lo(w0[j])
             if p0:
-                acc[i] += part
+                for q in range(MATVEC_BLOCKS):      # a loop: docs/architecture.md, cold start
+                    for j in range(DOT_LANES):
+                        acc[i, q, j] += part[q, j]
     first = (b0 - g * per_group) * DOT_LANES
     for i in range(m):
         for j in range(min(nq * DOT_LANES, rank - first)):
