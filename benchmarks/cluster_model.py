@@ -83,13 +83,14 @@ def one_run(plan, path: str, chunk: int, workers: int | None) -> dict:
     if workers is None:
         write_golden(plan, path, chunk=chunk, force=True)
         return {"seconds": time.perf_counter() - t0}
-    with Cluster(workers=workers) as cluster:
+    with Cluster(workers=workers, background=True) as cluster:      # as the command line
         called = time.perf_counter()
         write_golden(plan, path, chunk=chunk, force=True, cluster=cluster)
         seconds = time.perf_counter() - t0
         stats = cluster.stats
         peaks = cluster.client.run(lambda: __import__("resource").getrusage(0).ru_maxrss * 1024)
-    return {"seconds": seconds, "model": model(stats, called - t0, called, workers),
+    return {"seconds": seconds, "model": model(stats, called - t0 + stats.wait_seconds, called,
+                                               workers),
             "worker_peak_rss": sorted(peaks.values())}
 
 

@@ -385,7 +385,9 @@ def _cluster(args, plan):
         return
     golden.check_cluster_capture(plan.capture, plan.batch)
     from .golden.cluster import Cluster
-    with Cluster(scheduler=args.scheduler, workers=args.workers) as cluster:
+    # Started in the background: the workers start while the driver makes the weights and runs
+    # the key side, which they do not need.
+    with Cluster(scheduler=args.scheduler, workers=args.workers, background=True) as cluster:
         yield cluster
 
 

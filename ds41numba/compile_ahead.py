@@ -11,6 +11,9 @@ them in a second. A kernel the list misses, or whose code changed since it was r
 compiled by the run itself as before, so a stale list costs time, never a result; the test
 suite checks the list against what the default golden calls.
 
+:func:`load_cached` loads the listed kernels the cache holds into a process before it calls them
+(a cluster's workers, while the driver runs the key side).
+
 ``python -m ds41numba.kernel_list`` rewrites the list (:mod:`.kernel_list`).
 ``DS41NUMBA_COMPILE_AHEAD=0`` turns compiling ahead off.
 """
@@ -31,7 +34,7 @@ from numba.core.dispatcher import Dispatcher
 
 from .numerics import backend
 
-__all__ = ["ANY_TIER", "KERNELS", "Kernel", "compile_ahead", "read_kernels"]
+__all__ = ["ANY_TIER", "KERNELS", "Kernel", "compile_ahead", "load_cached", "read_kernels"]
 
 KERNELS = Path(__file__).with_name("kernels.txt")
 ANY_TIER = "*"
@@ -77,17 +80,38 @@ def _cached(kernel: Kernel) -> bool:
     return key in cache._cache_file._load_index()
 
 
-def _missing(tier: str) -> list[Kernel]:
-    """The list's kernels for ``tier`` that numba's cache lacks (a stale line, naming a kernel
-    that is gone or types that do not read, is left out: the run compiles what it calls)."""
-    missing = []
+def _listed(tier: str, cached: bool) -> list[Kernel]:
+    """The list's kernels for ``tier`` that numba's cache holds (``cached``) or lacks (a stale
+    line, naming a kernel that is gone or types that do not read, is left out: the run compiles
+    what it calls)."""
+    chosen = []
     for k in read_kernels():
         try:
-            if k.tier in (ANY_TIER, tier) and not _cached(k):
-                missing.append(k)
+            if k.tier in (ANY_TIER, tier) and _cached(k) == cached:
+                chosen.append(k)
         except Exception:
             continue
-    return missing
+    return chosen
+
+
+def _missing(tier: str) -> list[Kernel]:
+    return _listed(tier, cached=False)
+
+
+def load_cached() -> int:
+    """Load into this process the list's kernels that numba's cache holds for this CPU, before
+    they are called (a cluster's worker warming up while the driver runs the key side). Returns
+    how many were loaded; nothing is compiled."""
+    if not _enabled():
+        return 0
+    loaded = 0
+    for k in _listed(backend(), cached=True):
+        try:
+            k.dispatcher().compile(k.argtypes())
+            loaded += 1
+        except Exception:       # loading is only ahead of time: the tile loads what it calls
+            continue
+    return loaded
 
 
 def _shares(kernels: list[Kernel], n: int) -> list[list[str]]:

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import os
 import signal
+import sys
 
 import distributed
 import numpy as np
@@ -18,10 +19,11 @@ from ds41numba import preset
 from ds41numba.attention import attention_rows
 from ds41numba.cli import main
 from ds41numba.golden import GoldenError, GoldenPlan, RunInterrupted, make_input, write_golden
-from ds41numba.golden import cluster as cluster_module
+from ds41numba.golden import queries as queries_module
 from ds41numba.golden.cluster import Cluster
 from ds41numba.golden.generator import GeneratedWeights
-from ds41numba.stack import AttentionStack, SharedRuntime
+from ds41numba.golden.handover import Broadcast, SharedFiles
+from ds41numba.stack import AttentionStack, AttnWeights, SharedRuntime
 
 
 def sha(path):
@@ -83,30 +85,57 @@ def test_a_killed_worker_costs_only_its_tasks(tmp_path, cluster, reference):
     assert sha(path) == reference
 
 
-def test_workers_that_all_die_lose_the_broadcast_and_get_it_again(tmp_path, cluster, reference,
-                                                                  monkeypatch):
-    """Every copy of a layer's scattered work gone (both workers killed at once): the tiles
-    that needed it are cancelled, the work is sent again to the restarted workers."""
-    seen = {"tiles": 0, "retried": 0}
-    retry = cluster_module._Queries._lost_tile
-
-    def counted(self, *args):
-        seen["retried"] += 1
-        return retry(self, *args)
-
-    monkeypatch.setattr(cluster_module._Queries, "_lost_tile", counted)
-
+def _kill_all_in_layer_5(cluster, seen):
+    """A progress callback that kills every worker at once at layer 5's third tile."""
     def progress(n, where):
         if n and where.startswith("step 0 rows") and where.endswith("layer 5"):
             seen["tiles"] += 1
             if seen["tiles"] == 3:
                 for pid in cluster.client.run(os.getpid).values():
                     os.kill(pid, signal.SIGKILL)
+    return progress
 
+
+def _counting_retries(monkeypatch, seen):
+    retry = queries_module.Queries._lost_tile
+
+    def counted(self, *args):
+        seen["retried"] += 1
+        return retry(self, *args)
+
+    monkeypatch.setattr(queries_module.Queries, "_lost_tile", counted)
+
+
+def test_workers_that_all_die_lose_the_broadcast_and_get_it_again(tmp_path, cluster, reference,
+                                                                  monkeypatch):
+    """Every copy of a layer's broadcast work gone (both workers killed at once; the broadcast,
+    a scheduler's workers' handover, chosen here for the local workers): the tiles that needed
+    it are cancelled, the work is sent again to the restarted workers."""
+    seen = {"tiles": 0, "retried": 0}
+    _counting_retries(monkeypatch, seen)
+    monkeypatch.setattr(Cluster, "handover", lambda self: Broadcast(self.client))
     path = tmp_path / "k.safetensors"
-    write_golden(_plan(), path, chunk=13, cluster=cluster, progress=progress)
+    write_golden(_plan(), path, chunk=13, cluster=cluster,
+                 progress=_kill_all_in_layer_5(cluster, seen))
     assert seen["retried"] >= 1
     assert sha(path) == reference
+
+
+def test_workers_that_all_die_map_the_shared_files_again(tmp_path, cluster, reference,
+                                                         monkeypatch):
+    """A local cluster's workers read the layer's work from shared files, which outlive them:
+    both killed at once, their replacements map the same files, and the files go at the end."""
+    seen = {"tiles": 0, "retried": 0}
+    _counting_retries(monkeypatch, seen)
+    made = []
+    monkeypatch.setattr(Cluster, "handover",
+                        lambda self: made.append(SharedFiles(str(tmp_path))) or made[-1])
+    path = tmp_path / "k.safetensors"
+    write_golden(_plan(), path, chunk=13, cluster=cluster,
+                 progress=_kill_all_in_layer_5(cluster, seen))
+    assert seen["tiles"] == 16 and len(made) == 1
+    assert sha(path) == reference
+    assert os.listdir(tmp_path) == ["k.safetensors"]       # the shared files removed
 
 
 def test_a_lost_scheduler_leaves_a_checkpoint_another_cluster_resumes(tmp_path, reference):
@@ -164,6 +193,69 @@ def test_interrupted_in_the_key_side_then_resumed(tmp_path, cluster, reference):
         write_golden(_plan(), local, chunk=13, checkpoint_every=0, progress=stop_at_chunk_3)
     with pytest.raises(GoldenError, match=r"--workers/--scheduler \(unset then, tiles now\)"):
         write_golden(_plan(), local, chunk=13, cluster=cluster, resume=True)
+
+
+def test_a_background_start_warms_the_workers_and_writes_the_file(tmp_path, reference):
+    """The command line's cluster: started (and its workers' kernels loaded) while the driver
+    runs the key side; the file is the same."""
+    with Cluster(workers=2, background=True) as c:
+        write_golden(_plan(), tmp_path / "b.safetensors", chunk=64, cluster=c)
+        assert c.stats.wait_seconds >= 0
+        warmed = c.client.run(lambda: "ds41numba.golden.tiles" in sys.modules)
+    assert sha(tmp_path / "b.safetensors") == reference
+    assert list(warmed.values()) == [True, True]
+
+
+def test_a_background_start_that_fails_keeps_the_key_side_for_resume(tmp_path, reference,
+                                                                     monkeypatch):
+    def refused(self):
+        raise GoldenError("Dask worker w has ds41numba 0.0.0")
+
+    path = tmp_path / "f.safetensors"
+    with monkeypatch.context() as m:
+        m.setattr(Cluster, "_check_workers", refused)
+        with Cluster(workers=1, background=True) as doomed:
+            with pytest.raises(GoldenError, match=r"0\.0\.0; kept .*rerun with --resume"):
+                write_golden(_plan(), path, chunk=64, cluster=doomed)
+    assert not path.exists()
+    with Cluster(workers=1) as again:
+        write_golden(_plan(), path, chunk=64, cluster=again, resume=True)
+    assert sha(path) == reference
+
+
+def test_a_schedulers_workers_get_the_broadcast_and_write_the_file(tmp_path, reference):
+    """Workers that may be on other machines (``--scheduler``) are sent the layer's work by
+    Dask's broadcast, not through this machine's shared files; the file is the same."""
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as lc, \
+            Cluster(scheduler=lc.scheduler_address) as c:
+        assert isinstance(c.handover(), Broadcast)
+        write_golden(_plan(), tmp_path / "s.safetensors", chunk=64, cluster=c)
+        assert sum(w for _, w, _, _ in c.stats.broadcasts) > 0
+    assert sha(tmp_path / "s.safetensors") == reference
+
+
+def test_a_workers_weights_from_the_shared_file_are_the_drivers(tmp_path, cluster):
+    """The weights a local worker maps are the driver's, array for array and bit for bit."""
+    cfg = preset("mixed")
+    weights = AttnWeights.from_mapping(cfg, 5, GeneratedWeights(cfg, [5], seed=3))
+    files = cluster.handover()
+    assert isinstance(files, SharedFiles)
+    try:
+        handle = files.send(weights)
+        got = cluster.client.submit(_digests, handle, pure=False).result()
+    finally:
+        files.close()
+    assert got == _digests(weights)
+
+
+def _digests(weights) -> dict:
+    from ds41numba.golden.handover import received
+    w = received(weights)
+    return {name: hashlib.sha256(np.ascontiguousarray(getattr(w, name)._pairs
+                                                      if hasattr(getattr(w, name), "_pairs")
+                                                      else getattr(w, name)).tobytes()).hexdigest()
+            for name in ("attn_sink", "wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b")}
 
 
 def test_query_rows_anywhere_are_the_stack_rows():
