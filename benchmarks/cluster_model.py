@@ -10,10 +10,12 @@ model's terms, all measured:
     T = start + weights + keys + sum over layers of broadcast + makespan(tiles) + write_tail
         + decode
 
-``start`` the cluster's start-up, ``weights`` the driver's making (and writing) of the
-weights, ``keys`` the driver's key side (the inputs, compressors and
-index keys of the whole prefill), ``broadcast`` each layer's weights and caches sent to every
-worker, ``makespan`` the tiles' measured compute seconds placed in submission order on the
+``start`` the cluster's start-up as the run waits for it (the cluster starts in the
+background, as the command line's does: its construction plus the drive's wait for it after
+the key side), ``weights`` the driver's making (and writing) of the weights, ``keys`` the
+driver's key side (the inputs, compressors and index keys of the whole prefill),
+``broadcast`` each layer's weights and caches handed to the workers (written to shared files
+for a local cluster), ``makespan`` the tiles' measured compute seconds placed in submission order on the
 earliest free worker, ``write_tail`` the driver's writing of the last tile (the others overlap
 the workers' compute), ``decode`` the decode steps on the driver. The model's sum is compared
 with the run's wall time. Per-core rates derived from it project a longer run on more

@@ -108,3 +108,23 @@ def test_a_stale_line_is_skipped_not_raised(line, tmp_path, monkeypatch):
 def test_switched_off_it_compiles_nothing(monkeypatch):
     monkeypatch.setenv("DS41NUMBA_COMPILE_AHEAD", "0")
     assert ahead.compile_ahead(quiet=True) == 0
+
+
+def test_loading_the_cached_kernels_loads_and_compiles_nothing_new(tmp_path, monkeypatch):
+    """A cluster worker's warm-up: every listed kernel the cache holds is loaded (the session's
+    compile ahead cached them), a line the cache lacks or that is stale is passed over."""
+    cached = [k for k in ahead.read_kernels()
+              if k.tier in (ahead.ANY_TIER, backend()) and ahead._cached(k)]
+    assert ahead.load_cached() == len(cached) > 0
+    assert all(k.argtypes() in k.dispatcher().overloads for k in cached)
+    mine = tmp_path / "kernels.txt"
+    mine.write_text("\n".join(STALE + ["* 1.00 ds41numba.numerics.quant:quant_row (int8[::1], "
+                                       "int64, int64)"]) + "\n")    # types never compiled
+    monkeypatch.setattr(ahead, "KERNELS", mine)
+    before = len(ahead.Kernel("*", 0, "ds41numba.numerics.quant:quant_row", "()").dispatcher()
+                 .signatures)
+    assert ahead.load_cached() == 0
+    assert len(ahead.Kernel("*", 0, "ds41numba.numerics.quant:quant_row", "()").dispatcher()
+               .signatures) == before
+    monkeypatch.setenv("DS41NUMBA_COMPILE_AHEAD", "0")
+    assert ahead.load_cached() == 0

@@ -25,13 +25,20 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-__all__ = ["SharedObject", "SharedFiles", "Broadcast", "received"]
+__all__ = ["SharedObject", "SharedFiles", "Broadcast", "HandoverGone", "received"]
 
 #: Buffers start at page boundaries in a shared file (the arrays then are as aligned as numpy's).
 _ALIGN = 4096
 #: Objects a worker keeps loaded: a layer's work and the two caches it reads, and one to spare.
 _KEPT = 4
 _loaded: dict[str, object] = {}          # this process's loaded handles, oldest first
+
+
+class HandoverGone(Exception):
+    """A shared file was removed before a task read it: a tile of a layer whose turn had ended
+    (its files removed), run again by Dask for a later layer that reads its selection after the
+    worker holding that selection died. The driver sends the layer's work again and resubmits,
+    as for a lost broadcast."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,11 @@ class SharedObject:
             return held
         views = []
         if self.spans:
-            with open(self.path, "rb") as f:
-                view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+            try:
+                with open(self.path, "rb") as f:
+                    view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+            except FileNotFoundError:
+                raise HandoverGone(self.path) from None
             views = [view[at:at + n] for at, n in self.spans]
         held = _loaded[self.path] = pickle.loads(self.meta, buffers=views)
         while len(_loaded) > _KEPT:
@@ -68,7 +78,9 @@ def received(x):
 class SharedFiles:
     """Objects handed to workers on this machine through files in a directory of shared memory
     (``/dev/shm`` where there is one, else the temporary directory), removed with
-    :meth:`close`."""
+    :meth:`close`. A worker that dies loses nothing of them."""
+
+    lost_with_workers = False
 
     def __init__(self, directory: str | None = None):
         if directory is None and os.access("/dev/shm", os.W_OK):
@@ -104,7 +116,9 @@ class SharedFiles:
 class Broadcast:
     """Objects sent to every worker by Dask (``Client.scatter(..., broadcast=True)``): for
     workers that may be on other machines, and for the in-process drive, whose client keeps
-    the object itself."""
+    the object itself. The copies die with the workers holding them."""
+
+    lost_with_workers = True
 
     def __init__(self, client):
         self.client = client

@@ -19,6 +19,7 @@ import numpy as np
 
 from .captures import storage_kind, to_storage
 from .errors import GoldenError
+from .handover import HandoverGone
 from .tiles import CacheRows, LayerWork, run_tile
 from .work import work_units
 
@@ -138,7 +139,7 @@ class Queries:
             a = self.keys_of.pop(fut.key)
             try:
                 first_row, rows, (at, samples), seconds = fut.result()
-            except CancelledError as e:
+            except (CancelledError, HandoverGone) as e:
                 self._lost_tile(e, i, a, rows_of[a], retries)
                 tiles.add(self.submit(i, a, rows_of[a]))
                 continue
@@ -170,9 +171,10 @@ class Queries:
             self.handover.drop(self.cache_rows.pop(key)[1])
 
     def _lost_tile(self, error, i: int, a: int, n: int, retries: dict) -> None:
-        """Layer i's tile at rows ``a ..`` was cancelled. With the scheduler still there, what
-        it read was lost with the workers that held it (every copy of the broadcast work, or a
-        source tile's selection): those are sent or made again for a retry (three at most). Otherwise
+        """Layer i's tile at rows ``a ..`` was cancelled, or a source tile Dask ran again for
+        it found its layer's shared files removed. With the scheduler still there, what it read
+        was lost with the workers that held it (every copy of the broadcast work, or a source
+        tile's selection): those are sent or made again for a retry (three at most). Otherwise
         the scheduler went away: ``error`` is raised for the run to stop."""
         if self.client.status != "running":
             raise error
@@ -180,7 +182,8 @@ class Queries:
         if retries[a] > 3:
             raise GoldenError(f"layer {i} rows {a}-{a + n - 1}: the workers lost what the tile "
                               f"reads three times over; giving up") from None
-        self._drop(lambda key: True)
+        if self.handover.lost_with_workers:
+            self._drop(lambda key: True)
         self.selections = {k: f for k, f in self.selections.items()
                            if f.status not in ("cancelled", "error", "lost")}
 
