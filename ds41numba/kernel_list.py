@@ -5,7 +5,8 @@ runs the default golden (``ds41numba golden``) on every tier this CPU has, at on
 eight (the tiny golden calls the same kernels at both today; a kernel chosen by thread count
 would show here), each in a fresh process on an empty numba cache and then again on the cache
 it filled; it notes each kernel Python called with argument types it had no code for, and how
-long that took, and rewrites the list. A developer's step after a kernel's arguments change,
+long that took, and rewrites the list (the lines of a tier this CPU lacks are kept as they
+were: they need a CPU with it). A developer's step after a kernel's arguments change,
 which the test suite asks for by failing (``tests/test_compile_ahead.py``).
 """
 
@@ -23,7 +24,7 @@ from numba.core import types
 from numba.core.dispatcher import Dispatcher
 
 from . import cli
-from .compile_ahead import ANY_TIER, KERNELS
+from .compile_ahead import ANY_TIER, KERNELS, read_kernels
 from .numerics import BACKENDS, backend, use_backend
 
 __all__ = ["signature_spelling", "spelling", "traced_kernels"]
@@ -103,7 +104,8 @@ def traced_kernels(tier: str, threads: int) -> set[tuple[str, str]]:
 
 
 def _record(path: Path) -> None:
-    """Rewrite the list from the default golden's runs on every tier this CPU has."""
+    """Rewrite the list from the default golden's runs on every tier this CPU has (the lines
+    of a tier it lacks are kept)."""
     available = BACKENDS[BACKENDS.index(backend()):]     # the tiers nest
     seen: dict[str, dict[tuple[str, str], float]] = {}
     for tier in available:
@@ -117,7 +119,12 @@ def _record(path: Path) -> None:
                     seen[tier][name, sig] = max(seconds, seen[tier].get((name, sig), 0.0))
             print(f"{tier} at {threads} threads: {len(seen[tier])} kernels", file=sys.stderr)
     everywhere = set.intersection(*(set(calls) for calls in seen.values()))
-    rows: dict[tuple[str, str, str], float] = {}
+    # A tier this CPU lacks cannot be traced here: its lines stay as the list had them.
+    rows: dict[tuple[str, str, str], float] = {
+        (k.tier, k.name, k.signature): k.seconds
+        for k in (read_kernels(path) if path.exists() else [])
+        if k.tier not in (ANY_TIER, *available)}
+    kept = sorted({tier for tier, _, _ in rows}, key=BACKENDS.index)
     for tier, calls in seen.items():
         for (name, sig), seconds in calls.items():
             row = (ANY_TIER if (name, sig) in everywhere else tier, name, sig)
@@ -126,6 +133,8 @@ def _record(path: Path) -> None:
              "# ds41numba/compile_ahead.py: tier ('*': every tier), compile seconds, module:qualname,",
              "# argument types. Written by `python -m ds41numba.kernel_list` on a CPU with the",
              f"# tiers {', '.join(available)}."]
+    if kept:
+        lines.append(f"# The lines of {', '.join(kept)} are kept from an earlier list (a CPU with them).")
     lines += [f"{tier} {rows[tier, name, sig]:.2f} {name} {sig}" for tier, name, sig in sorted(rows)]
     path.write_text("\n".join(lines) + "\n")
 
