@@ -3,15 +3,18 @@
 :mod:`.compile_ahead` reads the list; this module writes it. ``python -m ds41numba.kernel_list``
 runs the default golden (``ds41numba golden``) on every tier this CPU has, at one thread and at
 eight (the tiny golden calls the same kernels at both today; a kernel chosen by thread count
-would show here), each in a fresh process on an empty numba cache and then again on the cache
-it filled; it notes each kernel Python called with argument types it had no code for, and how
-long that took, and rewrites the list (the lines of a tier this CPU lacks are kept as they
-were: they need a CPU with it). A developer's step after a kernel's arguments change,
-which the test suite asks for by failing (``tests/test_compile_ahead.py``).
+would show here), with the bf16 products on this CPU's choice of ``vdpbf16ps`` or its FMA twin
+and on the other (:func:`.numerics.fma_faster`), each in a fresh process on an empty numba
+cache and then again on the cache it filled; it notes each kernel Python called with argument
+types it had no code for, and how long that took, and rewrites the list (the lines of a tier
+this CPU lacks are kept as they were: they need a CPU with it). A developer's step after a
+kernel's arguments change, which the test suite asks for by failing
+(``tests/test_compile_ahead.py``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -25,7 +28,7 @@ from numba.core.dispatcher import Dispatcher
 
 from . import cli
 from .compile_ahead import ANY_TIER, KERNELS, read_kernels
-from .numerics import BACKENDS, backend, use_backend
+from .numerics import BACKENDS, backend, fma_faster, use_backend
 
 __all__ = ["signature_spelling", "spelling", "traced_kernels"]
 
@@ -83,11 +86,13 @@ def _trace(tier: str, argv: list[str]) -> None:
         print(json.dumps(call))
 
 
-def _traced_calls(tier: str, threads: int, cache: str | None) -> list[tuple]:
+def _traced_calls(tier: str, threads: int, cache: str | None, fma: str | None = None) -> list[tuple]:
     """``(name, signature, seconds)`` of the kernels the default golden calls on ``tier`` with
     ``threads`` threads, in a fresh process (``cache``: its numba cache directory; None: the
-    usual one)."""
+    usual one; ``fma``: ``DS41NUMBA_BF16_FMA`` for it, None: this CPU's own choice)."""
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), DS41NUMBA_COMPILE_AHEAD="0")
+    if fma is not None:
+        env["DS41NUMBA_BF16_FMA"] = fma
     if cache is not None:
         env["NUMBA_CACHE_DIR"] = cache
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,6 +108,16 @@ def traced_kernels(tier: str, threads: int) -> set[tuple[str, str]]:
     return {(name, sig) for name, sig, _ in _traced_calls(tier, threads, None)}
 
 
+def _bf16_choices(tier: str) -> tuple:
+    """``DS41NUMBA_BF16_FMA`` for each trace on ``tier``: where vdpbf16ps runs, the bf16
+    products' operand depends on which of it and its FMA twin this CPU runs faster
+    (:func:`.numerics.fma_faster`, a measurement with kernels of its own), so this CPU's own
+    choice (None) is traced and the other one forced."""
+    if BACKENDS.index(tier) > BACKENDS.index("avx512bf16"):
+        return (None,)
+    return (None, "0" if fma_faster() else "1")
+
+
 def _record(path: Path) -> None:
     """Rewrite the list from the default golden's runs on every tier this CPU has (the lines
     of a tier it lacks are kept)."""
@@ -110,14 +125,15 @@ def _record(path: Path) -> None:
     seen: dict[str, dict[tuple[str, str], float]] = {}
     for tier in available:
         seen[tier] = {}
-        for threads in _THREADS:
+        for threads, fma in itertools.product(_THREADS, _bf16_choices(tier)):
             with tempfile.TemporaryDirectory() as cache:
                 # Cold, then warm: a function a kernel compiled along with it on the cold run is
                 # one Python calls (and numba loads) on a warm one.
-                for name, sig, seconds in (_traced_calls(tier, threads, cache)
-                                           + _traced_calls(tier, threads, cache)):
+                for name, sig, seconds in (_traced_calls(tier, threads, cache, fma)
+                                           + _traced_calls(tier, threads, cache, fma)):
                     seen[tier][name, sig] = max(seconds, seen[tier].get((name, sig), 0.0))
-            print(f"{tier} at {threads} threads: {len(seen[tier])} kernels", file=sys.stderr)
+            print(f"{tier} at {threads} threads (bf16 FMA: {fma or 'own choice'}): "
+                  f"{len(seen[tier])} kernels", file=sys.stderr)
     everywhere = set.intersection(*(set(calls) for calls in seen.values()))
     # A tier this CPU lacks cannot be traced here: its lines stay as the list had them.
     rows: dict[tuple[str, str, str], float] = {
