@@ -59,6 +59,16 @@ def test_two_workers_write_the_one_process_file(tmp_path, cluster, reference, ch
     assert os.listdir(tmp_path) == ["c.safetensors"]       # no partial file or checkpoint left
 
 
+def test_a_prefill_shorter_than_a_ratio_on_two_workers(tmp_path, cluster):
+    """10 tokens and a sampled row: the ratio-16 layers have no compressed rows yet (nothing
+    scored, no index keys sampled; their shared files hold no bytes); both runs write, the
+    cluster's file is the one process's."""
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    write_golden(_plan(prefill=10, decode=1, rows=(3,)), one)
+    write_golden(_plan(prefill=10, decode=1, rows=(3,)), two, cluster=cluster)
+    assert sha(two) == sha(one)
+
+
 def test_ties_profile_on_two_workers(tmp_path, cluster):
     """Tie-heavy scores, NaN and inf rows (the candidate source and its consumers included)."""
     plan = _plan("tiny", prefill=40, decode=6, rows=(3, 39, 44), profile="ties")

@@ -93,6 +93,19 @@ def test_objects_without_arrays_and_what_is_not_a_handle(tmp_path):
     assert received(5) == 5 and received(None) is None
 
 
+def test_an_object_of_empty_arrays_only_loads(tmp_path):
+    """A cache of no rows yet (a ratio-128 layer before its first 128 tokens): its file holds
+    no bytes, which cannot be mapped."""
+    files = SharedFiles(str(tmp_path))
+    sent = {"kv": np.empty((0, 512), np.float32), "idx": np.empty(0, np.int64)}
+    got = files.send(sent).load()
+    assert got.keys() == sent.keys()
+    for name, a in sent.items():
+        assert got[name].shape == a.shape and got[name].dtype == a.dtype
+        assert got[name].flags.writeable
+    files.close()
+
+
 def test_the_broadcast_scatters_to_every_worker():
     class Client:
         def scatter(self, obj, broadcast, hash):

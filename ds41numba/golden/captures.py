@@ -132,7 +132,8 @@ def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str,
         got.update(observer.captures())
         if observer.sampling and r:
             got["sample.compress_kv"] = shared.compress_kv[: end_pos // r]
-            if c.is_index_source(layer_id) and shared.index_k is not None:
+            # As the layout: no index keys where nothing was scored yet (end_pos < r).
+            if c.is_index_source(layer_id) and shared.index_k is not None and end_pos // r:
                 got["sample.index_k"] = shared.index_k.keys[: end_pos // r]
     return {k: got[k] for k in wanted if k in got}
 

@@ -60,7 +60,9 @@ class SharedObject:
         if self.spans:
             try:
                 with open(self.path, "rb") as f:
-                    view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+                    # A file of empty arrays only (a cache of no rows yet) cannot be mapped.
+                    view = (memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+                            if os.fstat(f.fileno()).st_size else memoryview(bytearray()))
             except FileNotFoundError:
                 raise HandoverGone(self.path) from None
             views = [view[at:at + n] for at, n in self.spans]
