@@ -85,6 +85,13 @@ def _records_shared(config: AttnConfig, layer_id: int) -> bool:
 records_shared = _records_shared
 
 
+def index_sampled(config: AttnConfig, layer_id: int, end_pos: int) -> bool:
+    """Whether a sampled step ending at ``end_pos`` records what the layer's indexer scored
+    (``sample.index_*``): an index source, once it has a compressed row to score."""
+    r = config.ratio(layer_id)
+    return r > 0 and config.is_index_source(layer_id) and end_pos // r > 0
+
+
 def forward_capture(mode: str) -> bool:
     """``io`` runs the forward without capture: its q and o would be [seqlen, H, hd] each."""
     return mode == "all"
@@ -132,8 +139,7 @@ def layer_captures(stack, layer_id: int, run, start_pos: int, mode: str,
         got.update(observer.captures())
         if observer.sampling and r:
             got["sample.compress_kv"] = shared.compress_kv[: end_pos // r]
-            # As the layout: no index keys where nothing was scored yet (end_pos < r).
-            if c.is_index_source(layer_id) and shared.index_k is not None and end_pos // r:
+            if index_sampled(c, layer_id, end_pos) and shared.index_k is not None:
                 got["sample.index_k"] = shared.index_k.keys[: end_pos // r]
     return {k: got[k] for k in wanted if k in got}
 

@@ -7,8 +7,8 @@ import numpy as np
 
 from ..config import AttnConfig
 from ..stack import weight_specs
-from .captures import (RUNNERS_UP, STREAMED_MODES, WEIGHT_NAME, cache_layout, records_shared,
-                       storage_kind)
+from .captures import (RUNNERS_UP, STREAMED_MODES, WEIGHT_NAME, cache_layout, index_sampled,
+                       records_shared, storage_kind)
 from .plan import GoldenPlan
 
 __all__ = ["io_layout"]
@@ -90,7 +90,7 @@ def _layer_layout(plan: GoldenPlan, step, i: int, slot, index_source: bool, copi
     samples = np.asarray(plan.capture_rows, np.int64)
     ns = int(((samples >= start_pos) & (samples < end)).sum())
     if ns:
-        layout += _samples_layout(c, pre, r, ns, nwin + ncomp, end, index_source)
+        layout += _samples_layout(c, pre, r, ns, nwin + ncomp, end, index_sampled(c, i, end))
     if s == 0 and plan.capture == "caches":
         layout += cache_layout(c, i, plan.prefill)
     return layout
@@ -113,11 +113,11 @@ def _shared_layout(plan: GoldenPlan, s: int, pre: str, held: int, slot, copies) 
 
 
 def _samples_layout(c: AttnConfig, pre: str, r: int, ns: int, kv_rows: int, end: int,
-                    index_source: bool) -> list:
+                    scored: bool) -> list:
     """The ``sample.*`` captures of a layer (ratio ``r``) at a step holding ``ns`` sampled
-    positions and ending at position ``end``; ``kv_rows``: the rows each query attends."""
+    positions and ending at position ``end``; ``kv_rows``: the rows each query attends;
+    ``scored``: it records what the indexer scored (:func:`~.captures.index_sampled`)."""
     hd, H = c.head_dim, c.n_heads
-    scored = index_source and end // r > 0
     width = end // r if r else 0
     layout = [(pre + "sample.rows", "I32", (ns,)), (pre + "sample.q", "BF16", (ns, H, hd)),
               (pre + "sample.kv", "BF16", (ns, kv_rows, hd)),
