@@ -4,15 +4,17 @@ One command prints, for the kernels and the production layers (v41-flash layers 
 useful GFLOP/s (see ``benchmarks/common.py`` for what counts) next to numpy's f32 matrix-product
 rate measured in the same process, the decode step's time next to numpy's time for that layer's
 projection matrix-vector products alone (f32 weights, one row), and peak RSS. It ends with the
-ratios the project quotes, against issue 14's targets:
+ratios the project quotes, against issue 30's targets (those of issue 14 before it: the index
+scores alone >= 3.0, prefill >= 1.8 at 65,536, decode <= 1.1 / 1.2):
 
-* ``indexer_scores_tile``: useful FLOP/s / numpy matmul FLOP/s                  (target >= 3.0)
+* ``indexer_tile`` (the whole tile as a layer runs it): useful FLOP/s / numpy matmul FLOP/s
+  (target >= 1.5)
 * prefill of layer 20 at 4,096 tokens: useful FLOP/s / numpy matmul FLOP/s   (target >= 1.5)
-* prefill of layer 20 at 65,536 tokens (``--long 65536``): the same ratio (target >= 1.8),
+* prefill of layer 20 at 65,536 tokens (``--long 65536``): the same ratio (target >= 1.75),
   and it completes with peak RSS <= 6 GB
 * decode step / its weight-reading floor (the layer's weights as held, 2 bytes a bf16
   parameter, read once at the bandwidth numpy's matvec pass reaches in the same process):
-  target <= 1.1 at 4,096 context, <= 1.2 at 65,536
+  target <= 1.15 at 4,096 and at 65,536 context
 
 The decode table also shows the step against numpy's own projection matvecs (f32 weights).
 
@@ -50,12 +52,13 @@ import numpy as np
 
 from . import common
 
-#: Issue 14's targets: useful FLOP/s over numpy's f32 matmul rate (the index scores kernel, and
+#: Issue 30's targets: useful FLOP/s over numpy's f32 matmul rate (the indexer's whole tile, and
 #: layer 20's prefill at these lengths), and a decode step against the time it takes just to
 #: read the layer's weights once.
-TARGET_SCORES_RATIO = 3.0
-TARGET_PREFILL_RATIO = {4096: 1.5, 65536: 1.8}
-TARGET_DECODE_FLOOR = {4096: 1.1, 65536: 1.2}
+TARGET_INDEXER_CASE = "indexer_tile"
+TARGET_INDEXER_RATIO = 1.5
+TARGET_PREFILL_RATIO = {4096: 1.5, 65536: 1.75}
+TARGET_DECODE_FLOOR = {4096: 1.15, 65536: 1.15}
 TARGET_LONG_PEAK = 6 * 1024 ** 3
 TARGET_PREFILL_TOKENS = 4096
 TARGET_LONG_TOKENS = 65536
@@ -291,11 +294,11 @@ def summarise(kernels, layer_runs, parent_mm) -> dict:
             k["vs_matmul"] = k["gflops"] / mm_parent if k["gflops"] else None
             k["gelem_per_s"] = k["elements"] / k["seconds"] / 1e9
     prefill, decode, targets = [], [], {}
-    scores = next((k for k in kernels if k.get("name") == "indexer_scores_tile" and k.get("vs_matmul")),
-                  None)
-    if scores:
-        targets["indexer_scores_tile"] = {"ratio": scores["vs_matmul"], "target": TARGET_SCORES_RATIO,
-                                          "met": scores["vs_matmul"] >= TARGET_SCORES_RATIO}
+    tile = next((k for k in kernels if k.get("name") == TARGET_INDEXER_CASE and k.get("vs_matmul")),
+                None)
+    if tile:
+        targets[TARGET_INDEXER_CASE] = {"ratio": tile["vs_matmul"], "target": TARGET_INDEXER_RATIO,
+                                        "met": tile["vs_matmul"] >= TARGET_INDEXER_RATIO}
     for run in layer_runs:
         j = run["job"]
         r = run.get("result")
@@ -436,8 +439,8 @@ def print_text(s: dict, meta: dict):
     def verdict(ok):
         return "MET" if ok else "NOT MET"
 
-    k = t.get("indexer_scores_tile")
-    w("  indexer_scores_tile: useful FLOP/s / numpy matmul = "
+    k = t.get(TARGET_INDEXER_CASE)
+    w(f"  {TARGET_INDEXER_CASE}: useful FLOP/s / numpy matmul = "
       + (f"{k['ratio']:.3f}  (target >= {k['target']})  {verdict(k['met'])}" if k
          else "not measured (--no-kernels)"))
     p = t.get("prefill_4096")
