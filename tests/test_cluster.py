@@ -322,7 +322,8 @@ def test_attention_rows_refuses_what_it_cannot_answer():
                                                                  np.float32)), x, 0, 40)
 
 
-def test_refusals(tmp_path, capsys, cluster):
+def test_refusals(tmp_path, capsys, cluster, monkeypatch):
+    monkeypatch.setattr(Cluster, "connect_timeout", 1.0)     # the unreachable address below
     with pytest.raises(GoldenError, match="only a streamed run"):
         write_golden(dataclasses.replace(_plan(), capture="all"), tmp_path / "a.safetensors",
                      cluster=cluster)

@@ -105,10 +105,13 @@ class Cluster:
     the run, not after its key side."""
 
     schedule = SCHEDULE
+    #: Seconds to keep trying a scheduler's address (Dask retries a refused connection).
+    connect_timeout = 10.0
 
     def __init__(self, scheduler: str | None = None, workers: int | None = None,
-                 timeout: float = 10.0, workers_timeout: float = 120.0,
+                 timeout: float | None = None, workers_timeout: float = 120.0,
                  background: bool = False):
+        timeout = self.connect_timeout if timeout is None else timeout
         if (scheduler is None) == (workers is None):
             raise GoldenError("give either --workers N or --scheduler ADDRESS")
         try:
