@@ -428,14 +428,36 @@ class SharedInput:
             return outs[self.members.index(member)]
 
 
+# The A operand's buffer, kept per thread between products up to this size: a fresh array of a
+# prefill's size is mapped anew by the allocator and its first writes fault every page in (0.6 s
+# of a 4,096-token prefill of layer 20 on a Zen 4, against 0.055 s for the conversion itself).
+_OPERAND_KEPT_BYTES = 64 << 20
+_operand = threading.local()
+
+
+def _operand_buffer(rows: int, cols: int) -> np.ndarray:
+    """A uint32 ``[rows, cols]`` scratch array for this thread's next product (its contents
+    whatever the last product left): the kept buffer when it is large enough, else a new one
+    (kept if at most ``_OPERAND_KEPT_BYTES``)."""
+    size = rows * cols
+    buf = getattr(_operand, "buf", None)
+    if buf is None or buf.size < size:
+        buf = np.empty(size, np.uint32)
+        if buf.nbytes <= _OPERAND_KEPT_BYTES:
+            _operand.buf = buf
+    return buf[:size].reshape(rows, cols)
+
+
 def _pairs_operand(chunk, rows):
     """``vdpbf16ps``'s A operand for ``chunk`` (bf16 values as pairs, padded to ``rows`` rows), or
-    None when the chunk does not hold bf16 values."""
+    None when the chunk does not hold bf16 values. It lies in this thread's scratch buffer: valid
+    until the thread's next call."""
     n = chunk.shape[0]
     if chunk.dtype.name == "bfloat16":          # already pairs of bf16, in memory order
         a = np.ascontiguousarray(chunk).view(np.uint32)
         return a if rows == n else np.concatenate([a, np.zeros((rows - n, a.shape[1]), np.uint32)])
-    a = (np.zeros if rows != n else np.empty)((rows, chunk.shape[1] // 2), np.uint32)
+    a = _operand_buffer(rows, chunk.shape[1] // 2)
+    a[n:] = 0
     try:
         bf16_pairs(np.ascontiguousarray(chunk, np.float32), out=a[:n])
     except ValueError:
