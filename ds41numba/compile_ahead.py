@@ -11,6 +11,10 @@ them in a second. A kernel the list misses, or whose code changed since it was r
 compiled by the run itself as before, so a stale list costs time, never a result; the test
 suite checks the list against what the default golden calls.
 
+The test suite compiles ahead too, more than a golden does: the list's kernels of every tier
+this CPU has (the tests run each tier) and those of ``tests/kernels.txt``, the kernels only
+tests call (:func:`compile_ahead` with ``every_tier`` and ``extra``).
+
 :func:`load_cached` loads the listed kernels the cache holds into a process before it calls them
 (a cluster's workers, while the driver runs the key side).
 
@@ -32,7 +36,7 @@ from pathlib import Path
 from numba.core import config as numba_config, sigutils
 from numba.core.dispatcher import Dispatcher
 
-from .numerics import backend
+from .numerics import BACKENDS, backend
 
 __all__ = ["ANY_TIER", "KERNELS", "Kernel", "compile_ahead", "load_cached", "read_kernels"]
 
@@ -80,22 +84,33 @@ def _cached(kernel: Kernel) -> bool:
     return key in cache._cache_file._load_index()
 
 
-def _listed(tier: str, cached: bool) -> list[Kernel]:
-    """The list's kernels for ``tier`` that numba's cache holds (``cached``) or lacks (a stale
+def _read(tiers: tuple[str, ...], lists: tuple[Path, ...] = ()) -> list[Kernel]:
+    """The kernels of ``kernels.txt`` and of ``lists`` (more list files) called on any of
+    ``tiers``, each kernel and signature once (a kernel several tiers call alike)."""
+    seen: dict[tuple[str, str], Kernel] = {}
+    for path in (KERNELS, *lists):
+        for k in read_kernels(path):
+            if k.tier in (ANY_TIER, *tiers):
+                seen.setdefault((k.name, k.signature), k)
+    return list(seen.values())
+
+
+def _listed(tiers: tuple[str, ...], cached: bool, lists: tuple[Path, ...] = ()) -> list[Kernel]:
+    """The listed kernels of ``tiers`` that numba's cache holds (``cached``) or lacks (a stale
     line, naming a kernel that is gone or types that do not read, is left out: the run compiles
     what it calls)."""
     chosen = []
-    for k in read_kernels():
+    for k in _read(tiers, lists):
         try:
-            if k.tier in (ANY_TIER, tier) and _cached(k) == cached:
+            if _cached(k) == cached:
                 chosen.append(k)
         except Exception:
             continue
     return chosen
 
 
-def _missing(tier: str) -> list[Kernel]:
-    return _listed(tier, cached=False)
+def _missing(tiers: tuple[str, ...], lists: tuple[Path, ...] = ()) -> list[Kernel]:
+    return _listed(tiers, cached=False, lists=lists)
 
 
 def load_cached() -> int:
@@ -105,7 +120,7 @@ def load_cached() -> int:
     if not _enabled():
         return 0
     loaded = 0
-    for k in _listed(backend(), cached=True):
+    for k in _listed((backend(),), cached=True):
         try:
             k.dispatcher().compile(k.argtypes())
             loaded += 1
@@ -129,11 +144,11 @@ def _shares(kernels: list[Kernel], n: int) -> list[list[str]]:
     return [s for s in shares if s]
 
 
-def _compile(names: list[str], tier: str) -> None:
-    """Compile (into numba's cache) the list's kernels named, on ``tier``."""
+def _compile(names: list[str], tiers: tuple[str, ...], lists: tuple[Path, ...] = ()) -> None:
+    """Compile (into numba's cache) the listed kernels named, as ``tiers`` call them."""
     chosen = set(names)
-    for k in read_kernels():
-        if k.name in chosen and k.tier in (ANY_TIER, tier):
+    for k in _read(tiers, lists):
+        if k.name in chosen:
             try:
                 k.dispatcher().compile(k.argtypes())
             except Exception:       # a stale line (a kernel renamed or retyped): the run compiles
@@ -151,14 +166,19 @@ def _cores() -> int:
     return max(1, min(cores or 1, numba_config.NUMBA_NUM_THREADS))
 
 
-def compile_ahead(quiet: bool = False) -> int:
+def compile_ahead(quiet: bool = False, every_tier: bool = False, extra: tuple[Path, ...] = ()) -> int:
     """Compile the kernels a run calls that numba's cache lacks, in parallel processes (one per
     core this process may use), and say so on stderr unless ``quiet``. Returns how many kernels
-    were compiled: 0 on a warm cache, where it costs a few milliseconds."""
+    were compiled: 0 on a warm cache, where it costs a few milliseconds.
+
+    A run calls the kernels of this CPU's tier; with ``every_tier``, those of every tier it has
+    (the tiers nest: this CPU's and every one after it in :data:`.numerics.BACKENDS`), as the
+    test suite does. ``extra``: more list files, in the format of ``kernels.txt``."""
     if not _enabled():
         return 0
-    tier = backend()
-    missing = _missing(tier)
+    tiers = tuple(BACKENDS[BACKENDS.index(backend()):]) if every_tier else (backend(),)
+    lists = tuple(Path(p) for p in extra if Path(p).exists())
+    missing = _missing(tiers, lists)
     if not missing:
         return 0
     shares = _shares(missing, _cores())
@@ -167,10 +187,11 @@ def compile_ahead(quiet: bool = False) -> int:
               f"process{'es' if len(shares) > 1 else ''} (once; later runs load them)...",
               file=sys.stderr, flush=True)
     start = time.perf_counter()
-    children = [subprocess.Popen([sys.executable, "-m", _MODULE, "--tier", tier, *share],
+    options = ["--tiers", ",".join(tiers)] + (["--lists", ",".join(map(str, lists))] if lists else [])
+    children = [subprocess.Popen([sys.executable, "-m", _MODULE, *options, *share],
                                  stdout=subprocess.DEVNULL)
                 for share in shares[1:]]
-    _compile(shares[0], tier)
+    _compile(shares[0], tiers, lists)
     for child in children:
         child.wait()        # a failed child leaves its kernels to the run: slower, never wrong
     if not quiet:
@@ -181,10 +202,14 @@ def compile_ahead(quiet: bool = False) -> int:
 def _main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog=f"python -m {_MODULE}",
                                 description="Compile the named kernels of the list into numba's cache.")
-    p.add_argument("--tier", help="the tier to compile them for (default: this CPU's)")
+    p.add_argument("--tiers", help="the tiers, comma-separated, whose calls to compile "
+                                   "(default: this CPU's)")
+    p.add_argument("--lists", help="more list files than kernels.txt, comma-separated")
     p.add_argument("names", nargs="+", help="module:qualname of the kernels to compile")
     args = p.parse_args(argv)
-    _compile(args.names, args.tier or backend())
+    tiers = tuple(args.tiers.split(",")) if args.tiers else (backend(),)
+    lists = tuple(Path(p) for p in args.lists.split(",")) if args.lists else ()
+    _compile(args.names, tiers, lists)
 
 
 if __name__ == "__main__":

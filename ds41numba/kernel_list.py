@@ -10,10 +10,17 @@ types it had no code for, and how long that took, and rewrites the list (the lin
 this CPU lacks are kept as they were: they need a CPU with it). A developer's step after a
 kernel's arguments change, which the test suite asks for by failing
 (``tests/test_compile_ahead.py``).
+
+``python -m ds41numba.kernel_list --suite`` writes the test suite's own list
+(``tests/kernels.txt``, :data:`SUITE_KERNELS`): it runs the suite on an empty numba cache with
+compiling ahead off and notes, with the tier each was first called on, the kernels the tests call
+that the golden's list lacks (a direct test of a kernel on types no run gives it). The suite
+compiles both lists ahead at its start (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -21,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from numba.core import types
@@ -30,10 +38,15 @@ from . import cli
 from .compile_ahead import ANY_TIER, KERNELS, read_kernels
 from .numerics import BACKENDS, backend, fma_faster, use_backend
 
-__all__ = ["signature_spelling", "spelling", "traced_kernels"]
+__all__ = ["SUITE_KERNELS", "TRACE_ENV", "signature_spelling", "spelling", "traced_kernels",
+           "tracing"]
 
 _MODULE = "ds41numba.kernel_list"       # run as `python -m` (then __name__ is "__main__")
 _THREADS = (1, 8)
+#: The test suite's list: the kernels tests call that no default golden does.
+SUITE_KERNELS = Path(__file__).resolve().parents[1] / "tests" / "kernels.txt"
+#: Set to a file name, the test suite writes there the kernels it called (``tests/conftest.py``).
+TRACE_ENV = "DS41NUMBA_TRACE_KERNELS"
 
 
 def spelling(t) -> str:
@@ -58,10 +71,12 @@ def signature_spelling(argtypes) -> str:
     return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
 
 
-def _trace(tier: str, argv: list[str]) -> None:
-    """Run ``ds41numba ARGV`` on ``tier`` and print, a JSON line each, the kernels Python called
-    with types they had no code for (compiled, or loaded from the cache) and the seconds each took."""
-    calls = []
+@contextlib.contextmanager
+def tracing(calls: list, strict: bool = True) -> Iterator[list]:
+    """Inside, each ds41numba kernel Python calls with types it had no code for (compiled, or
+    loaded from the cache) appends ``(name, signature, seconds, tier)`` to ``calls``. With
+    ``strict`` False a kernel whose types have no spelling (a read-only or strided array) is
+    passed over, not an error."""
     inner = Dispatcher._compile_for_args
 
     def noting(self, *args, **kws):
@@ -72,18 +87,29 @@ def _trace(tier: str, argv: list[str]) -> None:
         finally:
             name = f"{self.py_func.__module__}:{self.py_func.__qualname__}"
             for sig in set(self.signatures) - before:
-                if name.startswith("ds41numba"):
-                    calls.append((name, signature_spelling(sig),
-                                  time.perf_counter() - start))
+                if not name.startswith("ds41numba"):
+                    continue
+                try:
+                    calls.append((name, signature_spelling(sig), time.perf_counter() - start,
+                                  backend()))
+                except ValueError:
+                    if strict:
+                        raise
 
     Dispatcher._compile_for_args = noting
     try:
-        with use_backend(tier):
-            cli.main(argv)
+        yield calls
     finally:
         Dispatcher._compile_for_args = inner
-    for call in calls:
-        print(json.dumps(call))
+
+
+def _trace(tier: str, argv: list[str]) -> None:
+    """Run ``ds41numba ARGV`` on ``tier`` and print, a JSON line each, the kernels Python called
+    with types they had no code for and the seconds each took (:func:`tracing`)."""
+    with tracing([]) as calls, use_backend(tier):
+        cli.main(argv)
+    for name, sig, seconds, _ in calls:
+        print(json.dumps((name, sig, seconds)))
 
 
 def _traced_calls(tier: str, threads: int, cache: str | None, fma: str | None = None) -> list[tuple]:
@@ -155,10 +181,43 @@ def _record(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _record_suite(path: Path) -> None:
+    """Write the test suite's list: run the suite (a fresh process, an empty numba cache,
+    compiling ahead off) and keep the kernels it calls that the golden's list lacks, each with
+    the tier it was first called on and its compile seconds."""
+    golden = {(k.name, k.signature) for k in read_kernels()}
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "calls.jsonl"
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(Path(tmp) / "cache"),
+                   DS41NUMBA_COMPILE_AHEAD="0", **{TRACE_ENV: str(trace)})
+        status = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                 str(path.parent)], env=env, cwd=path.parent.parent).returncode
+        calls = [json.loads(line) for line in trace.read_text().splitlines()]
+    if status:
+        print(f"the suite exited with status {status}: the list holds what the tests that ran "
+              "called", file=sys.stderr)
+    rows: dict[tuple[str, str], tuple[str, float]] = {}
+    for name, sig, seconds, tier in calls:
+        if (name, sig) not in golden and (name, sig) not in rows:
+            rows[name, sig] = (tier, seconds)
+    lines = ["# The kernels the test suite calls from Python that ds41numba/kernels.txt lacks, compiled",
+             "# ahead at the suite's start (tests/conftest.py): the tier first called on, compile",
+             "# seconds, module:qualname, argument types. Written by",
+             "# `python -m ds41numba.kernel_list --suite`."]
+    lines += [f"{tier} {seconds:.2f} {name} {sig}"
+              for (name, sig), (tier, seconds) in sorted(rows.items())]
+    path.write_text("\n".join(lines) + "\n")
+    print(f"{path}: {len(rows)} kernels, {sum(s for _, s in rows.values()):.0f} s to compile",
+          file=sys.stderr)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--trace"]:
         _trace(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:] == ["--suite"]:
+        _record_suite(SUITE_KERNELS)
     elif sys.argv[1:]:
-        sys.exit(f"usage: python -m {_MODULE}   (rewrites {KERNELS})")
+        sys.exit(f"usage: python -m {_MODULE} [--suite]   (rewrites {KERNELS}; "
+                 f"with --suite, {SUITE_KERNELS})")
     else:
         _record(KERNELS)

@@ -2,20 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
+from ds41numba import kernel_list
 from ds41numba.compile_ahead import compile_ahead
 from ds41numba.golden import RunInfo, load_golden
 from helpers import DATA, LINEAR_CASES
 
+_tracing = contextlib.ExitStack()
+
+
+def pytest_configure(config):
+    """With ``DS41NUMBA_TRACE_KERNELS=FILE`` set (``python -m ds41numba.kernel_list --suite``),
+    the kernels the tests call are noted and written to FILE at the end, a JSON line each."""
+    if os.environ.get(kernel_list.TRACE_ENV):
+        config._kernel_calls = _tracing.enter_context(kernel_list.tracing([], strict=False))
+
+
+def pytest_unconfigure(config):
+    _tracing.close()
+    calls = getattr(config, "_kernel_calls", None)
+    if calls is not None:
+        with open(os.environ[kernel_list.TRACE_ENV], "w") as f:
+            f.writelines(json.dumps(call) + "\n" for call in calls)
+
 
 def pytest_sessionstart(session):
-    """On a cold numba cache (a fresh CI machine) the default golden's kernels compile on every
-    core first; the tests load them instead of compiling them one after another."""
-    compile_ahead()
+    """On a cold numba cache (a fresh CI machine) the kernels the tests call compile on every
+    core first, those of the default golden on every tier this CPU has and those only tests call
+    (``tests/kernels.txt``); the tests load them instead of compiling them one after another."""
+    compile_ahead(every_tier=True, extra=(kernel_list.SUITE_KERNELS,))
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,10 @@ def test_shares_keep_a_kernel_whole_and_balance_the_seconds():
     assert ahead._shares(kernels, 8) == [["m:a"], ["m:b"], ["m:c"], ["m:d"], ["m:e"]]
 
 
-def test_the_list_reads_and_names_kernels_that_exist():
-    kernels = ahead.read_kernels()
-    assert len(kernels) >= 20
+@pytest.mark.parametrize("path", [ahead.KERNELS, kernel_list.SUITE_KERNELS], ids=["golden", "suite"])
+def test_the_list_reads_and_names_kernels_that_exist(path):
+    kernels = ahead.read_kernels(path)
+    assert len(kernels) >= 10
     for k in kernels:
         assert k.tier == "*" or k.tier in BACKENDS
         assert isinstance(k.dispatcher(), numba.core.registry.CPUDispatcher), k.name
@@ -82,7 +83,7 @@ def test_a_kernel_compiled_ahead_is_in_the_cache_another_process_reads(tmp_path)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     check = [sys.executable, "-c", "from ds41numba import compile_ahead as a; "
              f"k = [k for k in a.read_kernels() if k.name == {kernel.name!r}][0]; "
-             "print(a._cached(k), len(a._missing(a.backend())))"]
+             "print(a._cached(k), len(a._missing((a.backend(),))))"]
     before = subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.split()
     subprocess.run([sys.executable, "-m", "ds41numba.compile_ahead", kernel.name], env=env, check=True)
     after = subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.split()
@@ -101,8 +102,27 @@ def test_a_stale_line_is_skipped_not_raised(line, tmp_path, monkeypatch):
     stale = tmp_path / "kernels.txt"
     stale.write_text(line + "\n")
     monkeypatch.setattr(ahead, "KERNELS", stale)
-    ahead._missing(backend())
-    ahead._compile([line.split()[2]], backend())
+    ahead._missing((backend(),))
+    ahead._compile([line.split()[2]], (backend(),))
+
+
+def test_every_tier_takes_the_lines_of_the_tiers_below_this_cpus(tmp_path, monkeypatch):
+    """The test suite's compile ahead: the lines of this CPU's tier and of every tier after it
+    (the tiers nest), and of the extra lists, a kernel several tiers or lists name alike once."""
+    monkeypatch.delenv("DS41NUMBA_COMPILE_AHEAD", raising=False)
+    golden, extra = tmp_path / "kernels.txt", tmp_path / "suite.txt"
+    golden.write_text("".join(f"{t} 1.00 m:k_{t} (int64,)\n" for t in BACKENDS)
+                      + "* 1.00 m:shared (int64,)\n")
+    extra.write_text(f"{BACKENDS[-1]} 1.00 m:shared (int64,)\n* 1.00 m:test_only (int64,)\n")
+    monkeypatch.setattr(ahead, "KERNELS", golden)
+    asked = []
+    monkeypatch.setattr(ahead, "_missing", lambda tiers, lists=(): asked.append((tiers, lists)) or [])
+    ahead.compile_ahead(quiet=True, every_tier=True, extra=(extra, tmp_path / "absent.txt"))
+    ahead.compile_ahead(quiet=True)
+    below = tuple(BACKENDS[BACKENDS.index(backend()):])
+    assert asked == [(below, (extra,)), ((backend(),), ())]
+    read = [k.name for k in ahead._read(below, (extra,))]
+    assert sorted(read) == sorted([f"m:k_{t}" for t in below] + ["m:shared", "m:test_only"])
 
 
 def test_switched_off_it_compiles_nothing(monkeypatch):
@@ -113,6 +133,7 @@ def test_switched_off_it_compiles_nothing(monkeypatch):
 def test_loading_the_cached_kernels_loads_and_compiles_nothing_new(tmp_path, monkeypatch):
     """A cluster worker's warm-up: every listed kernel the cache holds is loaded (the session's
     compile ahead cached them), a line the cache lacks or that is stale is passed over."""
+    monkeypatch.delenv("DS41NUMBA_COMPILE_AHEAD", raising=False)
     cached = [k for k in ahead.read_kernels()
               if k.tier in (ahead.ANY_TIER, backend()) and ahead._cached(k)]
     assert ahead.load_cached() == len(cached) > 0
