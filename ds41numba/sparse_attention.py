@@ -16,7 +16,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numerics import SOFTMAX_LANES, bf16_scalar, output_buffer, softmax_rows
+from .numerics import SOFTMAX_LANES, bf16_scalar, output_buffer, serial_twin, sized_call, softmax_rows
 from .numerics.f32_products import KC, blocked_rows
 from .numerics.f32_tiles import fma_sums
 from .numerics.vector_ir import (F32, I32, I64, V16F, extent, i64, lane_masks, load_row,
@@ -379,6 +379,9 @@ def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
                     o[s, h, d] = bf16_scalar(acc[h, d])
 
 
+_sparse_attn_kernel_serial = serial_twin(_sparse_attn_kernel)
+
+
 def _check_sparse_attn(q, kv, idx, attn_sink):
     """Shapes and index range, checked before any row is gathered: a bad entry is an error."""
     parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
@@ -406,8 +409,8 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     """Attention of each query over its listed KV rows, with a sink logit per head.
 
     ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads; or a tuple of row blocks that
-    stack to it, e.g. the window rows and the compressed cache, so that they need not be copied
-    together), ``idx [S, W]`` (-1 = skip), ``attn_sink [H]``. Softmax in f32 over the listed
+    stack to it, e.g. the window rows and the compressed cache, so that two need not be copied
+    together; a third and more are joined to the second), ``idx [S, W]`` (-1 = skip), ``attn_sink [H]``. Softmax in f32 over the listed
     scores plus the sink, which joins only the denominator. A query with no listed row outputs
     zeros. Result rounded to bf16, written into ``out`` (a C-contiguous float32 buffer) if given.
 
@@ -423,14 +426,19 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     scale = np.float32(softmax_scale)
     sink = np.ascontiguousarray(attn_sink, dtype=np.float32)
     parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
-    if len(parts) == 1:     # one kernel for one block and two (numba compiles each tuple length)
+    # One compiled kernel, for two blocks (numba compiles each tuple length anew: ~10 s): one
+    # block takes an empty second, more than two are joined after the first.
+    if len(parts) == 1:
         parts += (np.empty((0, hd), np.float32),)
+    elif len(parts) > 2:
+        parts = (parts[0], np.concatenate(parts[1:]))
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
     o = output_buffer(out, (S, H, hd), "sparse_attn")       # every query's row is written below
     if S:
         threads = numba.get_num_threads()
         groups = _head_groups(S, H, threads)
-        _sparse_attn_kernel(np.ascontiguousarray(q), parts, starts,
-                            np.ascontiguousarray(idx, dtype=np.int64), sink, scale, o,
-                            max(1, min(S * groups, threads)), groups)
+        W = idx.shape[1]
+        sized_call(_sparse_attn_kernel, S * groups, 2 * H // groups * W * hd,
+                   np.ascontiguousarray(q), parts, starts, np.ascontiguousarray(idx, dtype=np.int64),
+                   sink, scale, o, max(1, min(S * groups, threads)), groups)
     return o

@@ -23,6 +23,7 @@ from ds41numba import (AttentionStack, act_quant_fp8_inplace, apply_rotary, fp4_
                        window_index_rows)
 from ds41numba.attention import layer_rope_table
 from ds41numba.numerics import Bf16Matrix, expf_u10
+from ds41numba import sparse_attention as sa_mod
 from ds41numba.sparse_attention import _head_groups
 
 
@@ -164,7 +165,9 @@ def test_sparse_attn_kv_as_row_blocks_is_identical():
     for rows in (ordered, idx):       # ... and arbitrary order (compressed before window)
         whole = sparse_attn(q, kv, rows, sink, scale)
         split = sparse_attn(q, (kv[:win], kv[win:]), rows, sink, scale)
+        compiled = set(sa_mod._sparse_attn_kernel.signatures)
         three = sparse_attn(q, [kv[:5], kv[5:win], kv[win:]], rows, sink, scale)
+        assert set(sa_mod._sparse_attn_kernel.signatures) == compiled     # the two blocks' kernel
         assert np.array_equal(whole, split) and np.array_equal(whole, three)
         assert_bf16_close(whole, naive.sparse_attn(q, kv, rows, sink, scale), "sparse_attn")
 

@@ -240,6 +240,21 @@ def test_matvec_propagates_special_values_as_the_literal_order_does():
         assert_same_bits(nm.Bf16Matrix(w).matvec(x), want)
 
 
+def test_a_read_only_row_takes_the_compiled_kernel():
+    """A read-only input (a row of a memory-mapped golden) gives the writable input's bits, with
+    the kernel numba compiled for it (a read-only array is a type of its own: a compile of
+    seconds for nothing)."""
+    from ds41numba.numerics import matvec as matvec_mod
+    rng = np.random.default_rng(5)
+    x = _bf16_rows(rng, (1, 96))
+    mat = nm.Bf16Matrix(_bf16_rows(rng, (40, 96), 0.1))
+    want = mat.matvec(x)
+    compiled = set(matvec_mod._matvec_kernel.signatures)
+    x.flags.writeable = False
+    assert_same_bits(mat.matvec(x), want)
+    assert set(matvec_mod._matvec_kernel.signatures) == compiled
+
+
 @needs_bf16_dot
 @pytest.mark.parametrize("k, n, groups", [(1280, 96, 1), (2048, 8 * 32, 8), (1537, 70, 1)])
 def test_one_row_and_many_row_products_of_one_matrix_agree(k, n, groups):
@@ -412,7 +427,7 @@ def test_the_decode_kernel_splits_its_items_whole_whatever_the_workers(workers):
     mats, want = _shared_case(rng, 300, [512, 96, 160, 32])     # 4 + 1 + 2 + 1 items
     x = _bf16_rows(rng, (1, 300))
     outs = tuple(np.full((1, m.shape[0]), np.nan, F32) for m in mats)
-    matvec_mod._matvec_parallel(x, tuple(m._pairs for m in mats), outs, (1, 1, 1, 1), 300, 300,
+    matvec_mod._matvec_kernel(x, tuple(m._pairs for m in mats), outs, (1, 1, 1, 1), 300, 300,
                                 workers)
     for got, expected in zip(outs, want(x)):
         assert_same_bits(got, expected)

@@ -28,6 +28,8 @@ import ml_dtypes
 import numpy as np
 from numba import njit, prange
 
+from ..numerics import serial_twin, sized_call
+
 from ..attention import index_rows
 from ..config import AttnConfig
 from ..indexer import visible_lengths
@@ -231,6 +233,9 @@ def _runners_up(scores, clen, topk, offset, out_idx, out_val):
             vals[j] = -np.inf
 
 
+_runners_up_serial = serial_twin(_runners_up)
+
+
 class StepObserver:
     """Collects, from inside one layer's step, the index scores a golden records and the
     ``--capture-rows`` samples; set as ``stack.shared.observer`` for the run.
@@ -324,8 +329,8 @@ class StepObserver:
         if k:
             picked = np.take_along_axis(scores, cols, axis=1)
             self._got["topk_scores"][rows] = np.where(topk >= 0, picked, -np.inf)
-        _runners_up(scores, self._clen[rows], topk, self.offset, self._got["runner_idxs"][rows],
-                    self._got["runner_scores"][rows])
+        sized_call(_runners_up, n, scores.shape[1], scores, self._clen[rows], topk, self.offset,
+                   self._got["runner_idxs"][rows], self._got["runner_scores"][rows])
 
     def attention_tile(self, s0: int, q: np.ndarray, o: np.ndarray, kv_rows, idx: np.ndarray):
         i, t = self._sampled(s0, q.shape[0])

@@ -62,7 +62,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..config import AttnConfig
-from ..numerics import is_int
+from ..numerics import is_int, serial_twin
 from ..stack import weight_specs
 from .errors import GoldenError
 
@@ -139,7 +139,7 @@ def _fill_block(out_bits, key, start, center, scale, to_bf16, lo, hi):
 
 
 @njit(parallel=True, cache=True)
-def _fill_bits_parallel(out_bits, key, start, center, scale, to_bf16):
+def _fill_bits_kernel(out_bits, key, start, center, scale, to_bf16):
     """Blocks in parallel. Each element depends only on its own index, so the result is the
     same for any thread count and any split of a tensor into calls."""
     n = out_bits.size
@@ -148,12 +148,8 @@ def _fill_bits_parallel(out_bits, key, start, center, scale, to_bf16):
         _fill_block(out_bits, key, start, center, scale, to_bf16, lo, min(lo + _FILL_BLOCK, n))
 
 
-@njit(cache=True)
-def _fill_bits_serial(out_bits, key, start, center, scale, to_bf16):
-    """Small tensors: waking a thread pool would cost more than the work."""
-    _fill_block(out_bits, key, start, center, scale, to_bf16, 0, out_bits.size)
-
-
+# Small tensors: waking a thread pool would cost more than the work.
+_fill_bits_kernel_serial = serial_twin(_fill_bits_kernel)
 _PARALLEL_FROM = 1 << 16  # elements
 
 
@@ -171,7 +167,7 @@ def make_tensor(name: str, shape, seed: int, center: float, scale: float, bf16: 
     if not (math.isfinite(center) and math.isfinite(scale)):
         raise ValueError(f"make_tensor: center and scale must be finite, got {center}, {scale}")
     out = np.empty(shape, np.float32)
-    fill = _fill_bits_parallel if out.size >= _PARALLEL_FROM else _fill_bits_serial
+    fill = _fill_bits_kernel if out.size >= _PARALLEL_FROM else _fill_bits_kernel_serial
     fill(out.reshape(-1).view(np.uint32), np.uint64(stream_key(seed, name)), int(start),
          float(center), float(scale), bool(bf16))
     return out

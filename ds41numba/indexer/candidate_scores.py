@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..numerics import sized_call
+from ..numerics import serial_twin, sized_call
 
 __all__ = ["needed_key_blocks", "mask_outside_candidates", "candidate_hints"]
 
@@ -39,6 +39,9 @@ def _needed_kernel(packed, clen, block, lanes, out):
             out[s, b] = hit
 
 
+_needed_kernel_serial = serial_twin(_needed_kernel)
+
+
 def needed_key_blocks(packed: np.ndarray, clen: np.ndarray, block: int, lanes: int,
                       n_key_blocks: int) -> np.ndarray:
     """``[T, n_key_blocks]`` uint8: 1 where query ``s`` has a candidate block (of ``block``
@@ -60,6 +63,9 @@ def _mask_kernel(scores, packed, clen, block):
                 scores[s, c * block:min(n, (c + 1) * block)] = -np.inf
 
 
+_mask_kernel_serial = serial_twin(_mask_kernel)
+
+
 def mask_outside_candidates(scores: np.ndarray, packed: np.ndarray, clen: np.ndarray,
                             block: int) -> None:
     """-inf, in place, at every position below ``clen[s]`` outside row ``s``'s candidate blocks
@@ -77,6 +83,9 @@ def _hints_kernel(packed, out):
     for s in prange(out.shape[0]):
         for c in range(out.shape[1]):
             out[s, c] = np.nan if _bit(packed[s], c) else -np.inf
+
+
+_hints_kernel_serial = serial_twin(_hints_kernel)
 
 
 def candidate_hints(packed: np.ndarray, n_blocks: int) -> np.ndarray:

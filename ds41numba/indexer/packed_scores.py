@@ -22,7 +22,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, amx_begin, amx_dot_tile, amx_end,
-                        amx_mix_tile, bf16_dot_tile, int8_dot_into, int8_pairs_into, vnni_mix_tile)
+                        amx_mix_tile, bf16_dot_tile, int8_dot_into, int8_pairs_into, serial_twin,
+                        sized_call, vnni_mix_tile)
 from .blas_scores import mix_heads_by_head
 from .block_maxima import key_block_maxima, visible_block_maxima
 from .visibility import masked_buffer
@@ -124,6 +125,9 @@ def _bf16_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, bloc
                 a, e = _next_run(need, b, e, T)
 
 
+_bf16_kernel_serial = serial_twin(_bf16_kernel)
+
+
 @njit(cache=True)
 def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, block, block_max):
     """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX512-VNNI."""
@@ -160,6 +164,9 @@ def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, bloc
                 _vnni_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, converts, out, block,
                           block_max)
                 a, e = _next_run(need, b, e, T)
+
+
+_vnni_kernel_serial = serial_twin(_vnni_kernel)
 
 
 @njit(cache=True)
@@ -211,6 +218,9 @@ def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, blo
                 a, e = _next_run(need, b, e, T)
 
 
+_pairs_kernel_serial = serial_twin(_pairs_kernel)
+
+
 @njit(parallel=True, cache=True)
 def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AMX: ``q = (quads, scales)``, ``keys = (quads, scales)``, both folded.
@@ -229,6 +239,9 @@ def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block
                          block_max)
                 a, e = _next_run(need, b, e, T)
         amx_end()
+
+
+_amx_kernel_serial = serial_twin(_amx_kernel)
 
 
 #: The packed layouts, each with the kernel that scores it.
@@ -267,9 +280,11 @@ def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: 
         elif need.dtype != np.uint8 or need.shape[0] != T or need.shape[1] < n_blocks:
             raise ValueError(f"tile_scores_packed: need must be uint8 [{T}, >= {n_blocks}], got "
                              f"{need.dtype} {need.shape}")
-        LAYOUTS[layout](q, keys, np.ascontiguousarray(w, np.float32), clen, n_blocks,
-                        min(numba.get_num_threads(), n_blocks), converts, out, block, block_max,
-                        need)
+        # A key block's multiply-adds: every query row's packed words times the lanes (a
+        # word's 2 or 4 products counted as one).
+        sized_call(LAYOUTS[layout], n_blocks, q[0].size * DOT_LANES, q, keys,
+                   np.ascontiguousarray(w, np.float32), clen, n_blocks,
+                   min(numba.get_num_threads(), n_blocks), converts, out, block, block_max, need)
     if maxima is not None and not block:
         visible_block_maxima(out, clen, *maxima)
     return out

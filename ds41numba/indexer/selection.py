@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..numerics import sized_call
+from ..numerics import serial_twin, sized_call
 from ..topk import partial_sort_set_hinted, topk_set_into
 
 __all__ = ["select_rows", "top_k_sets"]
@@ -44,4 +44,7 @@ def top_k_sets(scores, clen, k, out, block_scores, block):
             sv = np.empty(width, np.float32)
             si = np.empty(width, np.int64)
             topk_set_into(scores[s], k, out[s], sv, si)
+
+
+top_k_sets_serial = serial_twin(top_k_sets)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..numerics import output_buffer, sized_call
+from ..numerics import output_buffer, serial_twin, sized_call
 
 __all__ = ["visible_lengths", "masked_buffer"]
 
@@ -22,6 +22,9 @@ def visible_lengths(start_pos: int, seqlen: int, ratio: int, prefill: bool | Non
 def _mask_kernel(out, clen, upto):
     for s in prange(out.shape[0]):
         out[s, min(max(clen[s], 0), upto):upto] = -np.inf
+
+
+_mask_kernel_serial = serial_twin(_mask_kernel)
 
 
 def masked_buffer(out, shape, clen, dirty_to, name):

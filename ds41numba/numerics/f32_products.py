@@ -38,7 +38,7 @@ from numba import njit, prange
 
 from .f32_tiles import CHAIN_LANES, CHAIN_ROWS, TILE_LANES, TILE_ROWS, chain_tile, fma_tile, lanes_tile
 from .formats import aligned_empty
-from .workers import worth_parallel
+from .workers import serial_twin, worth_parallel
 
 __all__ = [
     "KC",
@@ -169,44 +169,36 @@ def _chain_item(x, v, out, first_row, j):
             out[r, c0:c1] = acc
 
 
-# Each kernel has a parallel and a serial driver over the same work items, chosen by
-# workers.worth_parallel. The items do not depend on which thread runs them.
+# Each kernel runs its work items in parallel, or its serial twin runs them in the calling
+# thread (workers.serial_twin), chosen by workers.worth_parallel. The items do not depend on
+# which thread runs them.
 
 
 @njit(parallel=True, cache=True)
-def _blocked_parallel(x, wp, out, rows, n_out, col_groups, n_items):
+def _blocked_kernel(x, wp, out, rows, n_out, col_groups, n_items):
     for item in prange(n_items):
         _blocked_item(x, wp, out, rows, n_out, col_groups, item)
 
 
-@njit(cache=True)
-def _blocked_serial(x, wp, out, rows, n_out, col_groups, n_items):
-    for item in range(n_items):
-        _blocked_item(x, wp, out, rows, n_out, col_groups, item)
+_blocked_kernel_serial = serial_twin(_blocked_kernel)
 
 
 @njit(parallel=True, cache=True)
-def _small_parallel(x, wp, out, first_row, peels, n_out):
+def _small_kernel(x, wp, out, first_row, peels, n_out):
     for j in prange(wp.shape[0]):
         _small_item(x, wp, out, first_row, peels, n_out, j)
 
 
-@njit(cache=True)
-def _small_serial(x, wp, out, first_row, peels, n_out):
-    for j in range(wp.shape[0]):
-        _small_item(x, wp, out, first_row, peels, n_out, j)
+_small_kernel_serial = serial_twin(_small_kernel)
 
 
 @njit(parallel=True, cache=True)
-def _chain_parallel(x, v, out, first_row, n_items):
+def _chain_kernel(x, v, out, first_row, n_items):
     for j in prange(n_items):
         _chain_item(x, v, out, first_row, j)
 
 
-@njit(cache=True)
-def _chain_serial(x, v, out, first_row, n_items):
-    for j in range(n_items):
-        _chain_item(x, v, out, first_row, j)
+_chain_kernel_serial = serial_twin(_chain_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,22 +224,20 @@ def _pack_item(w, out, transposed, j):
 
 
 @njit(parallel=True, cache=True)
-def _pack_parallel(w, out, transposed):
+def _pack_kernel(w, out, transposed):
     for j in prange(out.shape[0]):
         _pack_item(w, out, transposed, j)
 
 
-@njit(cache=True)
-def _pack_serial(w, out, transposed):
-    for j in range(out.shape[0]):
-        _pack_item(w, out, transposed, j)
+_pack_kernel_serial = serial_twin(_pack_kernel)
+
 
 
 def _pack(w, transposed):
     n = w.shape[1] if transposed else w.shape[0]
     k = w.shape[0] if transposed else w.shape[1]
     out = aligned_empty((-(-n // TILE_LANES), k, TILE_LANES))
-    (_pack_parallel if worth_parallel(out.size) else _pack_serial)(w, out, transposed)
+    (_pack_kernel if worth_parallel(out.size) else _pack_kernel_serial)(w, out, transposed)
     return out
 
 
@@ -376,7 +366,7 @@ def _run_blocked(x2, wp, y, nb, n):
         groups = _col_groups(nb, wp.shape[0])
         n_items = -(-nb // _CHUNK_ROWS) * groups
         big = worth_parallel(nb * x2.shape[1] * n)
-        (_blocked_parallel if big else _blocked_serial)(x2, wp, y, nb, n, groups, n_items)
+        (_blocked_kernel if big else _blocked_kernel_serial)(x2, wp, y, nb, n, groups, n_items)
 
 
 def linear_f32_ordered(x, w, out=None, ref_rows: int | None = None, first_row: int = 0):
@@ -420,7 +410,7 @@ def linear_f32_ordered(x, w, out=None, ref_rows: int | None = None, first_row: i
                     ldx = _lead(x2)
                     peels = (-(np.arange(first_row + nb, first_row + m, dtype=np.int64) * ldx)) % 4
                 big = worth_parallel((m - nb) * k * n)
-                (_small_parallel if big else _small_serial)(x2, wm.packed, y, nb, peels, n)
+                (_small_kernel if big else _small_kernel_serial)(x2, wm.packed, y, nb, peels, n)
     return y.reshape(np.shape(x)[:-1] + (n,))
 
 
@@ -448,5 +438,5 @@ def matmul_nn_f32_ordered(x, v, out=None):
             if nb < m:
                 big = worth_parallel((m - nb) * k * n)
                 n_items = -(-n // CHAIN_LANES)
-                (_chain_parallel if big else _chain_serial)(x2, v, y, nb, n_items)
+                (_chain_kernel if big else _chain_kernel_serial)(x2, v, y, nb, n_items)
     return y.reshape(np.shape(x)[:-1] + (n,))

@@ -19,7 +19,7 @@ from .bf16_dot import DOT_LANES
 from .formats import ELEMENT_COST, aligned_empty
 from .int8_layouts import (INT8_GROUP, INT8_MAX, MAX_EXP, MIN_EXP, NO_EXP, blocks_out, check_out,
                            group_exponent, int8_blocks_shape, int8_input, range_of)
-from .workers import sized_call
+from .workers import serial_twin, sized_call
 
 __all__ = ["AMX_K", "AMX_ROWS", "FOLD_SPREAD", "FOLDED_KEY_OFFSET", "folded_rows",
            "pack_folded_blocks", "folded_blocks_shape", "empty_folded_blocks",
@@ -102,6 +102,9 @@ def _fold_kernel(x, out, scales, first, offset):
                 for k in range(4):
                     out[blk, p, 4 * lane + k] = np.uint8((ints[4 * p + k] + offset) & 0xFF)
     return range_of(bad, emin, emax)
+
+
+_fold_kernel_serial = serial_twin(_fold_kernel)
 
 
 def _fold(x, out, scales, first, offset):
@@ -196,6 +199,9 @@ def _corrections_kernel(quads, out):
             for k in range(4):
                 total += np.int32(np.int8((q >> np.uint32(8 * k)) & np.uint32(0xFF)))
         out[i, 0] = -FOLDED_KEY_OFFSET * total
+
+
+_corrections_kernel_serial = serial_twin(_corrections_kernel)
 
 
 def folded_corrections(quads: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

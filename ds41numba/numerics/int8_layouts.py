@@ -15,7 +15,7 @@ from numba import njit, prange
 
 from .bf16_dot import DOT_LANES
 from .formats import ELEMENT_COST, FP4_BLOCK, as_f32_array
-from .workers import sized_call
+from .workers import serial_twin, sized_call
 
 __all__ = ["INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "EMPTY_RANGE", "int8_rows", "pack_int8_blocks",
            "int8_blocks_shape", "merge_ranges"]
@@ -137,6 +137,9 @@ def _rows_kernel(x, quads, corr, scales):
     return range_of(bad, emin, emax)
 
 
+_rows_kernel_serial = serial_twin(_rows_kernel)
+
+
 @njit(parallel=True, cache=True)
 def _blocks_kernel(x, quads, scales, first):
     """B operand: row i of ``x`` into lane ``(first + i) % DOT_LANES`` of block ``(first + i) //
@@ -155,6 +158,9 @@ def _blocks_kernel(x, quads, scales, first):
         for p in range(d // 4):
             quads[blk, p, lane] = _quad(ints, p, KEY_OFFSET)
     return range_of(bad, emin, emax)
+
+
+_blocks_kernel_serial = serial_twin(_blocks_kernel)
 
 
 def int8_input(x, name):

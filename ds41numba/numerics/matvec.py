@@ -18,7 +18,7 @@ from numba import njit, prange
 
 from .bf16_dot import DOT_LANES, MATVEC_BLOCKS, bf16_matvec_tile
 from .formats import bf16_scalar
-from .workers import sized_call
+from .workers import serial_twin, sized_call
 
 __all__ = ["MATVEC_MEMBERS", "matvec_into", "pair_lo", "pair_hi"]
 
@@ -130,7 +130,7 @@ def _run_items(x, pairs, outs, groups, k_in, block, lo, hi):
 
 
 @njit(parallel=True, cache=True)
-def _matvec_parallel(x, pairs, outs, groups, k_in, block, workers):
+def _matvec_kernel(x, pairs, outs, groups, k_in, block, workers):
     # Each of ``workers`` takes one run of items holding an equal share of the blocks (numba's
     # own split of the items would give one thread a whole item more of four blocks where a
     # weight's last holds one), whole items in order.
@@ -142,6 +142,9 @@ def _matvec_parallel(x, pairs, outs, groups, k_in, block, workers):
         if w == workers - 1:
             hi = len(ends)
         _run_items(x, pairs, outs, groups, k_in, block, lo, hi)
+
+
+_matvec_kernel_serial = serial_twin(_matvec_kernel)
 
 
 # What pads a call of fewer weights: no blocks, so no work items.
@@ -163,9 +166,11 @@ def matvec_into(x, pairs, groups, k_in: int, block: int, outs) -> None:
         raise ValueError(f"matvec_into: 1 to {MATVEC_MEMBERS} weights, each with its groups and "
                          f"output, got {len(pairs)}, {len(groups)} and {len(outs)}")
     pad = MATVEC_MEMBERS - n
+    if not x.flags.writeable:       # a read-only x would compile a kernel of its own (~5 s)
+        x = x.copy()
     # Small weights (the indexer's key projection) run in the calling thread (sized_call).
     per_item = MATVEC_BLOCKS * DOT_LANES
-    sized_call(_matvec_parallel, -(-sum(o.shape[1] for o in outs) // per_item),
+    sized_call(_matvec_kernel, -(-sum(o.shape[1] for o in outs) // per_item),
                x.shape[0] * k_in * per_item, x, tuple(pairs) + (_NO_PAIRS,) * pad,
                tuple(outs) + (_NO_OUT,) * pad, tuple(int(g) for g in groups) + (1,) * pad, k_in,
                block, numba.get_num_threads())

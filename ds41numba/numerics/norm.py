@@ -7,7 +7,7 @@ import numpy as np
 from numba import njit, prange
 
 from .formats import ELEMENT_COST, as_f32_array, bf16_scalar
-from .workers import worth_parallel
+from .workers import serial_twin, sized_call
 
 __all__ = ["rms_norm", "torch_sum_f32", "SUM_LANES"]
 
@@ -117,10 +117,7 @@ def _rms_norm_kernel(x, w, eps, out):
         _rms_norm_row(x[i], w, eps, out[i])
 
 
-@njit(cache=True)
-def _rms_norm_serial(x, w, eps, out):
-    for i in range(x.shape[0]):
-        _rms_norm_row(x[i], w, eps, out[i])
+_rms_norm_kernel_serial = serial_twin(_rms_norm_kernel)
 
 
 def rms_norm(x, w, eps):
@@ -139,8 +136,7 @@ def rms_norm(x, w, eps):
     x2 = np.ascontiguousarray(x).reshape(-1, w.shape[0])
     wc = np.ascontiguousarray(w)
     out = np.empty_like(x2)
-    if worth_parallel(x2.size, ELEMENT_COST):
-        _rms_norm_kernel(x2, wc, np.float32(eps), out)
-    elif x2.shape[0]:
-        _rms_norm_serial(x2, wc, np.float32(eps), out)
+    if x2.shape[0]:
+        sized_call(_rms_norm_kernel, x2.shape[0], w.shape[0] * ELEMENT_COST, x2, wc,
+                   np.float32(eps), out)
     return out.reshape(x.shape)
