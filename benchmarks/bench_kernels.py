@@ -1,11 +1,11 @@
-"""asv benchmarks of the kernels at production shapes (see ``common.kernel_cases``).
+"""asv benchmarks of the kernels at production shapes (see ``kernel_cases.kernel_cases``).
 
 One parametrised class: ``Kernels.time_kernel('<name>')`` and ``Kernels.peakmem_kernel('<name>')``.
 A case that cannot run here (its private function has gone as the package's internals move, or
 its backend tier is missing on this CPU or in an older commit) is skipped.
 """
 
-from . import common
+from . import common, kernel_cases
 
 _STATES: dict[str, dict] = {}
 
@@ -25,7 +25,7 @@ class Kernels:
     call, not numba compiling or loading in the same process.
     """
 
-    params = list(common.kernel_cases())
+    params = list(kernel_cases.kernel_cases())
     param_names = ["kernel"]
     number = 4            # a sample: the mean of 4 calls, each timed alone after its set-up
     repeat = (6, 12, 6.0)
@@ -34,8 +34,8 @@ class Kernels:
     timeout = 600
 
     def setup(self, name):
-        case = common.kernel_cases()[name]
-        why = common.unavailable(case)
+        case = kernel_cases.kernel_cases()[name]
+        why = kernel_cases.unavailable(case)
         if why:
             raise NotImplementedError(why)
         if name not in _STATES:

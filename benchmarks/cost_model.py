@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from . import common
+from . import common, kernel_cases
 
 _STEP = re.compile(r"step (\d+)")
 _ROWS = re.compile(r"rows (\d+)-(\d+)")
@@ -121,11 +121,11 @@ def indexer_seconds(layer: int, width: int, prefill: int, queries: int = 64, rep
     r = cfg.ratio(layer)
     w = common.weight_subset(layer, ["indexer.wq_b.weight", "indexer.weights_proj.weight"])
     weights = IndexerWeights(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"])
-    keys = IndexKeyCache(common.index_keys(prefill // r, cfg.index_head_dim, 16))
+    keys = IndexKeyCache(kernel_cases.index_keys(prefill // r, cfg.index_head_dim, 16))
     table = layer_rope_table(cfg, r, prefill)
     icfg = IndexerCfg.for_layer(cfg, layer)
     x = common.layer_input(layer, 2 * queries)
-    qr = common.normal_bf16((2 * queries, cfg.q_lora_rank), 15)
+    qr = kernel_cases.normal_bf16((2 * queries, cfg.q_lora_rank), 15)
     medians = []
     for n in (queries, 2 * queries):
         start = width * r - n         # the last query sees ``width`` positions

@@ -50,7 +50,7 @@ import time
 
 import numpy as np
 
-from . import common
+from . import common, kernel_cases
 
 #: Issue 30's targets: useful FLOP/s over numpy's f32 matmul rate (the indexer's whole tile, and
 #: layer 20's prefill at these lengths), and a decode step against the time it takes just to
@@ -179,8 +179,8 @@ def run_worker(args) -> dict:
 def run_kernels(quick: bool) -> list[dict]:
     results = []
     reps, budget = (5, 3.0) if quick else (15, 8.0)
-    for name, case in common.kernel_cases().items():
-        why = common.unavailable(case)
+    for name, case in kernel_cases.kernel_cases().items():
+        why = kernel_cases.unavailable(case)
         if why:
             results.append({"name": name, "label": case.label, "shape": case.shape, "skipped": why})
             continue
