@@ -16,7 +16,8 @@ this CPU has (the tests run each tier) and those of ``tests/kernels.txt``, the k
 tests call (:func:`compile_ahead` with ``every_tier`` and ``extra``).
 
 :func:`load_cached` loads the listed kernels the cache holds into a process before it calls them
-(a cluster's workers, while the driver runs the key side).
+(a cluster's workers, while the driver runs the key side), with the parallel kernel of each
+serial twin listed.
 
 ``python -m ds41numba.kernel_list`` rewrites the list (:mod:`.kernel_list`).
 ``DS41NUMBA_COMPILE_AHEAD=0`` turns compiling ahead off.
@@ -30,7 +31,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from numba.core import config as numba_config, sigutils
@@ -42,6 +43,7 @@ __all__ = ["ANY_TIER", "KERNELS", "Kernel", "compile_ahead", "load_cached", "rea
 
 KERNELS = Path(__file__).with_name("kernels.txt")
 ANY_TIER = "*"
+_TWIN = "_serial"        # a parallel kernel's serial twin is named <kernel>_serial
 _MODULE = "ds41numba.compile_ahead"     # run as `python -m` (then __name__ is "__main__")
 
 
@@ -113,17 +115,27 @@ def _missing(tiers: tuple[str, ...], lists: tuple[Path, ...] = ()) -> list[Kerne
     return _listed(tiers, cached=False, lists=lists)
 
 
+def _to_load() -> list[Kernel]:
+    """The list's kernels of this CPU's tier and, for each serial twin (``<kernel>_serial``,
+    :func:`.numerics.workers.serial_twin`: the default golden's calls are small), its parallel
+    kernel, which a cluster's tiles call."""
+    kernels = _read((backend(),))
+    return kernels + [replace(k, name=k.name.removesuffix(_TWIN)) for k in kernels
+                      if k.name.endswith(_TWIN)]
+
+
 def load_cached() -> int:
-    """Load into this process the list's kernels that numba's cache holds for this CPU, before
-    they are called (a cluster's worker warming up while the driver runs the key side). Returns
-    how many were loaded; nothing is compiled."""
+    """Load into this process the kernels of :func:`_to_load` that numba's cache holds for this
+    CPU, before they are called (a cluster's worker warming up while the driver runs the key
+    side). Returns how many were loaded; nothing is compiled."""
     if not _enabled():
         return 0
     loaded = 0
-    for k in _listed((backend(),), cached=True):
+    for k in _to_load():
         try:
-            k.dispatcher().compile(k.argtypes())
-            loaded += 1
+            if _cached(k):
+                k.dispatcher().compile(k.argtypes())
+                loaded += 1
         except Exception:       # loading is only ahead of time: the tile loads what it calls
             continue
     return loaded
