@@ -77,3 +77,16 @@ def test_every_twin_in_the_package_is_its_kernel_under_the_kernel_lists_name():
         assert kernel.targetoptions["parallel"] and not twin.targetoptions.get("parallel")
         assert g.__code__ is f.__code__ and g.__qualname__ == f"{f.__qualname__}_serial"
         assert getattr(importlib.import_module(g.__module__), g.__qualname__) is twin
+
+
+def test_with_the_jit_off_the_package_imports_and_runs_as_python():
+    """``NUMBA_DISABLE_JIT=1`` (a debugging mode: every kernel plain Python) leaves a kernel's
+    twin the plain function itself, so the package still imports and a small call runs."""
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np; from ds41numba.numerics import rms_norm; "
+            "print(rms_norm(np.full((2, 8), 2, np.float32), np.ones(8, np.float32), 0.0)[1, 7])")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NUMBA_DISABLE_JIT="1"),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1.0"
