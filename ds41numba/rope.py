@@ -116,33 +116,41 @@ def yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_
 
 
 @njit(cache=True)
+def _rotate_pairs(v, cos_p, sin_p, negate, split):
+    """One vector's rotary pairs ``(v[2k], v[2k + 1])`` turned by ``(cos_p[k], sin_p[k])`` (the
+    conjugate when ``negate``, for the inverse rotation), rounded to bf16. Pairs before ``split``
+    take torch's vectorized product (every product rounded to f32, then one f32 add), the rest
+    its scalar tail (``a*c - b*d``, ``a*d + b*c`` contracted: the first product stays exact).
+    Loops from 0 over one contiguous vector, so that LLVM vectorises the first."""
+    for k in range(split):
+        c = cos_p[k]
+        s = -sin_p[k] if negate else sin_p[k]
+        a = v[2 * k]
+        b = v[2 * k + 1]
+        v[2 * k] = bf16_scalar(a * c - b * s)
+        v[2 * k + 1] = bf16_scalar(a * s + b * c)
+    for k in range(split, cos_p.shape[0]):
+        c = cos_p[k]
+        s = -sin_p[k] if negate else sin_p[k]
+        a = v[2 * k]
+        b = v[2 * k + 1]
+        v[2 * k] = bf16_scalar(fma_f32(a, c, -(b * s)))
+        v[2 * k + 1] = bf16_scalar(fma_f32(a, s, b * c))
+
+
+@njit(cache=True)
 def _rotate_rows(y, pos, cos, sin, negate, coalesce, lo, hi):
     w = cos.shape[1]
     off = y.shape[2] - 2 * w
-    # Pairs before vec_end (in the reference's inner-loop numbering) take the vectorized product.
+    # Pairs before vec_end in the reference's inner-loop numbering (the row's pairs, or with
+    # ``coalesce`` the rows' pairs one after another) take the vectorized product.
     loop_len = y.shape[0] * w if coalesce else w
     vec_end = (loop_len // TORCH_VEC_PAIRS) * TORCH_VEC_PAIRS
     for i in range(lo, hi):
         p = pos[i]
+        split = min(max(vec_end - i * w, 0), w) if coalesce else min(vec_end, w)
         for h in range(y.shape[1]):
-            for k in range(w):
-                c = cos[p, k]
-                s = sin[p, k]
-                if negate:
-                    s = -s  # the conjugate, for the inverse rotation
-                a = y[i, h, off + 2 * k]
-                b = y[i, h, off + 2 * k + 1]
-                t = i * w + k if coalesce else k
-                if t < vec_end:
-                    # Vectorized: every product rounded to f32, then one f32 add.
-                    re = a * c - b * s
-                    im = a * s + b * c
-                else:
-                    # Scalar ``a*c - b*d``, ``a*d + b*c`` contracted: the first product stays exact.
-                    re = fma_f32(a, c, -(b * s))
-                    im = fma_f32(a, s, b * c)
-                y[i, h, off + 2 * k] = bf16_scalar(re)
-                y[i, h, off + 2 * k + 1] = bf16_scalar(im)
+            _rotate_pairs(y[i, h, off:], cos[p], sin[p], negate, split)
 
 
 @njit(parallel=True, cache=True)
