@@ -232,7 +232,6 @@ def _pack_kernel(w, out, transposed):
 _pack_kernel_serial = serial_twin(_pack_kernel)
 
 
-
 def _pack(w, transposed):
     n = w.shape[1] if transposed else w.shape[0]
     k = w.shape[0] if transposed else w.shape[1]
