@@ -410,9 +410,10 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
 
     ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads; or a tuple of row blocks that
     stack to it, e.g. the window rows and the compressed cache, so that two need not be copied
-    together; a third and more are joined to the second), ``idx [S, W]`` (-1 = skip), ``attn_sink [H]``. Softmax in f32 over the listed
-    scores plus the sink, which joins only the denominator. A query with no listed row outputs
-    zeros. Result rounded to bf16, written into ``out`` (a C-contiguous float32 buffer) if given.
+    together; a third and more are joined to the second), ``idx [S, W]`` (-1 = skip),
+    ``attn_sink [H]``. Softmax in f32 over the listed scores plus the sink, which joins only
+    the denominator. A query with no listed row outputs zeros. Result rounded to bf16, written
+    into ``out`` (a C-contiguous float32 buffer) if given.
 
     Every f32 operation is the reference's, in its order (see the notes above
     ``_fma_tile``): the last bit of a score, a probability or an output is what the reference

@@ -28,11 +28,10 @@ import ml_dtypes
 import numpy as np
 from numba import njit, prange
 
-from ..numerics import serial_twin, sized_call
-
 from ..attention import index_rows
 from ..config import AttnConfig
 from ..indexer import visible_lengths
+from ..numerics import serial_twin, sized_call
 from ..step import Step
 
 __all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "cache_layout",
