@@ -113,8 +113,11 @@ def indexer_seconds(layer: int, width: int, prefill: int, queries: int = 64, rep
     a real prefill pays it once per chunk of thousands of queries, not once per 64.
 
     A candidate consumer's queries each get ``candidate_topk_blocks`` blocks of the positions
-    they see (:func:`random_candidates`)."""
+    they see (:func:`random_candidates`). The golden's observer records each row's selection
+    scores and runners-up as an ``io`` golden does (a pass over each score row, as long as
+    what the query sees)."""
     from ds41numba.attention import layer_rope_table
+    from ds41numba.golden.captures import StepObserver
     from ds41numba.indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer
 
     cfg = common.layer_config(prefill, layer)
@@ -131,10 +134,13 @@ def indexer_seconds(layer: int, width: int, prefill: int, queries: int = 64, rep
         start = width * r - n         # the last query sees ``width`` positions
         cands = random_candidates(icfg, start, n, prefill // r) if icfg.use_candidates else None
         times = []
+        observer = StepObserver(cfg)
         for _ in range(repeat + 1):           # the first call loads the kernels
             t0 = time.perf_counter()
+            observer.begin(layer, start, n, prefill_len=prefill)
             indexer(x[:n], qr[:n], start, icfg, weights, table, keys, cfg.window_size,
-                    prefill_len=prefill, candidate_blocks=cands[:n] if cands is not None else None)
+                    prefill_len=prefill, candidate_blocks=cands[:n] if cands is not None else None,
+                    observer=observer)
             times.append(time.perf_counter() - t0)
         medians.append(float(np.median(times[1:])))
     return max(medians[1] - medians[0], 0.0) / queries

@@ -31,8 +31,7 @@ from .numerics import is_int
 _ZERO = np.int64(0)
 
 __all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partial_sort_set_into",
-           "partial_sort_set_hinted",
-           "topk_scratch_len"]
+           "partial_sort_set_hinted", "topk_scratch_len", "passes_any", "SCAN_RUN"]
 
 
 # --------------------------------------------------------------------------- comparator
@@ -132,33 +131,33 @@ def _heap_select_row(row, k, hv, hi, hint, block):
             return          # a NaN top is never displaced
         # The top only rises: a run of values none of which passes it now never will, and one
         # vector pass over the run says so (most of a long row).
-        if i + _SCAN_RUN <= n:
+        if i + SCAN_RUN <= n:
             if block:
-                passes = _hint_passes(hint, i // block, (i + _SCAN_RUN - 1) // block + 1, top)
+                passes = _hint_passes(hint, i // block, (i + SCAN_RUN - 1) // block + 1, top)
             else:
-                passes = _passes_any(row, i, top)
+                passes = passes_any(row, i, top)
             if not passes:
-                i += _SCAN_RUN
+                i += SCAN_RUN
                 continue
-        for j in range(i, min(n, i + _SCAN_RUN)):
+        for j in range(i, min(n, i + SCAN_RUN)):
             x = row[j]
             # Inlined `before(x, top)`.
             if x > top or (x != x and top == top):
                 _adjust_heap(hv, hi, _ZERO, _ZERO, k, x, j)
                 top = hv[0]
-        i += _SCAN_RUN
+        i += SCAN_RUN
 
 
-# Values of a row one test of _passes_any covers.
-_SCAN_RUN = 32
+# Values of a row one test of passes_any covers.
+SCAN_RUN = 32
 
 
 @njit(cache=True)
-def _passes_any(row, i, top):
-    """Whether any of ``row[i : i + _SCAN_RUN]`` comes before ``top`` (larger, or a NaN): no
+def passes_any(row, i, top):
+    """Whether any of ``row[i : i + SCAN_RUN]`` comes before ``top`` (larger, or a NaN): no
     early exit, so the loop vectorises."""
     hit = 0
-    for j in range(i, i + _SCAN_RUN):
+    for j in range(i, i + SCAN_RUN):
         x = row[j]
         hit |= (x > top) | (x != x)
     return hit != 0

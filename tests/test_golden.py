@@ -403,6 +403,37 @@ def test_recorded_scores_are_the_selection_and_its_runners_up(tie_golden):
         assert np.array_equal(t[p + "runner_scores"].astype(np.float32), vals), p
 
 
+@pytest.mark.parametrize("kind", ["ties", "nan", "masked", "picked_high"])
+def test_runners_up_kernel_is_its_naive_twin_on_long_rows(kind):
+    # Rows of several scan runs, where the kernel skips a run none of whose scores passes its
+    # last runner-up: ties on the last one, NaN, a consumer's long -inf stretches, and the
+    # selection's own (best) scores inside runs it must skip over.
+    import naive
+    from ds41numba.golden.captures import _runners_up
+    rng = np.random.default_rng(len(kind))
+    T, width, k, offset = 6, 300, 12, 5
+    scores = np.round(rng.standard_normal((T, width)) * 2).astype(np.float32)     # many ties
+    if kind == "nan":
+        scores[rng.random((T, width)) < 0.02] = np.nan
+    if kind == "masked":
+        scores[rng.random((T, -(-width // 8))).repeat(8, axis=1)[:, :width] < 0.9] = -np.inf
+    clen = np.array([0, 1, 40, 299, 300, 300])
+    topk = np.full((T, k), -1, np.int64)
+    for s in range(T):
+        seen = min(clen[s], k)
+        if kind == "picked_high":
+            pick = rng.choice(clen[s], seen, replace=False) if clen[s] else np.zeros(0, np.int64)
+            scores[s, pick] = 100
+        else:
+            pick = np.argsort(-np.nan_to_num(scores[s, :clen[s]], nan=np.inf), kind="stable")[:seen]
+        topk[s, :seen] = np.sort(pick) + offset
+    idx = np.empty((T, golden.RUNNERS_UP), np.int64)
+    val = np.empty((T, golden.RUNNERS_UP), np.float32)
+    _runners_up(scores, clen, topk, offset, idx, val)
+    want_idx, want_val = naive.runners_up(scores, clen, topk, offset, golden.RUNNERS_UP)
+    assert np.array_equal(idx, want_idx) and np.array_equal(val, want_val, equal_nan=True)
+
+
 def _reversed_head_sum_scores(iq, w, keys, clen, width, out=None):
     """The indexer's scores with the head sum in reverse head order and each partial sum rounded
     to bf16 (a kernel's reduction; in f32 the few bf16 terms of this small stack add exactly in

@@ -33,6 +33,7 @@ from ..config import AttnConfig
 from ..indexer import visible_lengths
 from ..numerics import serial_twin, sized_call
 from ..step import Step
+from ..topk import SCAN_RUN, passes_any
 
 __all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "cache_layout",
            "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
@@ -193,6 +194,8 @@ def _runners_up(scores, clen, topk, offset, out_idx, out_val):
     into ``out_idx`` with their scores into ``out_val`` (-1 and -inf past the last).
 
     One pass over the row's visible scores keeps a sorted list of R: O(positions) per row.
+    Once it holds R, a run of scores none of which passes the last is skipped after one vector
+    test (most of a long row; all of a candidate consumer's -inf outside its candidates).
     """
     T = scores.shape[0]
     R = out_idx.shape[1]
@@ -210,23 +213,26 @@ def _runners_up(scores, clen, topk, offset, out_idx, out_val):
         ids = out_idx[s]
         cnt = 0
         p = 0
-        for t in range(n):
-            while p < m and sel[p] < t:
-                p += 1
-            if p < m and sel[p] == t:
+        for t0 in range(0, n, SCAN_RUN):
+            if cnt == R and t0 + SCAN_RUN <= n and not passes_any(scores[s], t0, vals[R - 1]):
                 continue
-            v = scores[s, t]
-            if cnt == R and not _before(v, vals[R - 1]):
-                continue
-            j = cnt if cnt < R else R - 1
-            while j > 0 and _before(v, vals[j - 1]):
-                vals[j] = vals[j - 1]
-                ids[j] = ids[j - 1]
-                j -= 1
-            vals[j] = v
-            ids[j] = t + offset
-            if cnt < R:
-                cnt += 1
+            for t in range(t0, min(n, t0 + SCAN_RUN)):
+                while p < m and sel[p] < t:
+                    p += 1
+                if p < m and sel[p] == t:
+                    continue
+                v = scores[s, t]
+                if cnt == R and not _before(v, vals[R - 1]):
+                    continue
+                j = cnt if cnt < R else R - 1
+                while j > 0 and _before(v, vals[j - 1]):
+                    vals[j] = vals[j - 1]
+                    ids[j] = ids[j - 1]
+                    j -= 1
+                vals[j] = v
+                ids[j] = t + offset
+                if cnt < R:
+                    cnt += 1
         for j in range(cnt, R):
             ids[j] = -1
             vals[j] = -np.inf
