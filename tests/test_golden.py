@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 from ds41numba import golden
 from ds41numba.config import preset
 from ds41numba.golden import GoldenError, GoldenPlan, compare_tensor, generator
+from ds41numba.numerics import DOT_LANES
 from ds41numba.stack import weight_specs
 
 DATA = Path(__file__).parent / "data"
@@ -482,12 +483,15 @@ def test_another_head_order_passes_as_boundary_swaps(tmp_path, monkeypatch):
     golden.write_golden(plan, path)
     indexer = importlib.import_module("ds41numba.indexer")
     block_maxima = importlib.import_module("ds41numba.indexer.block_maxima")
+    candidate_scores = importlib.import_module("ds41numba.indexer.candidate_scores")
 
     def scores(self, iq, w, clen, width, out=None, qbuf=None, dirty_to=None, maxima=None,
-               need=None):     # need: a consumer may be scored whole (then masked)
+               need=None):
         got = _reversed_head_sum_scores(iq, w, self.keys[:width], clen, width, out)
         if maxima is not None:      # the candidate source's block maxima, of these scores
             block_maxima.visible_block_maxima(got, clen, *maxima)
+        if need is not None:        # a consumer scored whole: -inf outside its key blocks
+            candidate_scores.clear_key_blocks(got, 1 - need, DOT_LANES)
         return got
 
     monkeypatch.setattr(indexer.IndexKeyCache, "scores", scores)

@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from ..numerics import serial_twin, sized_call
 
-__all__ = ["needed_key_blocks", "mask_outside_candidates", "candidate_hints"]
+__all__ = ["needed_key_blocks", "mask_outside_candidates", "clear_key_blocks", "candidate_hints"]
 
 
 @njit(cache=True)
@@ -29,14 +29,16 @@ def _bit(packed_row, c):
 @njit(parallel=True, cache=True)
 def _needed_kernel(packed, clen, block, lanes, out):
     for s in prange(out.shape[0]):
-        seen = -(-max(clen[s], 0) // lanes)
-        for b in range(out.shape[1]):
-            hit = 0
-            if b < seen:
-                for c in range(b * lanes // block, -(-(b + 1) * lanes // block)):
-                    if c < packed.shape[1] * 8:
-                        hit |= _bit(packed[s], c)
-            out[s, b] = hit
+        out[s] = 0
+        seen = min(-(-max(clen[s], 0) // lanes), out.shape[1])
+        for byte in range(packed.shape[1]):
+            if packed[s, byte] == 0:
+                continue        # most of a long row: 2,048 candidate blocks of 131,072
+            for c in range(8 * byte, 8 * byte + 8):
+                if _bit(packed[s], c):
+                    # the key blocks candidate block c overlaps
+                    for b in range(c * block // lanes, min(-(-(c + 1) * block // lanes), seen)):
+                        out[s, b] = 1
 
 
 _needed_kernel_serial = serial_twin(_needed_kernel)
@@ -55,27 +57,59 @@ def needed_key_blocks(packed: np.ndarray, clen: np.ndarray, block: int, lanes: i
 
 
 @njit(parallel=True, cache=True)
-def _mask_kernel(scores, packed, clen, block):
+def _mask_kernel(scores, packed, clen, block, need, lanes):
     for s in prange(scores.shape[0]):
         n = min(max(clen[s], 0), scores.shape[1])
-        for c in range(-(-n // block)):
-            if not _bit(packed[s], c):
-                scores[s, c * block:min(n, (c + 1) * block)] = -np.inf
+        if need.shape[1] == 0:
+            for c in range(-(-n // block)):
+                if not _bit(packed[s], c):
+                    scores[s, c * block:min(n, (c + 1) * block)] = -np.inf
+            continue
+        for b in range(min(need.shape[1], -(-n // lanes))):
+            if need[s, b]:
+                end = min(n, (b + 1) * lanes)
+                for c in range(b * lanes // block, -(-end // block)):
+                    if not _bit(packed[s], c):
+                        scores[s, max(c * block, b * lanes):min(end, (c + 1) * block)] = -np.inf
 
 
 _mask_kernel_serial = serial_twin(_mask_kernel)
 
+# Every key block (no column): the whole row is masked.
+_EVERY_BLOCK = np.ones((1, 0), np.uint8)
+
 
 def mask_outside_candidates(scores: np.ndarray, packed: np.ndarray, clen: np.ndarray,
-                            block: int) -> None:
+                            block: int, within: tuple | None = None) -> None:
     """-inf, in place, at every position below ``clen[s]`` outside row ``s``'s candidate blocks
     (the positions from ``clen`` on are -inf already): the candidate mask, which also clears
-    whatever a kernel that skipped a key block left there."""
+    whatever a kernel that skipped a key block left there. ``within = (need, lanes)``: only
+    inside the key blocks ``need`` marks (:func:`needed_key_blocks`), where the rows are -inf
+    already everywhere else."""
     if packed.shape[0] != scores.shape[0] or packed.shape[1] * 8 * block < scores.shape[1]:
         raise ValueError(f"mask_outside_candidates: candidate bits {packed.shape} do not cover "
                          f"scores {scores.shape} in blocks of {block}")
+    need, lanes = within if within is not None else (_EVERY_BLOCK, 1)
     sized_call(_mask_kernel, scores.shape[0], scores.shape[1], scores, packed,
-               np.ascontiguousarray(clen, np.int64), block)
+               np.ascontiguousarray(clen, np.int64), block, need, lanes)
+
+
+@njit(parallel=True, cache=True)
+def _clear_kernel(scores, need, lanes):
+    for s in prange(min(scores.shape[0], need.shape[0])):
+        for b in range(need.shape[1]):
+            if need[s, b]:
+                scores[s, b * lanes:min(scores.shape[1], (b + 1) * lanes)] = -np.inf
+
+
+_clear_kernel_serial = serial_twin(_clear_kernel)
+
+
+def clear_key_blocks(scores: np.ndarray, need: np.ndarray, lanes: int) -> None:
+    """-inf, in place, over the key blocks of ``lanes`` positions ``need`` marks in each row
+    (a buffer's rows back to all -inf after a tile that wrote only those)."""
+    sized_call(_clear_kernel, min(scores.shape[0], need.shape[0]), need.shape[1] * lanes, scores,
+               need, lanes)
 
 
 @njit(parallel=True, cache=True)

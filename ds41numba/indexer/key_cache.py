@@ -14,6 +14,7 @@ from ..numerics import (DOT_LANES, EMPTY_RANGE, FOLDED_KEY_OFFSET, KEY_OFFSET, e
                         tier_at_least)
 from .blas_scores import tile_scores
 from .block_maxima import visible_block_maxima
+from .candidate_scores import clear_key_blocks
 from .tier_scores import (amx_scored, int8_scored, tile_scores_amx, tile_scores_bf16, tile_scores_int8,
                           tile_scores_vnni_folded, vnni_folded_scored)
 
@@ -132,7 +133,8 @@ class IndexKeyCache:
         ``need`` (a candidate consumer's, :func:`~.candidate_scores.needed_key_blocks`): the
         key blocks of ``DOT_LANES`` positions whose scores each query needs; the packed kernels
         form no other, leaving those positions (below ``clen``) as they were for the caller to
-        mask. BLAS's tier forms every score.
+        mask. BLAS's tier forms every score and writes -inf outside those blocks (what a
+        caller that keeps its rows -inf there finds either way).
 
         ``maxima = (block, block_max)``: also each row's maxima of the blocks of ``block``
         positions it sees, into ``block_max [T, >= ceil(width / block)]`` (float32): entry
@@ -166,6 +168,8 @@ class IndexKeyCache:
             got = tile_scores(iq, w, self.keys[:width], clen, width, out=out, dirty_to=dirty_to)
             if maxima is not None:
                 visible_block_maxima(got, clen, *maxima)
+            if need is not None:    # -inf where a packed kernel forms nothing: the same rows
+                clear_key_blocks(got, 1 - need, DOT_LANES)
             return got
         if self.blocks is None:
             self._pack_all(self.keys.shape[0])
