@@ -6,7 +6,9 @@ a 64th of what it sees. The score kernels therefore skip the key blocks (``DOT_L
 positions) in which a query has no candidate (:func:`needed_key_blocks`), and
 :func:`mask_outside_candidates` then writes -inf over every visible position outside the
 candidates: the rows are bit for bit the masked full rows, whatever the kernels left there.
-The top-k sees the same rows; :func:`candidate_hints` only lets its scan skip the -inf runs
+A buffer reused tile after tile needs the mask only inside the key blocks the tile formed,
+once those the tile before formed are back to -inf (:func:`clear_key_blocks`). The top-k sees
+the same rows; :func:`candidate_hints` only lets its scan skip the -inf runs
 (each skipped run is all -inf, which never enters its heap).
 """
 
@@ -17,7 +19,12 @@ from numba import njit, prange
 
 from ..numerics import serial_twin, sized_call
 
-__all__ = ["needed_key_blocks", "mask_outside_candidates", "clear_key_blocks", "candidate_hints"]
+__all__ = ["EVERY_KEY_BLOCK", "needed_key_blocks", "mask_outside_candidates", "clear_key_blocks",
+           "candidate_hints"]
+
+#: The key blocks a query needs when it needs every one: no column (as :func:`needed_key_blocks`
+#: marks them, one column a key block, the kernels read "none" as "all").
+EVERY_KEY_BLOCK = np.ones((1, 0), np.uint8)
 
 
 @njit(cache=True)
@@ -75,10 +82,6 @@ def _mask_kernel(scores, packed, clen, block, need, lanes):
 
 _mask_kernel_serial = serial_twin(_mask_kernel)
 
-# Every key block (no column): the whole row is masked.
-_EVERY_BLOCK = np.ones((1, 0), np.uint8)
-
-
 def mask_outside_candidates(scores: np.ndarray, packed: np.ndarray, clen: np.ndarray,
                             block: int, within: tuple | None = None) -> None:
     """-inf, in place, at every position below ``clen[s]`` outside row ``s``'s candidate blocks
@@ -89,7 +92,7 @@ def mask_outside_candidates(scores: np.ndarray, packed: np.ndarray, clen: np.nda
     if packed.shape[0] != scores.shape[0] or packed.shape[1] * 8 * block < scores.shape[1]:
         raise ValueError(f"mask_outside_candidates: candidate bits {packed.shape} do not cover "
                          f"scores {scores.shape} in blocks of {block}")
-    need, lanes = within if within is not None else (_EVERY_BLOCK, 1)
+    need, lanes = within if within is not None else (EVERY_KEY_BLOCK, 1)
     sized_call(_mask_kernel, scores.shape[0], scores.shape[1], scores, packed,
                np.ascontiguousarray(clen, np.int64), block, need, lanes)
 

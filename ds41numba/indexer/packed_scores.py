@@ -26,6 +26,7 @@ from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, amx_begin, amx
                         sized_call, vnni_mix_tile)
 from .blas_scores import mix_heads_by_head
 from .block_maxima import key_block_maxima, visible_block_maxima
+from .candidate_scores import EVERY_KEY_BLOCK
 from .visibility import masked_buffer
 
 __all__ = ["LAYOUTS", "tile_scores_packed"]
@@ -250,8 +251,6 @@ LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kern
 
 # The kernel's block maxima buffer when none are asked for (one type for every call).
 _NO_MAXIMA = np.empty((1, 1), np.float32)
-# The kernel's key blocks needed when every query needs every one (no column: see _next_run).
-_ALL_NEEDED = np.ones((1, 0), np.uint8)
 
 
 def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray,
@@ -276,7 +275,7 @@ def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: 
     if n_vis:
         n_blocks = -(-n_vis // DOT_LANES)
         if need is None:
-            need = _ALL_NEEDED
+            need = EVERY_KEY_BLOCK
         elif need.dtype != np.uint8 or need.shape[0] != T or need.shape[1] < n_blocks:
             raise ValueError(f"tile_scores_packed: need must be uint8 [{T}, >= {n_blocks}], got "
                              f"{need.dtype} {need.shape}")
