@@ -31,14 +31,15 @@ from .numerics import is_int
 _ZERO = np.int64(0)
 
 __all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partial_sort_set_into",
-           "partial_sort_set_hinted", "topk_scratch_len", "passes_any", "SCAN_RUN"]
+           "partial_sort_set_hinted", "topk_scratch_len", "before", "hints_pass", "run_passes",
+           "SCAN_RUN"]
 
 
 # --------------------------------------------------------------------------- comparator
 
 
 @njit(cache=True)
-def _before(a, b):
+def before(a, b):
     """torch's ``largest=True`` comparator: NaN first, then larger values; never looks at the index."""
     # & and | rather than `and` / `or`: no branches, so the heap's walk compiles to selects.
     return ((a != a) & (b == b)) | (a > b)
@@ -60,7 +61,7 @@ def _adjust_heap(hv, hi, first, hole, length, val, vidx):
         child = 2 * (child + 1)
         # The right child moves up unless it comes `before` the left one (the heap's top is the
         # pair LAST in `before` order); a subtraction, not a branch the data would mispredict.
-        child -= np.int64(_before(hv[first + child], hv[first + child - 1]))
+        child -= np.int64(before(hv[first + child], hv[first + child - 1]))
         hv[first + hole] = hv[first + child]
         hi[first + hole] = hi[first + child]
         hole = child
@@ -71,7 +72,7 @@ def _adjust_heap(hv, hi, first, hole, length, val, vidx):
         hi[first + hole] = hi[first + child - 1]
         hole = child - 1
     parent = (hole - 1) // 2
-    while hole > top and _before(hv[first + parent], val):
+    while hole > top and before(hv[first + parent], val):
         hv[first + hole] = hv[first + parent]
         hi[first + hole] = hi[first + parent]
         hole = parent
@@ -99,7 +100,7 @@ def _heap_select(v, ix, first, middle, last):
     length = middle - first
     _make_heap(v, ix, first, length)
     for i in range(middle, last):
-        if _before(v[i], v[first]):
+        if before(v[i], v[first]):
             val = v[i]
             vidx = ix[i]
             v[i] = v[first]
@@ -131,14 +132,9 @@ def _heap_select_row(row, k, hv, hi, hint, block):
             return          # a NaN top is never displaced
         # The top only rises: a run of values none of which passes it now never will, and one
         # vector pass over the run says so (most of a long row).
-        if i + SCAN_RUN <= n:
-            if block:
-                passes = _hint_passes(hint, i // block, (i + SCAN_RUN - 1) // block + 1, top)
-            else:
-                passes = passes_any(row, i, top)
-            if not passes:
-                i += SCAN_RUN
-                continue
+        if i + SCAN_RUN <= n and not run_passes(row, i, top, hint, block):
+            i += SCAN_RUN
+            continue
         for j in range(i, min(n, i + SCAN_RUN)):
             x = row[j]
             # Inlined `before(x, top)`.
@@ -164,13 +160,26 @@ def passes_any(row, i, top):
 
 
 @njit(cache=True)
-def _hint_passes(hint, b0, b1, top):
-    """Whether any of the block hints ``hint[b0:b1]`` comes before ``top``."""
+def hints_pass(hint, b0, b1, top):
+    """Whether a value of the blocks ``b0 .. b1`` may come before ``top``, by their hints (each
+    at least its block's max, NaN where one of its values is): no early exit, so the loop
+    vectorises. A hint of +inf always passes: the candidate source pins its newest block to
+    +inf whatever it holds, a NaN too, which a +inf top would otherwise hide."""
     hit = 0
     for b in range(b0, b1):
         x = hint[b]
-        hit |= (x > top) | (x != x)
+        hit |= (x > top) | (x != x) | (x == np.inf)
     return hit != 0
+
+
+@njit(cache=True)
+def run_passes(row, i, top, hint, block):
+    """Whether a value of the run ``row[i : i + SCAN_RUN]`` may come before ``top``: read from
+    the row (:func:`passes_any`), or with ``block`` > 0 from the block hints ``hint`` of its
+    blocks of ``block`` positions (:func:`hints_pass`; a ``block``-th of the row to read)."""
+    if not block:
+        return passes_any(row, i, top)
+    return hints_pass(hint, i // block, (i + SCAN_RUN - 1) // block + 1, top)
 
 
 # --------------------------------------------------------------------------- introselect
@@ -179,16 +188,16 @@ def _hint_passes(hint, b0, b1, top):
 @njit(cache=True)
 def _move_median_to_first(v, ix, result, a, b, c):
     """libstdc++ ``__move_median_to_first``: swap the median of a, b, c (under `before`) into result."""
-    if _before(v[a], v[b]):
-        if _before(v[b], v[c]):
+    if before(v[a], v[b]):
+        if before(v[b], v[c]):
             pick = b
-        elif _before(v[a], v[c]):
+        elif before(v[a], v[c]):
             pick = c
         else:
             pick = a
-    elif _before(v[a], v[c]):
+    elif before(v[a], v[c]):
         pick = a
-    elif _before(v[b], v[c]):
+    elif before(v[b], v[c]):
         pick = c
     else:
         pick = b
@@ -210,10 +219,10 @@ def _unguarded_partition(v, ix, first, last, pivot):
     """libstdc++ ``__unguarded_partition``: Hoare partition around ``v[pivot]``, returns the cut."""
     pv = v[pivot]
     while True:
-        while _before(v[first], pv):
+        while before(v[first], pv):
             first += 1
         last -= 1
-        while _before(pv, v[last]):
+        while before(pv, v[last]):
             last -= 1
         if not first < last:
             return first
@@ -229,7 +238,7 @@ def _insertion_sort(v, ix, first, last):
     for i in range(first + 1, last):
         val = v[i]
         vidx = ix[i]
-        if _before(val, v[first]):
+        if before(val, v[first]):
             j = i
             while j > first:
                 v[j] = v[j - 1]
@@ -239,7 +248,7 @@ def _insertion_sort(v, ix, first, last):
             ix[first] = vidx
         else:
             j = i
-            while _before(val, v[j - 1]):
+            while before(val, v[j - 1]):
                 v[j] = v[j - 1]
                 ix[j] = ix[j - 1]
                 j -= 1

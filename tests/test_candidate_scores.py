@@ -35,7 +35,7 @@ class _Recorder:
     def index_scores(self, s0, iq, w, scores):
         raise AssertionError("index_scores called where they were not wanted")
 
-    def index_selection(self, s0, scores, topk):
+    def index_selection(self, s0, scores, topk, maxima):
         self.masked[s0:s0 + scores.shape[0]] = scores
 
 

@@ -404,11 +404,34 @@ def test_recorded_scores_are_the_selection_and_its_runners_up(tie_golden):
         assert np.array_equal(t[p + "runner_scores"].astype(np.float32), vals), p
 
 
-@pytest.mark.parametrize("kind", ["ties", "nan", "masked", "picked_high"])
-def test_runners_up_kernel_is_its_naive_twin_on_long_rows(kind):
+def _block_hints(scores, clen, block, how):
+    """Block hints of score rows as the top-k and the runners-up skip by them: none (block 0),
+    each row's block maxima over what it sees (NaN wins), or upper bounds of them (the maxima
+    plus 1, the newest visible block pinned to +inf as the candidate source pins it)."""
+    if how == "none":
+        return 0, scores
+    T, width = scores.shape
+    nb = -(-width // block)
+    hints = np.full((T, nb), -np.inf, np.float32)
+    for s in range(T):
+        for b in range(-(-int(clen[s]) // block)):
+            vals = scores[s, b * block:min(int(clen[s]), (b + 1) * block)]
+            hints[s, b] = np.nan if np.isnan(vals).any() else vals.max()
+        if how == "bounds":
+            hints[s] += np.float32(1.0)
+            if clen[s]:
+                hints[s, (clen[s] - 1) // block] = np.inf
+    return block, hints
+
+
+@pytest.mark.parametrize("hints", ["none", "maxima", "bounds"])
+@pytest.mark.parametrize("kind", ["ties", "nan", "masked", "picked_high", "pinned_nan"])
+def test_runners_up_kernel_is_its_naive_twin_on_long_rows(kind, hints):
     # Rows of several scan runs, where the kernel skips a run none of whose scores passes its
-    # last runner-up: ties on the last one, NaN, a consumer's long -inf stretches, and the
-    # selection's own (best) scores inside runs it must skip over.
+    # last runner-up (read from the row, or from the top-k's block hints): ties on the last
+    # one, NaN, a consumer's long -inf stretches, the selection's own (best) scores inside runs
+    # it must skip over, and a NaN in the newest block, which the candidate source pins to
+    # +inf, after more +inf scores than the selection and the runners-up hold.
     import naive
     from ds41numba.golden.captures import _runners_up
     rng = np.random.default_rng(len(kind))
@@ -419,20 +442,28 @@ def test_runners_up_kernel_is_its_naive_twin_on_long_rows(kind):
     if kind == "masked":
         scores[rng.random((T, -(-width // 8))).repeat(8, axis=1)[:, :width] < 0.9] = -np.inf
     clen = np.array([0, 1, 40, 299, 300, 300])
+    if kind == "pinned_nan":       # in the newest block of a whole last scan run
+        clen = np.array([0, 1, 40, 288, 256, 300])
+        scores[:, :100] = np.inf
+        scores[3, 285] = scores[4, 250] = np.nan
     topk = np.full((T, k), -1, np.int64)
     for s in range(T):
         seen = min(clen[s], k)
         if kind == "picked_high":
             pick = rng.choice(clen[s], seen, replace=False) if clen[s] else np.zeros(0, np.int64)
             scores[s, pick] = 100
+        elif kind == "pinned_nan":          # the NaN left out: the first runner-up
+            pick = np.arange(seen)
         else:
             pick = np.argsort(-np.nan_to_num(scores[s, :clen[s]], nan=np.inf), kind="stable")[:seen]
         topk[s, :seen] = np.sort(pick) + offset
     idx = np.empty((T, golden.RUNNERS_UP), np.int64)
     val = np.empty((T, golden.RUNNERS_UP), np.float32)
-    _runners_up(scores, clen, topk, offset, idx, val)
+    _runners_up(scores, clen, topk, offset, idx, val, *_block_hints(scores, clen, 8, hints)[::-1])
     want_idx, want_val = naive.runners_up(scores, clen, topk, offset, golden.RUNNERS_UP)
     assert np.array_equal(idx, want_idx) and np.array_equal(val, want_val, equal_nan=True)
+    if kind == "pinned_nan":
+        assert want_idx[3, 0] == 285 + offset and want_idx[4, 0] == 250 + offset
 
 
 def _reversed_head_sum_scores(iq, w, keys, clen, width, out=None):

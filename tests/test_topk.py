@@ -292,6 +292,16 @@ def test_hinted_partial_sort_skips_by_block_maxima_and_keeps_the_set(block):
             partial_sort_set_hinted(row, k, got, np.empty(k, np.float32), np.empty(k, np.int64),
                                     np.ascontiguousarray(hint, np.float32), block)
             assert np.array_equal(got, want), (n, k)
+    # More +inf values than k, then a NaN in the pinned block: the top is +inf when the scan
+    # reaches it, and the NaN (torch's first) is read all the same.
+    row = np.zeros(4096, np.float32)
+    row[:100] = np.inf
+    row[4000] = np.nan
+    hint = np.where(np.arange(-(-4096 // block)) == 4000 // block, np.inf, 0).astype(np.float32)
+    hint[:-(-100 // block)] = np.inf
+    got = np.empty(64, np.int64)
+    partial_sort_set_hinted(row, 64, got, np.empty(64, np.float32), np.empty(64, np.int64), hint, block)
+    assert 4000 in got and np.array_equal(got, torch_cpu_topk_set(row, 64))
 
 
 def test_million_row_partial_sort():

@@ -33,7 +33,7 @@ from ..config import AttnConfig
 from ..indexer import visible_lengths
 from ..numerics import serial_twin, sized_call
 from ..step import Step
-from ..topk import SCAN_RUN, passes_any
+from ..topk import SCAN_RUN, before, hints_pass, run_passes
 
 __all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "cache_layout",
            "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
@@ -182,20 +182,35 @@ def cache_layout(c: AttnConfig, i: int, prefill: int) -> list:
 
 
 @njit(cache=True)
-def _before(a, b):
-    """torch's top-k order on scores: NaN first, then larger."""
-    return (np.isnan(a) and not np.isnan(b)) or a > b
+def _keep_if_better(vals, ids, cnt, v, i):
+    """Score ``v`` of index ``i`` into the sorted list ``vals / ids`` of ``cnt`` (at most its
+    length, R) if it holds fewer than R or ``v`` comes before its last; returns its new count.
+    Equal scores keep their order of arrival (by position)."""
+    R = vals.shape[0]
+    if cnt == R and not before(v, vals[R - 1]):
+        return cnt
+    j = cnt if cnt < R else R - 1
+    while j > 0 and before(v, vals[j - 1]):
+        vals[j] = vals[j - 1]
+        ids[j] = ids[j - 1]
+        j -= 1
+    vals[j] = v
+    ids[j] = i
+    return cnt + 1 if cnt < R else cnt
 
 
 @njit(parallel=True, cache=True)
-def _runners_up(scores, clen, topk, offset, out_idx, out_val):
+def _runners_up(scores, clen, topk, offset, out_idx, out_val, hints, block):
     """Per row, the best ``R`` visible positions the selection ``topk`` left out, best first in
     torch's order (NaN first, then larger; equal scores by position), as ``position + offset``
     into ``out_idx`` with their scores into ``out_val`` (-1 and -inf past the last).
 
     One pass over the row's visible scores keeps a sorted list of R: O(positions) per row.
     Once it holds R, a run of scores none of which passes the last is skipped after one vector
-    test (most of a long row; all of a candidate consumer's -inf outside its candidates).
+    test (most of a long row; all of a candidate consumer's -inf outside its candidates). With
+    the top-k's block hints (``block`` > 0, ``hints [T, blocks]``: a ``block``-th of the row to
+    read) the tests read them instead: first those of ``SCAN_RUN`` blocks at once, then a
+    run's (:func:`~ds41numba.topk.run_passes`).
     """
     T = scores.shape[0]
     R = out_idx.shape[1]
@@ -209,30 +224,24 @@ def _runners_up(scores, clen, topk, offset, out_idx, out_val):
                 sel[m] = topk[s, j] - offset
                 m += 1
         sel = np.sort(sel[:m])
-        vals = out_val[s]
-        ids = out_idx[s]
+        row, hint, vals, ids = scores[s], hints[s], out_val[s], out_idx[s]
         cnt = 0
         p = 0
-        for t0 in range(0, n, SCAN_RUN):
-            if cnt == R and t0 + SCAN_RUN <= n and not passes_any(scores[s], t0, vals[R - 1]):
+        span = SCAN_RUN * max(block, 1)
+        for a in range(0, n, span):
+            if block and cnt == R and a + span <= n and not hints_pass(hint, a // block,
+                                                                       a // block + SCAN_RUN,
+                                                                       vals[R - 1]):
                 continue
-            for t in range(t0, min(n, t0 + SCAN_RUN)):
-                while p < m and sel[p] < t:
-                    p += 1
-                if p < m and sel[p] == t:
+            for t0 in range(a, min(n, a + span), SCAN_RUN):
+                if cnt == R and t0 + SCAN_RUN <= n and not run_passes(row, t0, vals[R - 1], hint,
+                                                                       block):
                     continue
-                v = scores[s, t]
-                if cnt == R and not _before(v, vals[R - 1]):
-                    continue
-                j = cnt if cnt < R else R - 1
-                while j > 0 and _before(v, vals[j - 1]):
-                    vals[j] = vals[j - 1]
-                    ids[j] = ids[j - 1]
-                    j -= 1
-                vals[j] = v
-                ids[j] = t + offset
-                if cnt < R:
-                    cnt += 1
+                for t in range(t0, min(n, t0 + SCAN_RUN)):
+                    while p < m and sel[p] < t:
+                        p += 1
+                    if not (p < m and sel[p] == t):
+                        cnt = _keep_if_better(vals, ids, cnt, row[t], t + offset)
         for j in range(cnt, R):
             ids[j] = -1
             vals[j] = -np.inf
@@ -327,15 +336,17 @@ class StepObserver:
             self._sample("sample.index_q", i, iq[t])
             self._sample("sample.index_weights", i, w[t])
 
-    def index_selection(self, s0: int, scores: np.ndarray, topk: np.ndarray):
+    def index_selection(self, s0: int, scores: np.ndarray, topk: np.ndarray,
+                        maxima: tuple | None = None):
         n, k = topk.shape
         rows = slice(s0, s0 + n)
         cols = np.clip(topk.astype(np.int64) - self.offset, 0, max(scores.shape[1] - 1, 0))
         if k:
             picked = np.take_along_axis(scores, cols, axis=1)
             self._got["topk_scores"][rows] = np.where(topk >= 0, picked, -np.inf)
+        block, hints = maxima if maxima is not None else (0, scores)
         sized_call(_runners_up, n, scores.shape[1], scores, self._clen[rows], topk, self.offset,
-                   self._got["runner_idxs"][rows], self._got["runner_scores"][rows])
+                   self._got["runner_idxs"][rows], self._got["runner_scores"][rows], hints, block)
 
     def attention_tile(self, s0: int, q: np.ndarray, o: np.ndarray, kv_rows, idx: np.ndarray):
         i, t = self._sampled(s0, q.shape[0])

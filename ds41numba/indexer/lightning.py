@@ -256,8 +256,9 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     buffers are live (copy what it keeps): where ``observer.wants_index_scores(s0, T)``,
     ``observer.index_scores(s0, iq, w, scores)`` with the fp4-rounded queries ``[T, ih, id]``,
     the head weights ``[T, ih]`` and the scores after the visibility mask, before candidate
-    masking; then ``observer.index_selection(s0, scores, topk)`` with the scores top-k chose
-    from (candidate-masked) and the tile's rows of ``topk_idxs``. It changes nothing computed.
+    masking; then ``observer.index_selection(s0, scores, topk, maxima)`` with the scores top-k
+    chose from (candidate-masked), the tile's rows of ``topk_idxs`` and the block hints the
+    top-k skipped by (``(block, hints)``, or None). It changes nothing computed.
 
     A candidate consumer forms only the scores inside its queries' candidate blocks (in key
     blocks of ``DOT_LANES``; :mod:`.candidate_scores`) unless the scores before the candidate
@@ -305,5 +306,5 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
                       candidate_hints(cands, -(-width // cfg.candidate_block_size)))
         topk_idxs[s0:s1] = _selection(scores, clen[s0:s1], k, offset, maxima)
         if observer is not None:
-            observer.index_selection(s0, scores, topk_idxs[s0:s1])
+            observer.index_selection(s0, scores, topk_idxs[s0:s1], maxima)
     return topk_idxs, published, score_capture
