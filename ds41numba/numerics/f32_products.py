@@ -38,7 +38,7 @@ from numba import njit, prange
 
 from .f32_tiles import CHAIN_LANES, CHAIN_ROWS, TILE_LANES, TILE_ROWS, chain_tile, fma_tile, lanes_tile
 from .formats import aligned_empty
-from .workers import serial_twin, worth_parallel
+from .workers import serial_twin, sized_call
 
 __all__ = [
     "KC",
@@ -170,8 +170,7 @@ def _chain_item(x, v, out, first_row, j):
 
 
 # Each kernel runs its work items in parallel, or its serial twin runs them in the calling
-# thread (workers.serial_twin), chosen by workers.worth_parallel. The items do not depend on
-# which thread runs them.
+# thread (workers.sized_call). The items do not depend on which thread runs them.
 
 
 @njit(parallel=True, cache=True)
@@ -236,7 +235,7 @@ def _pack(w, transposed):
     n = w.shape[1] if transposed else w.shape[0]
     k = w.shape[0] if transposed else w.shape[1]
     out = aligned_empty((-(-n // TILE_LANES), k, TILE_LANES))
-    (_pack_kernel if worth_parallel(out.size) else _pack_kernel_serial)(w, out, transposed)
+    sized_call(_pack_kernel, out.shape[0], k * TILE_LANES, w, out, transposed)
     return out
 
 
@@ -364,8 +363,8 @@ def _run_blocked(x2, wp, y, nb, n):
     if nb:
         groups = _col_groups(nb, wp.shape[0])
         n_items = -(-nb // _CHUNK_ROWS) * groups
-        big = worth_parallel(nb * x2.shape[1] * n)
-        (_blocked_kernel if big else _blocked_kernel_serial)(x2, wp, y, nb, n, groups, n_items)
+        sized_call(_blocked_kernel, n_items, -(-nb * x2.shape[1] * n // n_items), x2, wp, y, nb, n,
+                   groups, n_items)
 
 
 def linear_f32_ordered(x, w, out=None, ref_rows: int | None = None, first_row: int = 0):
@@ -408,8 +407,9 @@ def linear_f32_ordered(x, w, out=None, ref_rows: int | None = None, first_row: i
                 else:
                     ldx = _lead(x2)
                     peels = (-(np.arange(first_row + nb, first_row + m, dtype=np.int64) * ldx)) % 4
-                big = worth_parallel((m - nb) * k * n)
-                (_small_kernel if big else _small_kernel_serial)(x2, wm.packed, y, nb, peels, n)
+                panels = wm.packed.shape[0]
+                sized_call(_small_kernel, panels, -(-(m - nb) * k * n // panels), x2, wm.packed, y,
+                           nb, peels, n)
     return y.reshape(np.shape(x)[:-1] + (n,))
 
 
@@ -435,7 +435,7 @@ def matmul_nn_f32_ordered(x, v, out=None):
             if nb:
                 _run_blocked(x2, _pack(v, True), y, nb, n)
             if nb < m:
-                big = worth_parallel((m - nb) * k * n)
                 n_items = -(-n // CHAIN_LANES)
-                (_chain_kernel if big else _chain_kernel_serial)(x2, v, y, nb, n_items)
+                sized_call(_chain_kernel, n_items, -(-(m - nb) * k * n // n_items), x2, v, y, nb,
+                           n_items)
     return y.reshape(np.shape(x)[:-1] + (n,))
