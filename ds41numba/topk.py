@@ -144,12 +144,12 @@ def _heap_select_row(row, k, hv, hi, hint, block):
         i += SCAN_RUN
 
 
-# Values of a row one test of passes_any covers.
+# Values of a row one test of _passes_any covers.
 SCAN_RUN = 32
 
 
 @njit(cache=True)
-def passes_any(row, i, top):
+def _passes_any(row, i, top):
     """Whether any of ``row[i : i + SCAN_RUN]`` comes before ``top`` (larger, or a NaN): no
     early exit, so the loop vectorises."""
     hit = 0
@@ -175,10 +175,10 @@ def hints_pass(hint, b0, b1, top):
 @njit(cache=True)
 def run_passes(row, i, top, hint, block):
     """Whether a value of the run ``row[i : i + SCAN_RUN]`` may come before ``top``: read from
-    the row (:func:`passes_any`), or with ``block`` > 0 from the block hints ``hint`` of its
+    the row (:func:`_passes_any`), or with ``block`` > 0 from the block hints ``hint`` of its
     blocks of ``block`` positions (:func:`hints_pass`; a ``block``-th of the row to read)."""
     if not block:
-        return passes_any(row, i, top)
+        return _passes_any(row, i, top)
     return hints_pass(hint, i // block, (i + SCAN_RUN - 1) // block + 1, top)
 
 

@@ -82,6 +82,7 @@ def _mask_kernel(scores, packed, clen, block, need, lanes):
 
 _mask_kernel_serial = serial_twin(_mask_kernel)
 
+
 def mask_outside_candidates(scores: np.ndarray, packed: np.ndarray, clen: np.ndarray,
                             block: int, within: tuple | None = None) -> None:
     """-inf, in place, at every position below ``clen[s]`` outside row ``s``'s candidate blocks
