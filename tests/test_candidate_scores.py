@@ -129,3 +129,20 @@ def test_mask_needs_bits_that_cover_the_rows():
     with pytest.raises(ValueError, match="do not cover"):
         candidate_scores.mask_outside_candidates(np.zeros((2, 40), np.float32),
                                                  np.zeros((2, 1), np.uint8), np.array([3, 4]), 4)
+
+
+@pytest.mark.parametrize("block", [3, 4, 8, 12, 32])
+def test_candidate_quarters_are_the_quarters_holding_a_visible_candidate(block):
+    rng = np.random.default_rng(block)
+    T, width, quarter = 9, 301, 8
+    bits = rng.random((T, -(-width // block))) < 0.2
+    bits[0] = False
+    clen = rng.integers(0, width + 1, T)
+    clen[1] = width
+    offsets, firsts = candidate_scores.candidate_quarters(np.packbits(bits, axis=1), clen, block)
+    per_pos = np.repeat(bits, block, axis=1)[:, :width]
+    for s in range(T):
+        want = [u * quarter for u in range(-(-width // quarter))
+                if per_pos[s, u * quarter:min((u + 1) * quarter, clen[s])].any()]
+        assert list(firsts[offsets[s]:offsets[s + 1]]) == want, s
+    assert offsets[1] == 0 and offsets[-1] == len(firsts) > 0

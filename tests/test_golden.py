@@ -522,7 +522,7 @@ def test_another_head_order_passes_as_boundary_swaps(tmp_path, monkeypatch):
         if maxima is not None:      # the candidate source's block maxima, of these scores
             block_maxima.visible_block_maxima(got, clen, *maxima)
         if need is not None:        # a consumer scored whole: -inf outside its key blocks
-            candidate_scores.clear_key_blocks(got, 1 - need, DOT_LANES)
+            candidate_scores.clear_key_blocks(got, 1 - need.key_blocks, DOT_LANES)
         return got
 
     monkeypatch.setattr(indexer.IndexKeyCache, "scores", scores)

@@ -243,3 +243,42 @@ def test_int8_dot_exact_bound_is_needed():
     exact = (a.astype(np.float64) @ b.T.astype(np.float64))
     assert np.all(exact == 32 * 36 * 2.0 ** 14 + 95 * 0.25)
     assert np.all(bf16_dot_rows(a, b) == F32(32 * 36 * 2.0 ** 14)) and np.all(exact.astype(F32) > F32(32 * 36 * 2.0 ** 14))
+
+
+# ------------------------------------------------------------------ VNNI's mix of key quarters
+
+
+@numba.njit
+def _mix_quarters(qa, ca, sa, w, qb, sb, at, out, converts):
+    nm.vnni_mix_quarters(qa, ca, sa, w, qb, sb, at, out, converts)
+
+
+# Four quarters a call: one key block's in order, from four blocks out of order, one quarter
+# twice, the last keys (a block of padding lanes beside them unread).
+QUARTER_SETS = [[0, 8, 16, 24], [184, 8, 96, 40], [64, 64, 160, 72], [176, 168, 184, 0]]
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("at", QUARTER_SETS, ids=["block", "scattered", "repeated", "last"])
+def test_vnni_mix_of_quarters_is_the_mix_of_their_keys(at):
+    """vnni_mix_quarters' lane ``8i + j`` is key ``at[i] + j``'s mixed score, bit for bit the
+    numpy mix (both roundings, ties to even among them: rows 2^1 apart), for three queries of 32
+    heads against 190 keys (six key blocks, the last two lanes padding)."""
+    from test_amx_dot import _mixed_reference
+
+    rng = np.random.default_rng(sum(at))
+    heads, d = 2 * nm.AMX_ROWS, 128
+    a, b = fp4_rows(rng, 3 * heads, d, 1), fp4_rows(rng, 190, d, 1)
+    b[41] = 0.0
+    w = nm.to_bf16_rne(rng.standard_normal(3 * heads).astype(F32) * F32(0.05))
+    want = _mixed_reference(a, w, b, heads)[0]
+    qa, sa, ra = nm.folded_rows(a)
+    qb, sb, rb = nm.pack_offset_folded_blocks(b)
+    assert nm.foldable(ra, rb) and nm.int8_dot_exact(ra, rb, d)
+    keys = np.array([t + j for t in at for j in range(nm.QUARTER)])
+    for converts in (True, False):
+        out = np.full((3, nm.DOT_LANES), np.nan, F32)
+        _mix_quarters(qa, nm.folded_corrections(qa), sa, w.reshape(-1, 1), qb, sb,
+                      np.array(at, np.int64), out, converts)
+        seen = keys < b.shape[0]
+        assert_same_bits(out[:, seen], want[:, keys[seen]])

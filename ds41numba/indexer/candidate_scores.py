@@ -6,6 +6,10 @@ a 64th of what it sees. The score kernels therefore skip the key blocks (``DOT_L
 positions) in which a query has no candidate (:func:`needed_key_blocks`), and
 :func:`mask_outside_candidates` then writes -inf over every visible position outside the
 candidates: the rows are bit for bit the masked full rows, whatever the kernels left there.
+VNNI's folded kernel goes further: it scores quarters of key blocks (8 positions, a candidate
+block of the v41 configs), four from anywhere to a call (:func:`candidate_quarters`), so its
+multiply-adds are the candidates' (a quarter of the key blocks' at 1,048,576 positions).
+:class:`NeededKeys` carries both views of a tile's candidates to the kernels.
 A buffer reused tile after tile needs the mask only inside the key blocks the tile formed,
 once those the tile before formed are back to -inf (:func:`clear_key_blocks`). The top-k sees
 the same rows; :func:`candidate_hints` only lets its scan skip the -inf runs
@@ -14,13 +18,15 @@ the same rows; :func:`candidate_hints` only lets its scan skip the -inf runs
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
 
-from ..numerics import serial_twin, sized_call
+from ..numerics import DOT_LANES, QUARTER, serial_twin, sized_call
 
-__all__ = ["EVERY_KEY_BLOCK", "needed_key_blocks", "mask_outside_candidates", "clear_key_blocks",
-           "candidate_hints"]
+__all__ = ["EVERY_KEY_BLOCK", "NeededKeys", "needed_keys", "needed_key_blocks", "candidate_quarters",
+           "mask_outside_candidates", "clear_key_blocks", "candidate_hints"]
 
 #: The key blocks a query needs when it needs every one: no column (as :func:`needed_key_blocks`
 #: marks them, one column a key block, the kernels read "none" as "all").
@@ -134,3 +140,70 @@ def candidate_hints(packed: np.ndarray, n_blocks: int) -> np.ndarray:
     out = np.empty((packed.shape[0], n_blocks), np.float32)
     sized_call(_hints_kernel, out.shape[0], out.shape[1], packed, out)
     return out
+
+
+@njit(cache=True)
+def _walk_quarters(packed_row, n, block, out):
+    """The first keys of the quarters (``QUARTER`` keys) holding a visible candidate position
+    of a row (``n`` positions visible), in order, into ``out`` when it has room; their count."""
+    k = 0
+    last = -1
+    for byte in range(min(packed_row.shape[0], -(-n // (8 * block)))):
+        if packed_row[byte] == 0:
+            continue
+        for c in range(8 * byte, 8 * byte + 8):
+            if _bit(packed_row, c) and c * block < n:
+                for u in range(c * block // QUARTER, (min(n, (c + 1) * block) - 1) // QUARTER + 1):
+                    if u > last:
+                        if k < out.shape[0]:
+                            out[k] = u * QUARTER
+                        k += 1
+                        last = u
+    return k
+
+
+@njit(parallel=True, cache=True)
+def _quarters_kernel(packed, clen, block, offsets, firsts, counts):
+    """Each row's quarters into ``firsts`` from ``offsets[s]`` (none where ``firsts`` is
+    empty), and their count into ``counts[s]``."""
+    for s in prange(packed.shape[0]):
+        room = firsts[offsets[s]:offsets[s + 1]] if firsts.shape[0] else firsts
+        counts[s] = _walk_quarters(packed[s], max(clen[s], 0), block, room)
+
+
+_quarters_kernel_serial = serial_twin(_quarters_kernel)
+
+
+def candidate_quarters(packed: np.ndarray, clen: np.ndarray, block: int) -> tuple:
+    """The quarters of key blocks (``QUARTER`` positions from a multiple of it) that hold a
+    visible candidate position of each query (``packed`` its candidate bits of blocks of
+    ``block``): ``(offsets int64 [T + 1], firsts int64)``, query ``s``'s quarters' first
+    positions ``firsts[offsets[s]:offsets[s + 1]]``, in order."""
+    T = packed.shape[0]
+    clen = np.ascontiguousarray(clen, np.int64)
+    offsets = np.zeros(T + 1, np.int64)
+    counts = np.empty(T, np.int64)
+    cost = packed.shape[1]
+    sized_call(_quarters_kernel, T, cost, packed, clen, block, offsets, np.empty(0, np.int64), counts)
+    np.cumsum(counts, out=offsets[1:])
+    firsts = np.empty(offsets[-1], np.int64)
+    sized_call(_quarters_kernel, T, cost, packed, clen, block, offsets, firsts, counts)
+    return offsets, firsts
+
+
+class NeededKeys(NamedTuple):
+    """The keys a candidate consumer's tile needs scored: its candidate bits (``np.packbits``'
+    layout, a bit a block of ``block`` positions) and the key blocks of ``DOT_LANES`` positions
+    holding a visible candidate (``key_blocks``, :func:`needed_key_blocks`). Kernels of whole
+    key blocks read ``key_blocks``; VNNI's folded kernel scores quarters of them
+    (:func:`candidate_quarters`)."""
+    bits: np.ndarray
+    block: int
+    key_blocks: np.ndarray
+
+
+def needed_keys(packed: np.ndarray, clen: np.ndarray, block: int, width: int) -> NeededKeys:
+    """:class:`NeededKeys` of queries of these candidate bits and visible lengths, rows of
+    ``width`` positions."""
+    return NeededKeys(packed, block, needed_key_blocks(packed, clen, block, DOT_LANES,
+                                                       -(-width // DOT_LANES)))

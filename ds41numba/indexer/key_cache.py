@@ -14,7 +14,7 @@ from ..numerics import (DOT_LANES, EMPTY_RANGE, FOLDED_KEY_OFFSET, KEY_OFFSET, e
                         tier_at_least)
 from .blas_scores import tile_scores
 from .block_maxima import visible_block_maxima
-from .candidate_scores import clear_key_blocks
+from .candidate_scores import NeededKeys, clear_key_blocks
 from .tier_scores import (amx_scored, int8_scored, tile_scores_amx, tile_scores_bf16, tile_scores_int8,
                           tile_scores_vnni_folded, vnni_folded_scored)
 
@@ -126,14 +126,15 @@ class IndexKeyCache:
     def scores(self, iq: np.ndarray, w: np.ndarray, clen: np.ndarray, width: int,
                out: np.ndarray | None = None, qbuf: np.ndarray | None = None,
                dirty_to: int | None = None, maxima: tuple | None = None,
-               need: np.ndarray | None = None) -> np.ndarray:
+               need: NeededKeys | None = None) -> np.ndarray:
         """A tile's scores ``[T, width]`` after the visibility mask (see :func:`tile_scores`);
         ``dirty_to``: the columns of ``out`` from there on hold -inf already (:func:`masked_buffer`).
 
-        ``need`` (a candidate consumer's, :func:`~.candidate_scores.needed_key_blocks`): the
-        key blocks of ``DOT_LANES`` positions whose scores each query needs; the packed kernels
-        form no other, leaving those positions (below ``clen``) as they were for the caller to
-        mask. BLAS's tier forms every score and writes -inf outside those blocks (what a
+        ``need`` (a candidate consumer's, :class:`~.candidate_scores.NeededKeys`): the keys
+        whose scores each query needs; the packed kernels form those of the key blocks of
+        ``DOT_LANES`` positions holding one (VNNI's folded kernel: the quarters holding one) and
+        no other, leaving the other positions (below ``clen``) as they were for the caller to
+        mask. BLAS's tier forms every score and writes -inf outside those key blocks (what a
         caller that keeps its rows -inf there finds either way).
 
         ``maxima = (block, block_max)``: also each row's maxima of the blocks of ``block``
@@ -169,7 +170,7 @@ class IndexKeyCache:
             if maxima is not None:
                 visible_block_maxima(got, clen, *maxima)
             if need is not None:    # -inf where a packed kernel forms nothing: the same rows
-                clear_key_blocks(got, 1 - need, DOT_LANES)
+                clear_key_blocks(got, 1 - need.key_blocks, DOT_LANES)
             return got
         if self.blocks is None:
             self._pack_all(self.keys.shape[0])

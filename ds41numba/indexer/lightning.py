@@ -20,7 +20,7 @@ from ..numerics import (DOT_LANES, fp4_quant_e8m0_inplace, is_int, linear_bf16, 
 from ..rope import apply_rotary
 from ..step import Step
 from .candidate_scores import (candidate_hints, clear_key_blocks, mask_outside_candidates,
-                               needed_key_blocks)
+                               needed_keys)
 from .candidates import candidate_block_bits
 from .key_cache import IndexKeyCache
 from .query_layouts import query_pairs_size
@@ -198,8 +198,7 @@ class _Scorer:
         cleared, and only this tile's masked, not whole rows (4 MB a query at 1M positions)."""
         n = len(clen)
         maxima = None if self.block_max is None else (self.block, self.block_max[:n])
-        need = (None if candidates is None else
-                needed_key_blocks(candidates, clen, self.block, DOT_LANES, -(-self.width // DOT_LANES)))
+        need = None if candidates is None else needed_keys(candidates, clen, self.block, self.width)
         clean = need is not None and self.written is not None and n <= len(self.written)
         if clean:
             clear_key_blocks(self.buf, self.written, DOT_LANES)
@@ -207,8 +206,8 @@ class _Scorer:
                                dirty_to=self.dirty_to, maxima=maxima, need=need)
         if need is not None:
             mask_outside_candidates(got, candidates, clen, self.block,
-                                    (need, DOT_LANES) if clean else None)
-        self.written = need
+                                    (need.key_blocks, DOT_LANES) if clean else None)
+        self.written = None if need is None else need.key_blocks
         # What the tile wrote: below each row's clen (later writers only write -inf).
         self.dirty_to = max(int(clen.max(initial=0)), 0)
         return got, maxima
@@ -261,7 +260,7 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     top-k skipped by (``(block, hints)``, or None). It changes nothing computed.
 
     A candidate consumer forms only the scores inside its queries' candidate blocks (in key
-    blocks of ``DOT_LANES``; :mod:`.candidate_scores`) unless the scores before the candidate
+    blocks of ``DOT_LANES``, or their quarters; :mod:`.candidate_scores`) unless the scores before the candidate
     mask are recorded (``capture``, or an observer that wants them): its masked rows, and so
     its selection, are the same either way.
     """

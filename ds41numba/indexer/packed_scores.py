@@ -7,7 +7,9 @@ dot products of the queries that see any of it (a suffix of the tile, as ``clen`
 the query) and mixes them while they are in cache, in torch's head order
 (:func:`~.blas_scores.mix_heads_by_head`), or takes them mixed from a tile kernel that mixes as
 it forms them (AMX's and VNNI's folded rows). Every score is formed whole by one worker, in a
-fixed order, so the result does not depend on the thread count.
+fixed order, so the result does not depend on the thread count. A candidate consumer's tile on
+VNNI's folded rows runs by query instead: each worker takes a run of the queries' groups of four
+candidate quarters (:func:`_vnni_quarters_kernel`), its multiply-adds only the candidates'.
 
 The layouts (:data:`LAYOUTS`): ``"bf16"`` (bf16 pairs, AVX512-BF16), ``"int8"`` (VNNI's
 per-block layout, a scale a 32-value block), ``"vnni_folded"`` (VNNI's folded rows: one scale a
@@ -21,12 +23,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, amx_begin, amx_dot_tile, amx_end,
-                        amx_mix_tile, bf16_dot_tile, int8_dot_into, int8_pairs_into, serial_twin,
-                        sized_call, vnni_mix_tile)
+from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, QUARTER, amx_begin, amx_dot_tile,
+                        amx_end, amx_mix_tile, bf16_dot_tile, int8_dot_into, int8_pairs_into,
+                        serial_twin, sized_call, vnni_mix_quarters, vnni_mix_tile)
 from .blas_scores import mix_heads_by_head
 from .block_maxima import key_block_maxima, visible_block_maxima
-from .candidate_scores import EVERY_KEY_BLOCK
+from .candidate_scores import EVERY_KEY_BLOCK, NeededKeys, candidate_quarters
 from .visibility import masked_buffer
 
 __all__ = ["LAYOUTS", "tile_scores_packed"]
@@ -170,6 +172,53 @@ def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, bloc
 _vnni_kernel_serial = serial_twin(_vnni_kernel)
 
 
+@njit(parallel=True, cache=True)
+def _vnni_quarters_kernel(q, keys, w, clen, offsets, firsts, group_at, workers, converts, out):
+    """A candidate consumer's scores on VNNI's folded rows: each query's quarters (``firsts[
+    offsets[s]:offsets[s + 1]]``, :func:`~.candidate_scores.candidate_quarters`) four to a
+    :func:`~ds41numba.numerics.vnni_mix_quarters` call (a row's last group repeats its last
+    quarter), their visible scores written. The groups of all queries in order (query ``s``'s
+    from ``group_at[s]``), a contiguous run of them a worker."""
+    T, ih = w.shape
+    quads, corr, scales = q
+    key_quads, key_scales = keys
+    w_rows = w.reshape((T * ih, 1))
+    n_groups = group_at[T]
+    for wk in prange(workers):
+        at = np.empty(4, np.int64)
+        mixed = np.empty((1, DOT_LANES), np.float32)
+        s = 0
+        for g in range(wk * n_groups // workers, (wk + 1) * n_groups // workers):
+            while group_at[s + 1] <= g:
+                s += 1
+            k0 = offsets[s] + 4 * (g - group_at[s])
+            n = min(4, offsets[s + 1] - k0)
+            for j in range(4):
+                at[j] = firsts[k0 + min(j, n - 1)]
+            rows = slice(s * ih, (s + 1) * ih)
+            vnni_mix_quarters(quads[rows], corr[rows], scales[rows], w_rows[rows], key_quads,
+                              key_scales, at, mixed, converts)
+            for j in range(n):
+                for i in range(min(QUARTER, clen[s] - at[j])):
+                    out[s, at[j] + i] = mixed[0, QUARTER * j + i]
+
+
+_vnni_quarters_kernel_serial = serial_twin(_vnni_quarters_kernel)
+
+
+def _quarter_scores(q, keys, w, clen, need, converts, out):
+    """:func:`_vnni_quarters_kernel` on the quarters ``need`` (:class:`~.candidate_scores.NeededKeys`)
+    asks of each query."""
+    offsets, firsts = candidate_quarters(need.bits, clen, need.block)
+    group_at = np.zeros(len(offsets), np.int64)
+    np.cumsum((np.diff(offsets) + 3) // 4, out=group_at[1:])
+    n_groups = int(group_at[-1])
+    if n_groups:
+        sized_call(_vnni_quarters_kernel, n_groups, q[0].shape[1] * w.shape[1] * DOT_LANES, q, keys,
+                   w, clen, offsets, firsts, group_at, min(numba.get_num_threads(), n_groups),
+                   converts, out)
+
+
 @njit(cache=True)
 def _amx_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, block, block_max):
     """Key block ``b``'s scores of the queries ``s_lo .. e`` on AMX (the thread holds the tile
@@ -256,15 +305,17 @@ _NO_MAXIMA = np.empty((1, 1), np.float32)
 def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: np.ndarray,
                        width: int, out: np.ndarray | None = None, dirty_to: int | None = None,
                        converts: bool = False, maxima: tuple | None = None,
-                       need: np.ndarray | None = None) -> np.ndarray:
+                       need: NeededKeys | None = None) -> np.ndarray:
     """A tile's scores ``[T, width]`` after the visibility mask, from queries and keys packed
     in ``layout`` (a key of :data:`LAYOUTS`); ``converts``: AMX's and VNNI's mixers may round on
     the CPU's conversion (:func:`~ds41numba.numerics.converted_mix_exact`). With ``maxima =
     (block, block_max)`` also the rows' block maxima (:meth:`.IndexKeyCache.scores`): taken by
     the kernel while each key block is in cache where ``block`` divides DOT_LANES, else by a
-    pass over the scores after them. ``need`` (uint8 ``[T, >= ceil(max clen / DOT_LANES)]``,
-    :func:`~.candidate_scores.needed_key_blocks`): the key blocks whose scores a query needs;
-    the others' positions are left as they were (the caller writes them)."""
+    pass over the scores after them. ``need`` (:class:`~.candidate_scores.NeededKeys`, its key
+    blocks at least ``ceil(max clen / DOT_LANES)`` a row): a candidate consumer's; only the
+    scores of the key blocks holding a candidate are formed (VNNI's folded kernel, without
+    maxima: only the quarters holding one), the other positions below ``clen`` left as they
+    were (the caller writes them)."""
     T = w.shape[0]
     block, block_max = maxima if maxima is not None and DOT_LANES % maxima[0] == 0 else (0, _NO_MAXIMA)
     out = masked_buffer(out, (T, width), clen, dirty_to, "tile_scores_packed")
@@ -272,18 +323,22 @@ def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: 
     if keys[0].shape[0] * DOT_LANES < n_vis:
         raise ValueError(f"tile_scores_packed: packed keys {keys[0].shape} do not cover {n_vis} "
                          "positions")
+    w = np.ascontiguousarray(w, np.float32)
     if n_vis:
         n_blocks = -(-n_vis // DOT_LANES)
-        if need is None:
-            need = EVERY_KEY_BLOCK
-        elif need.dtype != np.uint8 or need.shape[0] != T or need.shape[1] < n_blocks:
-            raise ValueError(f"tile_scores_packed: need must be uint8 [{T}, >= {n_blocks}], got "
-                             f"{need.dtype} {need.shape}")
-        # A key block's multiply-adds: every query row's packed words times the lanes (a
-        # word's 2 or 4 products counted as one).
-        sized_call(LAYOUTS[layout], n_blocks, q[0].size * DOT_LANES, q, keys,
-                   np.ascontiguousarray(w, np.float32), clen, n_blocks,
-                   min(numba.get_num_threads(), n_blocks), converts, out, block, block_max, need)
+        blocks = EVERY_KEY_BLOCK if need is None else need.key_blocks
+        if blocks.dtype != np.uint8 or (need is not None and (blocks.shape[0] != T or
+                                                               blocks.shape[1] < n_blocks)):
+            raise ValueError(f"tile_scores_packed: need's key blocks must be uint8 [{T}, >= "
+                             f"{n_blocks}], got {blocks.dtype} {blocks.shape}")
+        if need is not None and layout == "vnni_folded" and not block and w.shape[1] % AMX_ROWS == 0:
+            _quarter_scores(q, keys, w, clen, need, converts, out)
+        else:
+            # A key block's multiply-adds: every query row's packed words times the lanes (a
+            # word's 2 or 4 products counted as one).
+            sized_call(LAYOUTS[layout], n_blocks, q[0].size * DOT_LANES, q, keys, w, clen, n_blocks,
+                       min(numba.get_num_threads(), n_blocks), converts, out, block, block_max,
+                       blocks)
     if maxima is not None and not block:
         visible_block_maxima(out, clen, *maxima)
     return out

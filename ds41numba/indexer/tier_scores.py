@@ -14,6 +14,7 @@ import numpy as np
 
 from ..numerics import (AMX_K, INT8_GROUP, converted_mix_exact, foldable, int8_dot_exact,
                         tier_at_least)
+from .candidate_scores import NeededKeys
 from .packed_scores import tile_scores_packed
 from .query_layouts import query_buffer, query_folded, query_int8, query_offset_folded, query_pairs
 
@@ -47,10 +48,10 @@ def _check_key_dims(name: str, packed: np.ndarray, per_value: int, idim: int) ->
 def tile_scores_bf16(iq: np.ndarray, w: np.ndarray, keys: np.ndarray, clen: np.ndarray,
                      width: int, out: np.ndarray | None = None,
                      qbuf: np.ndarray | None = None, dirty_to: int | None = None,
-                     maxima: tuple | None = None, need: np.ndarray | None = None) -> np.ndarray:
+                     maxima: tuple | None = None, need: NeededKeys | None = None) -> np.ndarray:
     """The scores (:func:`~.blas_scores.tile_scores`) on AVX512-BF16 against packed keys
     (``[blocks, id / 2, DOT_LANES]``); ``qbuf`` a reusable uint32 buffer of at least
-    :func:`~.query_layouts.query_pairs_size` elements; ``need``: the key blocks each query
+    :func:`~.query_layouts.query_pairs_size` elements; ``need``: the keys each query
     needs (:func:`~.packed_scores.tile_scores_packed`)."""
     T, ih, idim = iq.shape
     _check_key_dims("tile_scores_bf16", keys, 2, idim)
@@ -63,7 +64,7 @@ def tile_scores_int8(iq: np.ndarray, w: np.ndarray, keys: tuple, key_range: np.n
                      clen: np.ndarray, width: int, out: np.ndarray | None = None,
                      qbuf: np.ndarray | None = None,
                      dirty_to: int | None = None, maxima: tuple | None = None,
-                     need: np.ndarray | None = None) -> np.ndarray | None:
+                     need: NeededKeys | None = None) -> np.ndarray | None:
     """The scores on AVX512-VNNI (on AVX2 where VNNI is not on) against keys packed by
     :func:`~ds41numba.numerics.pack_int8_blocks` (``(quads, scales)`` and their range), or None
     when these queries and keys are not all fp4 values whose dot products are exact in f32
@@ -83,7 +84,7 @@ def _tile_scores_folded(layout: str, query, iq: np.ndarray, w: np.ndarray, keys:
                         key_range: np.ndarray, clen: np.ndarray, width: int,
                         out: np.ndarray | None = None, qbuf: np.ndarray | None = None,
                         dirty_to: int | None = None, maxima: tuple | None = None,
-                        need: np.ndarray | None = None) -> np.ndarray | None:
+                        need: NeededKeys | None = None) -> np.ndarray | None:
     """The scores on folded rows (``layout`` ``"amx"`` or ``"vnni_folded"``), the queries folded
     by ``query``, or None when the queries or keys do not fold or their products are not exact;
     the mix rounds on the conversion where :func:`~ds41numba.numerics.converted_mix_exact`

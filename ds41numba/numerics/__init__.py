@@ -39,7 +39,7 @@ from .folded_layouts import (AMX_K, AMX_ROWS, FOLD_SPREAD, FOLDED_KEY_OFFSET, em
                              foldable, folded_blocks_shape, folded_corrections, folded_rows,
                              pack_folded_blocks, pack_offset_folded_blocks)
 from .head_mix import MAX_BLOCK, converted_mix_exact
-from .int8_dot import int8_dot_exact, int8_dot_into, int8_dot_tile, vnni_mix_tile
+from .int8_dot import QUARTER, int8_dot_exact, int8_dot_into, int8_dot_tile, vnni_mix_quarters, vnni_mix_tile
 from .int8_pairs import int8_pairs_into, int8_pairs_tile
 from .int8_layouts import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_blocks_shape,
                            int8_rows, merge_ranges, pack_int8_blocks)
@@ -61,7 +61,7 @@ from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threa
 
 __all__ = [
     "AMX_K", "AMX_ROWS", "MAX_BLOCK", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "amx_mix_tile", "converted_mix_exact",
-    "vnni_mix_tile",
+    "vnni_mix_tile", "vnni_mix_quarters", "QUARTER",
     "empty_folded_blocks", "foldable", "folded_blocks_shape", "folded_rows", "pack_folded_blocks",
     "FOLDED_KEY_OFFSET", "folded_corrections", "pack_offset_folded_blocks",
     "BACKENDS", "backend", "tier_at_least", "use_backend",

@@ -17,7 +17,7 @@ from numba.core import cgutils
 
 from .bf16_dot import DOT_LANES
 from .folded_layouts import AMX_ROWS
-from .vector_ir import F32, I32, V16F, V16I, i64, load_row, row_pointer, splat
+from .vector_ir import F32, I32, V16F, V16I, i64, key_vector, load_row, row_pointer, splat
 
 __all__ = ["MAX_BLOCK", "BitsMix", "ConvertedMix", "converted_mix_exact"]
 
@@ -63,7 +63,7 @@ class BitsMix:
         self.m_op, self.maxima = maxima
         zero = ir.Constant(V16F, [0.0] * 16)
         self.acc = [cgutils.alloca_once_value(builder, zero) for _ in range(_HALVES)]
-        self.sk = [load_row(builder, t_op, i64(0), i64(64 * h), V16F) for h in range(_HALVES)]
+        self.sk = [key_vector(builder, t_op, i64(0), h, V16F) for h in range(_HALVES)]
 
     def rows(self, src_at, rt, rows=range(AMX_ROWS)):
         """Row tile ``rt``'s products (int32 ``[AMX_ROWS, DOT_LANES]`` at ``src_at``), its rows

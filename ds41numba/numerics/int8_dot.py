@@ -20,10 +20,11 @@ from .bf16_dot import DOT_LANES, DOT_ROWS
 from .folded_layouts import AMX_ROWS
 from .head_mix import BitsMix, ConvertedMix
 from .int8_layouts import INT8_MAX, MIN_EXP
-from .vector_ir import (F32, I32, I64, V16F, V16I, close_loop, extent, i64, load_row, open_loop,
-                        row_operands, row_pointer, splat)
+from .vector_ir import (F32, I32, I64, V16F, V16I, KeyQuarters, close_loop, extent, i64,
+                        key_vector, load_row, open_loop, row_operands, row_pointer, splat)
 
-__all__ = ["int8_dot_tile", "int8_dot_into", "int8_dot_exact", "vnni_mix_tile", "add_group_term"]
+__all__ = ["int8_dot_tile", "int8_dot_into", "int8_dot_exact", "vnni_mix_tile", "vnni_mix_quarters", "QUARTER",
+           "add_group_term"]
 
 
 # An fp4 (e8m0) quantised block is ``e2m1 * s`` with ``s`` a power of two, and twice an e2m1
@@ -113,7 +114,7 @@ def quad_sums(builder, a_op, b_op, start, p0, n_quads, row0, name):
             acc[m][v].add_incoming(start[m], entry)
     p = builder.add(p0, q)
     p4 = builder.mul(p, i64(4))
-    bv = [load_row(builder, b_op, p, i64(64 * v), V16I) for v in range(nvec)]
+    bv = [key_vector(builder, b_op, p, v, V16I) for v in range(nvec)]
     new = []
     for m in range(DOT_ROWS):
         row = builder.add(row0, i64(m))
@@ -193,15 +194,54 @@ def vnni_mix_tile(typingctx, a, a_corr, a_scale, w, b, b_scale, out, block_max, 
         n_queries = extent(builder, arrays[6])
         maxima_on = context.cast(builder, args[9], signature.args[9], types.boolean)
         ops = (a_op, c_op, s_op, w_op, b_op, t_op, o_op, (m_op, maxima_on))
-        with builder.if_else(context.cast(builder, args[8], signature.args[8], types.boolean)) \
-                as (converted, exact_bits):
-            with converted:
-                _vnni_mix(builder, ops, (n_rows, n_quads, n_queries), ConvertedMix)
-            with exact_bits:
-                _vnni_mix(builder, ops, (n_rows, n_quads, n_queries), BitsMix)
+        _mix_by_rounding(context, builder, (args[8], signature.args[8]), ops, (n_rows, n_quads, n_queries))
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+#: Keys a quarter of a key block: what :func:`vnni_mix_quarters` reads from each place.
+QUARTER = DOT_LANES // 4
+
+
+@intrinsic
+def vnni_mix_quarters(typingctx, a, a_corr, a_scale, w, b, b_scale, at, out, converts):
+    """:func:`vnni_mix_tile` against four quarters of key blocks, from anywhere in the keys:
+    ``b``, ``b_scale`` all of :func:`.folded_layouts.pack_offset_folded_blocks`' blocks (``[blocks,
+    d / 4, DOT_LANES]``, ``[blocks, 1, DOT_LANES]``), ``at`` (int64 ``[4]``) the quarters' first
+    keys (multiples of ``QUARTER``); lane ``QUARTER * i + j`` of ``out``'s rows is key ``at[i] +
+    j``'s score. A candidate consumer needs its candidate blocks of 8 keys, each a quarter of a
+    key block: four to a call, its multiply-adds are the keys it needs. No block maxima."""
+    sig = types.void(a, a_corr, a_scale, w, b, b_scale, at, out, converts)
+
+    def codegen(context, builder, signature, args):
+        (a_op, c_op, s_op, w_op, b_op, t_op, at_op, o_op), arrays = row_operands(
+            context, builder, signature, args[:8])
+        b_rows, t_rows = (builder.extract_value(arrays[i].strides, 1) for i in (4, 5))
+        quads, scales = [], []
+        for i in range(4):
+            first = load_row(builder, at_op, i64(i), i64(0), I64)
+            block = builder.udiv(first, i64(DOT_LANES))
+            lane4 = builder.mul(builder.urem(first, i64(DOT_LANES)), i64(4))
+            for (base, stride), rows, got in ((b_op, b_rows, quads), (t_op, t_rows, scales)):
+                got.append((builder.add(base, builder.add(builder.mul(block, stride), lane4)), rows))
+        shape = (extent(builder, arrays[0]), extent(builder, arrays[4], 1), extent(builder, arrays[7]))
+        ops = (a_op, c_op, s_op, w_op, KeyQuarters(quads), KeyQuarters(scales), o_op,
+               (o_op, ir.Constant(ir.IntType(1), 0)))
+        _mix_by_rounding(context, builder, (args[8], signature.args[8]), ops, shape)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _mix_by_rounding(context, builder, converts, ops, shape):
+    """:func:`_vnni_mix` with the mixer ``converts`` (an argument: value, type) picks."""
+    with builder.if_else(context.cast(builder, *converts, types.boolean)) \
+            as (converted, exact_bits):
+        with converted:
+            _vnni_mix(builder, ops, shape, ConvertedMix)
+        with exact_bits:
+            _vnni_mix(builder, ops, shape, BitsMix)
 
 
 def _vnni_rows(builder, a_op, c_op, b_op, n_quads, row0, dst):

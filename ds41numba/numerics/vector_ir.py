@@ -14,7 +14,7 @@ from numba.core import cgutils
 
 __all__ = ["I32", "I64", "F32", "V16I", "V16F", "V8I", "V8F", "compiles_for", "wide_registers", "row_operands",
            "row_pointer", "load_row", "extent", "i64", "splat", "lane_masks", "open_loop", "close_loop",
-           "counted_loop", "broadcast_tile", "not_unrolled", "prefetch"]
+           "counted_loop", "broadcast_tile", "not_unrolled", "prefetch", "KeyQuarters", "key_vector"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
@@ -95,6 +95,30 @@ def load_row(builder, operand, row, offset, ty):
     """The ``ty`` at byte ``offset`` of row ``row`` of a row operand (:func:`row_pointer`),
     loaded with 4-byte alignment (the operands' rows are f32 / int32 arrays)."""
     return builder.load(row_pointer(builder, operand, row, offset, ty), align=4)
+
+
+class KeyQuarters:
+    """A key operand gathered from four places: quarters of key blocks (8 keys each, from
+    anywhere in the packed keys), each a row operand (address of its first key's row 0, row
+    stride). Its vector ``v`` of 16 keys is quarters ``2v`` and ``2v + 1`` side by side: a
+    kernel reads them as it reads one block's keys (:func:`key_vector`)."""
+
+    def __init__(self, quarters):
+        self.quarters = quarters
+
+    def vector(self, builder, row, v, ty):
+        half = ir.VectorType(ty.element, ty.count // 2)
+        lo, hi = (load_row(builder, self.quarters[2 * v + i], row, i64(0), half) for i in range(2))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, ty.count),
+                                                          list(range(ty.count))))
+
+
+def key_vector(builder, b_op, row, v, ty):
+    """Vector ``v`` (keys ``16v ..``, of type ``ty``) of row ``row`` of a key operand: a key
+    block's row operand, or :class:`KeyQuarters`."""
+    if isinstance(b_op, KeyQuarters):
+        return b_op.vector(builder, row, v, ty)
+    return load_row(builder, b_op, row, i64(64 * v), ty)
 
 
 def i64(v):
