@@ -21,6 +21,8 @@ kernels call from inside their own ``prange`` loops.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
 
@@ -31,8 +33,8 @@ from .numerics import is_int
 _ZERO = np.int64(0)
 
 __all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partial_sort_set_into",
-           "partial_sort_set_hinted", "topk_scratch_len", "before", "hints_pass", "run_passes",
-           "SCAN_RUN"]
+           "partial_sort_set_hinted", "partial_sort_set_listed", "topk_scratch_len", "before",
+           "hints_pass", "run_passes", "SCAN_RUN", "ListedSpans"]
 
 
 # --------------------------------------------------------------------------- comparator
@@ -135,13 +137,51 @@ def _heap_select_row(row, k, hv, hi, hint, block):
         if i + SCAN_RUN <= n and not run_passes(row, i, top, hint, block):
             i += SCAN_RUN
             continue
-        for j in range(i, min(n, i + SCAN_RUN)):
-            x = row[j]
-            # Inlined `before(x, top)`.
-            if x > top or (x != x and top == top):
-                _adjust_heap(hv, hi, _ZERO, _ZERO, k, x, j)
-                top = hv[0]
+        top = _heap_push_run(row, i, min(n, i + SCAN_RUN), hv, hi, k, top)
         i += SCAN_RUN
+
+
+@njit(cache=True)
+def _heap_push_run(row, j0, j1, hv, hi, k, top):
+    """The heap select's step over ``row[j0:j1]``: each value that comes before the heap's
+    ``top`` replaces it; returns the new top."""
+    for j in range(j0, j1):
+        x = row[j]
+        # Inlined `before(x, top)`.
+        if x > top or (x != x and top == top):
+            _adjust_heap(hv, hi, _ZERO, _ZERO, k, x, j)
+            top = hv[0]
+    return top
+
+
+class ListedSpans(NamedTuple):
+    """Where alone rows may hold a value above -inf: row ``s``'s spans of ``span`` positions
+    start at ``firsts[offsets[s]:offsets[s + 1]]``, ascending and not overlapping; every other
+    position of the row is -inf. A candidate consumer's masked rows are -inf outside the
+    quarters of key blocks holding a candidate (its ``NeededKeys.spans``): the top-k and the
+    golden's runners-up visit those alone instead of scanning (or skipping) a row 64 times
+    longer at 1,048,576 positions, reading its scores at random."""
+    offsets: np.ndarray
+    firsts: np.ndarray
+    span: int
+
+
+@njit(cache=True)
+def _heap_select_listed(row, k, hv, hi, firsts, span):
+    """:func:`_heap_select_row` of a row that is -inf outside the spans of ``span`` positions at
+    ``firsts`` (ascending): the first k pairs fill the heap as they are, then only the spans'
+    values from k on are visited, in order. The same steps: a -inf never comes before the
+    heap's top, so every value the scan would skip is one it would not take."""
+    n = row.shape[0]
+    for j in range(k):
+        hv[j] = row[j]
+        hi[j] = j
+    _make_heap(hv, hi, _ZERO, k)
+    top = hv[0]
+    for first in firsts:
+        if top != top:
+            return          # a NaN top is never displaced
+        top = _heap_push_run(row, max(first, k), min(n, first + span), hv, hi, k, top)
 
 
 # Values of a row one test of _passes_any covers.
@@ -364,14 +404,26 @@ def partial_sort_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
 def partial_sort_set_hinted(row_vals, k, out_idx, scratch_vals, scratch_idx, hint, block):
     """:func:`partial_sort_set_into` with the row's block maxima ``hint`` (or upper bounds of
     them; see :func:`_heap_select_row`), which only decide what is skipped: the set is the same."""
-    if row_vals.shape[0] == k:
-        # Nothing past the first k pairs to scan: the heap keeps them all.
-        for j in range(k):
-            out_idx[j] = j
-        return
-    _heap_select_row(row_vals, k, scratch_vals, scratch_idx, hint, block)
+    if row_vals.shape[0] > k:
+        _heap_select_row(row_vals, k, scratch_vals, scratch_idx, hint, block)
+    _heap_set_out(row_vals.shape[0], k, scratch_idx, out_idx)
+
+
+@njit(cache=True)
+def partial_sort_set_listed(row_vals, k, out_idx, scratch_vals, scratch_idx, firsts, span):
+    """:func:`partial_sort_set_into` of a row that is -inf outside the spans of ``span``
+    positions at ``firsts`` (ascending; :class:`ListedSpans`): the same set, visiting only
+    those."""
+    if row_vals.shape[0] > k:
+        _heap_select_listed(row_vals, k, scratch_vals, scratch_idx, firsts, span)
+    _heap_set_out(row_vals.shape[0], k, scratch_idx, out_idx)
+
+
+@njit(cache=True)
+def _heap_set_out(n, k, heap_idx, out_idx):
+    """The heap's k indices, ascending, into ``out_idx`` (a row of only k: all of them)."""
     for j in range(k):
-        out_idx[j] = scratch_idx[j]
+        out_idx[j] = heap_idx[j] if n > k else j
     out_idx[:k].sort()          # distinct indices: any correct sort gives the same
 
 

@@ -466,6 +466,39 @@ def test_runners_up_kernel_is_its_naive_twin_on_long_rows(kind, hints):
         assert want_idx[3, 0] == 285 + offset and want_idx[4, 0] == 250 + offset
 
 
+@pytest.mark.parametrize("block, density", [(8, 0.1), (4, 0.05), (12, 0.3), (8, 0.01)])
+def test_listed_runners_up_are_the_naive_twin_on_a_consumers_rows(block, density):
+    # A consumer's rows, -inf outside its candidate blocks, through the pass that visits only
+    # the quarters holding a candidate (ListedSpans): ties, NaN, -inf inside quarters (blocks
+    # of 4 and 12 do not fill them), and rows with too few candidates left out of the selection
+    # (which then take -inf positions, the row's first ones: the whole-row fallback).
+    import naive
+    from ds41numba.golden.captures import _runners_up_listed
+    from ds41numba.indexer.candidate_scores import candidate_quarters
+    rng = np.random.default_rng(block * 100 + int(density * 100))
+    T, width, k, offset = 7, 2000, 40, 5
+    scores = np.round(rng.standard_normal((T, width)) * 2).astype(np.float32)     # many ties
+    scores[rng.random((T, width)) < 0.01] = np.nan
+    bits = rng.random((T, -(-width // block))) < density
+    bits[6] = False
+    bits[6, 3] = True                               # one block: fewer than k + R candidates
+    scores[~np.repeat(bits, block, axis=1)[:, :width]] = -np.inf
+    clen = np.array([0, 1, 700, 1999, 2000, 2000, 2000])
+    scores[np.arange(width)[None, :] >= clen[:, None]] = -np.inf
+    topk = np.full((T, k), -1, np.int64)
+    for s in range(T):
+        seen = min(clen[s], k)
+        pick = np.argsort(-np.nan_to_num(scores[s, :clen[s]], nan=np.inf), kind="stable")[:seen]
+        topk[s, :seen] = np.sort(pick) + offset
+    offsets, firsts = candidate_quarters(np.packbits(bits, axis=1), clen, block)
+    idx = np.empty((T, golden.RUNNERS_UP), np.int64)
+    val = np.empty((T, golden.RUNNERS_UP), np.float32)
+    _runners_up_listed(scores, clen, topk, offset, idx, val, offsets, firsts, 8)
+    want_idx, want_val = naive.runners_up(scores, clen, topk, offset, golden.RUNNERS_UP)
+    assert np.array_equal(idx, want_idx) and np.array_equal(val, want_val, equal_nan=True)
+    assert np.isneginf(want_val[6]).any()
+
+
 def _reversed_head_sum_scores(iq, w, keys, clen, width, out=None):
     """The indexer's scores with the head sum in reverse head order and each partial sum rounded
     to bf16 (a kernel's reduction; in f32 the few bf16 terms of this small stack add exactly in

@@ -304,6 +304,35 @@ def test_hinted_partial_sort_skips_by_block_maxima_and_keeps_the_set(block):
     assert 4000 in got and np.array_equal(got, torch_cpu_topk_set(row, 64))
 
 
+@pytest.mark.parametrize("block", [8, 4, 12])
+def test_listed_partial_sort_visits_the_spans_and_keeps_the_set(block):
+    """A candidate consumer's masked rows (-inf outside its candidate blocks) through the scan
+    that visits only the quarters holding a candidate (:class:`ListedSpans`): the set the row
+    alone gives (torch's), with ties at the cut, NaN and inf among the candidates, candidates
+    among the first k positions (the heap's first fill) and fewer candidate positions than k
+    (then -inf positions are picked, torch's way)."""
+    from ds41numba.indexer.candidate_scores import candidate_quarters
+    from ds41numba.topk import partial_sort_set_listed
+
+    rng = np.random.default_rng(block)
+    for n, k, density in [(20000, 100, 0.05), (70000, 512, 0.01), (4096, 64, 0.3), (8192, 128, 0.001)]:
+        nb = -(-n // block)
+        cand = rng.random(nb) < density
+        cand[1] = True
+        row = (np.round(rng.standard_normal(n) * 3) / 4).astype(np.float32)   # wide ties
+        row[rng.integers(0, n, 5)] = np.nan
+        row[rng.integers(0, n, 5)] = np.inf
+        row[~np.repeat(cand, block)[:n]] = -np.inf
+        offsets, firsts = candidate_quarters(np.packbits(cand)[None], np.array([n]), block)
+        want = torch_cpu_topk_set(row, k)
+        got = np.empty(k, np.int64)
+        partial_sort_set_listed(row, k, got, np.empty(k, np.float32), np.empty(k, np.int64),
+                                firsts, 8)
+        assert np.array_equal(got, want), (n, k)
+        if np.isfinite(row).sum() < k:          # the case reaches -inf picks
+            assert np.isneginf(row[want]).any()
+
+
 def test_million_row_partial_sort():
     rng = np.random.default_rng(41)
     n, k = 1_000_000, 512

@@ -33,7 +33,7 @@ from ..config import AttnConfig
 from ..indexer import visible_lengths
 from ..numerics import serial_twin, sized_call
 from ..step import Step
-from ..topk import SCAN_RUN, before, hints_pass, run_passes
+from ..topk import SCAN_RUN, ListedSpans, before, hints_pass, run_passes
 
 __all__ = ["CAPTURE_MODES", "CACHE_CAPTURES", "STREAMED_MODES", "cache_captures", "cache_layout",
            "SCORE_CAPTURES", "SAMPLE_CAPTURES", "RUNNERS_UP", "STEP_NAME",
@@ -199,6 +199,59 @@ def _keep_if_better(vals, ids, cnt, v, i):
     return cnt + 1 if cnt < R else cnt
 
 
+@njit(cache=True)
+def _left_out(topk_row, offset):
+    """The positions a row's selection ``topk_row`` (``position + offset``, -1 for none) took,
+    ascending."""
+    sel = np.empty(topk_row.shape[0], np.int64)
+    m = 0
+    for j in range(topk_row.shape[0]):
+        if topk_row[j] >= 0:
+            sel[m] = topk_row[j] - offset
+            m += 1
+    return np.sort(sel[:m])
+
+
+@njit(cache=True)
+def _keep_run(row, t0, t1, sel, p, vals, ids, cnt, offset):
+    """:func:`_keep_if_better` over ``row[t0:t1]`` but the selected positions (``sel`` from
+    ``p``, ascending); returns ``(cnt, p)``."""
+    for t in range(t0, t1):
+        while p < sel.shape[0] and sel[p] < t:
+            p += 1
+        if not (p < sel.shape[0] and sel[p] == t):
+            cnt = _keep_if_better(vals, ids, cnt, row[t], t + offset)
+    return cnt, p
+
+
+@njit(cache=True)
+def _row_runners_up(row, n, sel, offset, vals, ids, hint, block):
+    """One row's runners-up (see :func:`_runners_up`) among its first ``n`` scores; returns
+    how many it found."""
+    R = vals.shape[0]
+    cnt = 0
+    p = 0
+    span = SCAN_RUN * max(block, 1)
+    for a in range(0, n, span):
+        if block and cnt == R and a + span <= n and not hints_pass(hint, a // block,
+                                                                   a // block + SCAN_RUN,
+                                                                   vals[R - 1]):
+            continue
+        for t0 in range(a, min(n, a + span), SCAN_RUN):
+            if cnt == R and t0 + SCAN_RUN <= n and not run_passes(row, t0, vals[R - 1], hint,
+                                                                   block):
+                continue
+            cnt, p = _keep_run(row, t0, min(n, t0 + SCAN_RUN), sel, p, vals, ids, cnt, offset)
+    return cnt
+
+
+@njit(cache=True)
+def _finish_runners_up(vals, ids, cnt):
+    for j in range(cnt, vals.shape[0]):
+        ids[j] = -1
+        vals[j] = -np.inf
+
+
 @njit(parallel=True, cache=True)
 def _runners_up(scores, clen, topk, offset, out_idx, out_val, hints, block):
     """Per row, the best ``R`` visible positions the selection ``topk`` left out, best first in
@@ -212,39 +265,33 @@ def _runners_up(scores, clen, topk, offset, out_idx, out_val, hints, block):
     read) the tests read them instead: first those of ``SCAN_RUN`` blocks at once, then a
     run's (:func:`~ds41numba.topk.run_passes`).
     """
-    T = scores.shape[0]
-    R = out_idx.shape[1]
-    k = topk.shape[1]
-    for s in prange(T):
+    for s in prange(scores.shape[0]):
         n = min(clen[s], scores.shape[1])
-        sel = np.empty(k, np.int64)
-        m = 0
-        for j in range(k):
-            if topk[s, j] >= 0:
-                sel[m] = topk[s, j] - offset
-                m += 1
-        sel = np.sort(sel[:m])
-        row, hint, vals, ids = scores[s], hints[s], out_val[s], out_idx[s]
-        cnt = 0
-        p = 0
-        span = SCAN_RUN * max(block, 1)
-        for a in range(0, n, span):
-            if block and cnt == R and a + span <= n and not hints_pass(hint, a // block,
-                                                                       a // block + SCAN_RUN,
-                                                                       vals[R - 1]):
-                continue
-            for t0 in range(a, min(n, a + span), SCAN_RUN):
-                if cnt == R and t0 + SCAN_RUN <= n and not run_passes(row, t0, vals[R - 1], hint,
-                                                                       block):
-                    continue
-                for t in range(t0, min(n, t0 + SCAN_RUN)):
-                    while p < m and sel[p] < t:
-                        p += 1
-                    if not (p < m and sel[p] == t):
-                        cnt = _keep_if_better(vals, ids, cnt, row[t], t + offset)
-        for j in range(cnt, R):
-            ids[j] = -1
-            vals[j] = -np.inf
+        cnt = _row_runners_up(scores[s], n, _left_out(topk[s], offset), offset, out_val[s],
+                              out_idx[s], hints[s], block)
+        _finish_runners_up(out_val[s], out_idx[s], cnt)
+
+
+@njit(parallel=True, cache=True)
+def _runners_up_listed(scores, clen, topk, offset, out_idx, out_val, offsets, firsts, span):
+    """:func:`_runners_up` of rows that are -inf outside the spans of ``span`` positions at
+    ``firsts[offsets[s]:offsets[s + 1]]`` (:class:`~ds41numba.topk.ListedSpans`): the spans
+    alone are visited, in order. Where that leaves fewer than R, or a -inf among them (a -inf
+    outside the spans at a smaller position would come first), the row is scanned whole."""
+    R = out_idx.shape[1]
+    for s in prange(scores.shape[0]):
+        n = min(clen[s], scores.shape[1])
+        row, vals, ids = scores[s], out_val[s], out_idx[s]
+        sel = _left_out(topk[s], offset)
+        cnt = p = 0
+        for first in firsts[offsets[s]:offsets[s + 1]]:
+            cnt, p = _keep_run(row, first, min(n, first + span), sel, p, vals, ids, cnt, offset)
+        if cnt < R or vals[R - 1] == -np.inf:
+            cnt = _row_runners_up(row, n, sel, offset, vals, ids, row, 0)
+        _finish_runners_up(vals, ids, cnt)
+
+
+_runners_up_listed_serial = serial_twin(_runners_up_listed)
 
 
 _runners_up_serial = serial_twin(_runners_up)
@@ -344,9 +391,14 @@ class StepObserver:
         if k:
             picked = np.take_along_axis(scores, cols, axis=1)
             self._got["topk_scores"][rows] = np.where(topk >= 0, picked, -np.inf)
+        outs = (self._got["runner_idxs"][rows], self._got["runner_scores"][rows])
+        if isinstance(maxima, ListedSpans):
+            sized_call(_runners_up_listed, n, scores.shape[1], scores, self._clen[rows], topk,
+                       self.offset, *outs, *maxima)
+            return
         block, hints = maxima if maxima is not None else (0, scores)
         sized_call(_runners_up, n, scores.shape[1], scores, self._clen[rows], topk, self.offset,
-                   self._got["runner_idxs"][rows], self._got["runner_scores"][rows], hints, block)
+                   *outs, hints, block)
 
     def attention_tile(self, s0: int, q: np.ndarray, o: np.ndarray, kv_rows, idx: np.ndarray):
         i, t = self._sampled(s0, q.shape[0])

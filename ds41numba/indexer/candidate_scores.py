@@ -12,8 +12,8 @@ multiply-adds are the candidates' (a quarter of the key blocks' at 1,048,576 pos
 :class:`NeededKeys` carries both views of a tile's candidates to the kernels.
 A buffer reused tile after tile needs the mask only inside the key blocks the tile formed,
 once those the tile before formed are back to -inf (:func:`clear_key_blocks`). The top-k sees
-the same rows; :func:`candidate_hints` only lets its scan skip the -inf runs
-(each skipped run is all -inf, which never enters its heap).
+the same rows, visiting only the quarters (:class:`NeededKeys`' ``spans``: every other position
+is -inf, which never enters its heap).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import numpy as np
 from numba import njit, prange
 
 from ..numerics import DOT_LANES, QUARTER, serial_twin, sized_call
+from ..topk import ListedSpans
 
 __all__ = ["EVERY_KEY_BLOCK", "NeededKeys", "needed_keys", "needed_key_blocks", "candidate_quarters",
-           "mask_outside_candidates", "clear_key_blocks", "candidate_hints"]
+           "mask_outside_candidates", "clear_key_blocks"]
 
 #: The key blocks a query needs when it needs every one: no column (as :func:`needed_key_blocks`
 #: marks them, one column a key block, the kernels read "none" as "all").
@@ -122,26 +123,6 @@ def clear_key_blocks(scores: np.ndarray, need: np.ndarray, lanes: int) -> None:
                need, lanes)
 
 
-@njit(parallel=True, cache=True)
-def _hints_kernel(packed, out):
-    for s in prange(out.shape[0]):
-        for c in range(out.shape[1]):
-            out[s, c] = np.nan if _bit(packed[s], c) else -np.inf
-
-
-_hints_kernel_serial = serial_twin(_hints_kernel)
-
-
-def candidate_hints(packed: np.ndarray, n_blocks: int) -> np.ndarray:
-    """``[T, n_blocks]`` float32 block hints for the top-k's scan
-    (:func:`~ds41numba.topk.partial_sort_set_hinted`): -inf outside the candidates (every score
-    there is -inf, so the scan may skip it), NaN on a candidate block (always read: NaN passes
-    any top, where +inf would not pass a +inf top and could hide a NaN)."""
-    out = np.empty((packed.shape[0], n_blocks), np.float32)
-    sized_call(_hints_kernel, out.shape[0], out.shape[1], packed, out)
-    return out
-
-
 @njit(cache=True)
 def _walk_quarters(packed_row, n, block, out):
     """The first keys of the quarters (``QUARTER`` keys) holding a visible candidate position
@@ -193,17 +174,21 @@ def candidate_quarters(packed: np.ndarray, clen: np.ndarray, block: int) -> tupl
 
 class NeededKeys(NamedTuple):
     """The keys a candidate consumer's tile needs scored: its candidate bits (``np.packbits``'
-    layout, a bit a block of ``block`` positions) and the key blocks of ``DOT_LANES`` positions
-    holding a visible candidate (``key_blocks``, :func:`needed_key_blocks`). Kernels of whole
-    key blocks read ``key_blocks``; VNNI's folded kernel scores quarters of them
-    (:func:`candidate_quarters`)."""
+    layout, a bit a block of ``block`` positions), the key blocks of ``DOT_LANES`` positions
+    holding a visible candidate (``key_blocks``, :func:`needed_key_blocks`) and the quarters
+    of key blocks holding one (``spans``, :func:`candidate_quarters`). Kernels of whole key
+    blocks read ``key_blocks``, VNNI's folded kernel the quarters where they are sparse; the
+    top-k and the runners-up visit the quarters alone (the rows are -inf elsewhere once
+    masked)."""
     bits: np.ndarray
     block: int
     key_blocks: np.ndarray
+    spans: ListedSpans
 
 
 def needed_keys(packed: np.ndarray, clen: np.ndarray, block: int, width: int) -> NeededKeys:
     """:class:`NeededKeys` of queries of these candidate bits and visible lengths, rows of
     ``width`` positions."""
-    return NeededKeys(packed, block, needed_key_blocks(packed, clen, block, DOT_LANES,
-                                                       -(-width // DOT_LANES)))
+    return NeededKeys(packed, block,
+                      needed_key_blocks(packed, clen, block, DOT_LANES, -(-width // DOT_LANES)),
+                      ListedSpans(*candidate_quarters(packed, clen, block), QUARTER))

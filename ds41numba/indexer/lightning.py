@@ -19,8 +19,7 @@ from ..numerics import (DOT_LANES, fp4_quant_e8m0_inplace, is_int, linear_bf16, 
                         tier_at_least, to_bf16_rne)
 from ..rope import apply_rotary
 from ..step import Step
-from .candidate_scores import (candidate_hints, clear_key_blocks, mask_outside_candidates,
-                               needed_keys)
+from .candidate_scores import clear_key_blocks, mask_outside_candidates, needed_keys
 from .candidates import candidate_block_bits
 from .key_cache import IndexKeyCache
 from .query_layouts import query_pairs_size
@@ -189,23 +188,23 @@ class _Scorer:
         self.block_max = (np.empty((rows, -(-width // self.block)), np.float32)
                           if cfg.candidate_source else None)
 
-    def scores(self, iq, w, clen, candidates=None) -> tuple:
+    def scores(self, iq, w, clen, need=None) -> tuple:
         """A tile's scores after the visibility mask, and ``(block, block maxima)`` or None.
-        ``candidates``: a consumer's candidate bits of these queries; then only the scores
-        in the key blocks holding one are formed, and the rows come masked to them.
+        ``need``: a consumer's :class:`~.candidate_scores.NeededKeys` of these queries; then
+        only the scores in the key blocks holding a candidate are formed, and the rows come
+        masked to the candidates (outside them -inf, within ``need.spans`` alone).
 
         A consumer's rows are -inf but in the key blocks the tile before wrote: only those are
         cleared, and only this tile's masked, not whole rows (4 MB a query at 1M positions)."""
         n = len(clen)
         maxima = None if self.block_max is None else (self.block, self.block_max[:n])
-        need = None if candidates is None else needed_keys(candidates, clen, self.block, self.width)
         clean = need is not None and self.written is not None and n <= len(self.written)
         if clean:
             clear_key_blocks(self.buf, self.written, DOT_LANES)
         got = self.keys.scores(iq, w, clen, self.width, out=self.buf[:n], qbuf=self.qbuf,
                                dirty_to=self.dirty_to, maxima=maxima, need=need)
         if need is not None:
-            mask_outside_candidates(got, candidates, clen, self.block,
+            mask_outside_candidates(got, need.bits, clen, self.block,
                                     (need.key_blocks, DOT_LANES) if clean else None)
         self.written = None if need is None else need.key_blocks
         # What the tile wrote: below each row's clen (later writers only write -inf).
@@ -216,8 +215,9 @@ class _Scorer:
 def _selection(scores, clen, k: int, offset: int, maxima) -> np.ndarray:
     """A tile's ``topk_idxs``: each row's top-k positions plus ``offset``, -1 past its visible
     range. ``maxima``: ``(block, hints)``, each hint at least its block's max (the candidate
-    source's block scores, the pinned block's +inf too; a consumer's
-    :func:`candidate_hints`), which let the top-k's scan skip runs of a row."""
+    source's block scores, the pinned block's +inf too), which let the top-k's scan skip runs
+    of a row; or a consumer's :class:`~ds41numba.topk.ListedSpans`, where alone its masked rows
+    are above -inf."""
     picked = np.zeros((len(clen), k), np.int64)
     if k:
         select_rows(scores, clen, k, picked, maxima)
@@ -257,7 +257,8 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     the head weights ``[T, ih]`` and the scores after the visibility mask, before candidate
     masking; then ``observer.index_selection(s0, scores, topk, maxima)`` with the scores top-k
     chose from (candidate-masked), the tile's rows of ``topk_idxs`` and the block hints the
-    top-k skipped by (``(block, hints)``, or None). It changes nothing computed.
+    top-k skipped by (``(block, hints)``, a consumer's ``ListedSpans``, or None). It changes
+    nothing computed.
 
     A candidate consumer forms only the scores inside its queries' candidate blocks (in key
     blocks of ``DOT_LANES``, or their quarters; :mod:`.candidate_scores`) unless the scores before the candidate
@@ -287,10 +288,11 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
     for s0 in range(0, seqlen, tile):
         s1 = min(seqlen, s0 + tile)
         iq = queries.tile(s0, s1)
-        cands = candidate_blocks[s0:s1] if cfg.use_candidates else None
+        need = (needed_keys(candidate_blocks[s0:s1], clen[s0:s1], cfg.candidate_block_size, width)
+                if cfg.use_candidates else None)
         # Every score is formed where they are recorded before the candidate mask.
         whole = capture or (observer is not None and observer.wants_index_scores(s0, s1 - s0))
-        scores, maxima = scorer.scores(iq, w_all[s0:s1], clen[s0:s1], None if whole else cands)
+        scores, maxima = scorer.scores(iq, w_all[s0:s1], clen[s0:s1], None if whole else need)
         if capture:
             score_capture[s0:s1] = scores
         if whole and observer is not None:
@@ -298,11 +300,10 @@ def indexer(x: np.ndarray, qr: np.ndarray, start_pos: int, cfg: IndexerCfg,
         if cfg.candidate_source:
             candidate_block_bits(scores, clen[s0:s1], cfg.candidate_topk_blocks,
                                  cfg.candidate_block_size, published[s0:s1], maxima[1])
-        if cands is not None:
+        if need is not None:
             if whole:       # formed whole for the record: masked now
-                mask_outside_candidates(scores, cands, clen[s0:s1], cfg.candidate_block_size)
-            maxima = (cfg.candidate_block_size,
-                      candidate_hints(cands, -(-width // cfg.candidate_block_size)))
+                mask_outside_candidates(scores, need.bits, clen[s0:s1], cfg.candidate_block_size)
+            maxima = need.spans
         topk_idxs[s0:s1] = _selection(scores, clen[s0:s1], k, offset, maxima)
         if observer is not None:
             observer.index_selection(s0, scores, topk_idxs[s0:s1], maxima)

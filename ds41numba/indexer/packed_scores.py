@@ -28,7 +28,7 @@ from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, QUARTER, amx_b
                         serial_twin, sized_call, vnni_mix_quarters, vnni_mix_tile)
 from .blas_scores import mix_heads_by_head
 from .block_maxima import key_block_maxima, visible_block_maxima
-from .candidate_scores import EVERY_KEY_BLOCK, NeededKeys, candidate_quarters
+from .candidate_scores import EVERY_KEY_BLOCK, NeededKeys
 from .visibility import masked_buffer
 
 __all__ = ["LAYOUTS", "tile_scores_packed"]
@@ -206,14 +206,14 @@ def _vnni_quarters_kernel(q, keys, w, clen, offsets, firsts, group_at, workers, 
 _vnni_quarters_kernel_serial = serial_twin(_vnni_quarters_kernel)
 
 
-def _sparse_quarters(need, clen):
+def _sparse_quarters(need):
     """The quarters ``need`` (:class:`~.candidate_scores.NeededKeys`) asks of each query, as
     ``(offsets, firsts, group_at)`` for :func:`_vnni_quarters_kernel`, or None where whole key
     blocks cost less: a group of four quarters costs about what a query's key block does, and a
     key block shared by a run of queries less (measured: every block a candidate, 128 queries,
     quarters 5-10% slower; 2,048 random blocks of 8 at 65,536 positions or more, 2.3-2.7x
     faster)."""
-    offsets, firsts = candidate_quarters(need.bits, clen, need.block)
+    offsets, firsts, _ = need.spans
     group_at = np.zeros(len(offsets), np.int64)
     np.cumsum((np.diff(offsets) + 3) // 4, out=group_at[1:])
     if group_at[-1] >= np.count_nonzero(need.key_blocks):
@@ -341,7 +341,7 @@ def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: 
                                                                blocks.shape[1] < n_blocks)):
             raise ValueError(f"tile_scores_packed: need's key blocks must be uint8 [{T}, >= "
                              f"{n_blocks}], got {blocks.dtype} {blocks.shape}")
-        quarters = (_sparse_quarters(need, clen) if need is not None and layout == "vnni_folded"
+        quarters = (_sparse_quarters(need) if need is not None and layout == "vnni_folded"
                     and not block and w.shape[1] % AMX_ROWS == 0 else None)
         if quarters is not None:
             _quarter_scores(q, keys, w, clen, quarters, converts, out)

@@ -6,9 +6,9 @@ import numpy as np
 from numba import njit, prange
 
 from ..numerics import serial_twin, sized_call
-from ..topk import partial_sort_set_hinted, topk_set_into
+from ..topk import ListedSpans, partial_sort_set_hinted, partial_sort_set_listed, topk_set_into
 
-__all__ = ["select_rows", "top_k_sets"]
+__all__ = ["select_rows", "top_k_sets", "top_k_sets_listed"]
 
 
 def select_rows(scores, clen, k, out, maxima=None):
@@ -16,9 +16,15 @@ def select_rows(scores, clen, k, out, maxima=None):
     from the candidate blocks' top-k, which uses the same rule: a kernel with its own tie order
     replaces this one (tests/test_golden.py does) and must leave the candidates as they are.
     ``maxima = (block, block_scores)``: the candidate source's block scores of these rows (each
-    at least its block's max), which let the scan skip runs of a row unread."""
-    block, block_scores = maxima if maxima is not None else (0, scores)
+    at least its block's max), which let the scan skip runs of a row unread; or
+    :class:`~ds41numba.topk.ListedSpans`, the only spans of the rows above -inf (a candidate
+    consumer's), which the scan visits alone."""
     # A decode step's one row is selected in the calling thread (sized_call).
+    if isinstance(maxima, ListedSpans):
+        sized_call(top_k_sets_listed, scores.shape[0], scores.shape[1], scores, clen, k, out,
+                   *maxima)
+        return
+    block, block_scores = maxima if maxima is not None else (0, scores)
     sized_call(top_k_sets, scores.shape[0], scores.shape[1], scores, clen, k, out, block_scores,
                block)
 
@@ -48,3 +54,25 @@ def top_k_sets(scores, clen, k, out, block_scores, block):
 
 top_k_sets_serial = serial_twin(top_k_sets)
 
+
+
+@njit(parallel=True, cache=True)
+def top_k_sets_listed(scores, clen, k, out, offsets, firsts, span):
+    """:func:`top_k_sets` of rows that are -inf outside the spans of ``span`` positions at
+    ``firsts[offsets[s]:offsets[s + 1]]`` (:class:`~ds41numba.topk.ListedSpans`), which the
+    ``partial_sort`` branch visits alone."""
+    rows, width = scores.shape
+    for s in prange(rows):
+        if k * 64 <= width:
+            n = min(width, max(k, clen[s]))
+            sv = np.empty(k, np.float32)
+            si = np.empty(k, np.int64)
+            partial_sort_set_listed(scores[s, :n], k, out[s], sv, si, firsts[offsets[s]:offsets[s + 1]],
+                                    span)
+        else:
+            sv = np.empty(width, np.float32)
+            si = np.empty(width, np.int64)
+            topk_set_into(scores[s], k, out[s], sv, si)
+
+
+top_k_sets_listed_serial = serial_twin(top_k_sets_listed)
