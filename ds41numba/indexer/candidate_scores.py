@@ -145,11 +145,11 @@ def _walk_quarters(packed_row, n, block, out):
 
 @njit(parallel=True, cache=True)
 def _quarters_kernel(packed, clen, block, offsets, firsts, counts):
-    """Each row's quarters into ``firsts`` from ``offsets[s]`` (none where ``firsts`` is
-    empty), and their count into ``counts[s]``."""
+    """Each row's quarters into ``firsts[offsets[s]:offsets[s + 1]]`` (none where that is
+    empty, as with every offset 0), and their count into ``counts[s]``."""
     for s in prange(packed.shape[0]):
-        room = firsts[offsets[s]:offsets[s + 1]] if firsts.shape[0] else firsts
-        counts[s] = _walk_quarters(packed[s], max(clen[s], 0), block, room)
+        counts[s] = _walk_quarters(packed[s], max(clen[s], 0), block,
+                                   firsts[offsets[s]:offsets[s + 1]])
 
 
 _quarters_kernel_serial = serial_twin(_quarters_kernel)
