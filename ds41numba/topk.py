@@ -123,11 +123,7 @@ def _heap_select_row(row, k, hv, hi, hint, block):
     ``block``-th of it).
     """
     n = row.shape[0]
-    for j in range(k):
-        hv[j] = row[j]
-        hi[j] = j
-    _make_heap(hv, hi, _ZERO, k)
-    top = hv[0]
+    top = _heap_of_first(row, k, hv, hi)
     i = k
     while i < n:
         if top != top:
@@ -139,6 +135,17 @@ def _heap_select_row(row, k, hv, hi, hint, block):
             continue
         top = _heap_push_run(row, i, min(n, i + SCAN_RUN), hv, hi, k, top)
         i += SCAN_RUN
+
+
+@njit(cache=True)
+def _heap_of_first(row, k, hv, hi):
+    """The heap select's start: the pairs of ``row``'s first k values made a heap in ``hv/hi``;
+    returns its top."""
+    for j in range(k):
+        hv[j] = row[j]
+        hi[j] = j
+    _make_heap(hv, hi, _ZERO, k)
+    return hv[0]
 
 
 @njit(cache=True)
@@ -173,11 +180,7 @@ def _heap_select_listed(row, k, hv, hi, firsts, span):
     values from k on are visited, in order. The same steps: a -inf never comes before the
     heap's top, so every value the scan would skip is one it would not take."""
     n = row.shape[0]
-    for j in range(k):
-        hv[j] = row[j]
-        hi[j] = j
-    _make_heap(hv, hi, _ZERO, k)
-    top = hv[0]
+    top = _heap_of_first(row, k, hv, hi)
     for first in firsts:
         if top != top:
             return          # a NaN top is never displaced

@@ -29,6 +29,18 @@ def select_rows(scores, clen, k, out, maxima=None):
                block)
 
 
+@njit(cache=True)
+def _scanned(scores, clen, k, out, s):
+    """How much of row ``s`` the ``partial_sort`` branch scans (``k * 64 <= width``): its visible
+    prefix, at least k; 0 in the ``nth_element`` branch, whose set of the whole row is written
+    into ``out[s]`` here."""
+    width = scores.shape[1]
+    if k * 64 <= width:
+        return min(width, max(k, clen[s]))
+    topk_set_into(scores[s], k, out[s], np.empty(width, np.float32), np.empty(width, np.int64))
+    return 0
+
+
 @njit(parallel=True, cache=True)
 def top_k_sets(scores, clen, k, out, block_scores, block):
     """Each row's top-k set (torch's CPU tie order) into ``out [rows, k]``, ascending.
@@ -39,21 +51,14 @@ def top_k_sets(scores, clen, k, out, block_scores, block):
     With ``block`` > 0 that scan skips runs by ``block_scores`` (each at least its block's max; see
     :func:`~ds41numba.topk.partial_sort_set_hinted`).
     """
-    rows, width = scores.shape
-    for s in prange(rows):
-        if k * 64 <= width:
-            n = min(width, max(k, clen[s]))
-            sv = np.empty(k, np.float32)
-            si = np.empty(k, np.int64)
-            partial_sort_set_hinted(scores[s, :n], k, out[s], sv, si, block_scores[s], block)
-        else:
-            sv = np.empty(width, np.float32)
-            si = np.empty(width, np.int64)
-            topk_set_into(scores[s], k, out[s], sv, si)
+    for s in prange(scores.shape[0]):
+        n = _scanned(scores, clen, k, out, s)
+        if n:
+            partial_sort_set_hinted(scores[s, :n], k, out[s], np.empty(k, np.float32),
+                                    np.empty(k, np.int64), block_scores[s], block)
 
 
 top_k_sets_serial = serial_twin(top_k_sets)
-
 
 
 @njit(parallel=True, cache=True)
@@ -61,18 +66,11 @@ def top_k_sets_listed(scores, clen, k, out, offsets, firsts, span):
     """:func:`top_k_sets` of rows that are -inf outside the spans of ``span`` positions at
     ``firsts[offsets[s]:offsets[s + 1]]`` (:class:`~ds41numba.topk.ListedSpans`), which the
     ``partial_sort`` branch visits alone."""
-    rows, width = scores.shape
-    for s in prange(rows):
-        if k * 64 <= width:
-            n = min(width, max(k, clen[s]))
-            sv = np.empty(k, np.float32)
-            si = np.empty(k, np.int64)
-            partial_sort_set_listed(scores[s, :n], k, out[s], sv, si, firsts[offsets[s]:offsets[s + 1]],
-                                    span)
-        else:
-            sv = np.empty(width, np.float32)
-            si = np.empty(width, np.int64)
-            topk_set_into(scores[s], k, out[s], sv, si)
+    for s in prange(scores.shape[0]):
+        n = _scanned(scores, clen, k, out, s)
+        if n:
+            partial_sort_set_listed(scores[s, :n], k, out[s], np.empty(k, np.float32),
+                                    np.empty(k, np.int64), firsts[offsets[s]:offsets[s + 1]], span)
 
 
 top_k_sets_listed_serial = serial_twin(top_k_sets_listed)
