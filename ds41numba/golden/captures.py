@@ -272,6 +272,9 @@ def _runners_up(scores, clen, topk, offset, out_idx, out_val, hints, block):
         _finish_runners_up(out_val[s], out_idx[s], cnt)
 
 
+_runners_up_serial = serial_twin(_runners_up)
+
+
 @njit(parallel=True, cache=True)
 def _runners_up_listed(scores, clen, topk, offset, out_idx, out_val, offsets, firsts, span):
     """:func:`_runners_up` of rows that are -inf outside the spans of ``span`` positions at
@@ -292,9 +295,6 @@ def _runners_up_listed(scores, clen, topk, offset, out_idx, out_val, offsets, fi
 
 
 _runners_up_listed_serial = serial_twin(_runners_up_listed)
-
-
-_runners_up_serial = serial_twin(_runners_up)
 
 
 class StepObserver:
