@@ -337,8 +337,8 @@ def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: 
     if n_vis:
         n_blocks = -(-n_vis // DOT_LANES)
         blocks = EVERY_KEY_BLOCK if need is None else need.key_blocks
-        if blocks.dtype != np.uint8 or (need is not None and (blocks.shape[0] != T or
-                                                               blocks.shape[1] < n_blocks)):
+        if need is not None and (blocks.dtype != np.uint8 or blocks.shape[0] != T
+                                 or blocks.shape[1] < n_blocks):
             raise ValueError(f"tile_scores_packed: need's key blocks must be uint8 [{T}, >= "
                              f"{n_blocks}], got {blocks.dtype} {blocks.shape}")
         quarters = (_sparse_quarters(need) if need is not None and layout == "vnni_folded"
