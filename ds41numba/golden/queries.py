@@ -43,7 +43,7 @@ class Queries:
         self.handover = cluster.handover()
         self.works = {}          # layer -> its LayerWork as sent (its turn only)
         self.cache_rows = {}     # (id of a cache, rows) -> (the cache, its rows as sent)
-        self.keys_of = {}        # key of a tile's rows future -> its first row
+        self.keys_of = {}        # key of a tile's future -> its first row
         self.selections = {}     # (layer, first_row) -> future of that tile's selection
 
     def work(self, i: int):
@@ -94,7 +94,8 @@ class Queries:
         return topk, cands
 
     def submit(self, i: int, a: int, n: int):
-        """Layer i's tile at rows ``a ..``: the future of its file rows."""
+        """Layer i's tile at rows ``a ..``: the tile's future, whose first part the driver
+        writes; its selection (the second) stays on the workers for later layers."""
         topk, cands = self.sources(i)
         x = None
         if self.plan.inputs is not None:        # the workers may not see the inputs file
@@ -105,9 +106,11 @@ class Queries:
                                   None if cands is None else self.selection(cands, a, n), x,
                                   key=f"ds41numba-tile-{i}-{a}-{os.urandom(4).hex()}")
         self.selections[(i, a)] = self.client.submit(operator.getitem, tile, 1)
-        rows = self.client.submit(operator.getitem, tile, 0)
-        self.keys_of[rows.key] = a
-        return rows
+        # The driver takes the whole tile, not a task taking its rows apart: Dask would run
+        # that after the next tile its worker holds (one task at a time), and every tile's rows
+        # would reach the driver at the end instead of while the workers compute.
+        self.keys_of[tile.key] = a
+        return tile
 
     def selection(self, j: int, a: int, n: int):
         if (j, a) not in self.selections:
@@ -131,14 +134,15 @@ class Queries:
         retries = dict.fromkeys(rows_of, 0)
         # The last rows first: a tile costs more the more positions its rows see, and the
         # costliest first leave the cheap ones to even out the workers' ends.
-        # as_completed holds each future until it hands it over: ``fut`` is then the only
-        # reference, and the rows leave the workers once it goes.
+        # as_completed holds each future until it hands it over: ``fut`` is then the driver's
+        # only reference, and the tile leaves its worker once it goes and the worker has taken
+        # the selection from it.
         tiles = self.cluster._distributed.as_completed(
             [self.submit(i, a, n) for a, n in reversed(rows_of.items())])
         for fut in tiles:
             a = self.keys_of.pop(fut.key)
             try:
-                first_row, rows, (at, samples), seconds = fut.result()
+                (first_row, rows, (at, samples), seconds), _ = fut.result()
             except (CancelledError, HandoverGone) as e:
                 self._lost_tile(e, i, a, rows_of[a], retries)
                 tiles.add(self.submit(i, a, rows_of[a]))
