@@ -359,3 +359,22 @@ def test_cli_workers_writes_the_one_process_file(tmp_path, capsys):
     assert main(args + ["--workers", "1", "--out", str(tmp_path / "two.safetensors")]) == 0
     assert "wrote" in capsys.readouterr().out
     assert sha(tmp_path / "two.safetensors") == sha(tmp_path / "one.safetensors")
+
+
+def test_a_tile_run_in_process_hands_its_rows_over_once():
+    """A ``--rows`` run without workers (the in-process client) keeps no tile's file rows once
+    the driver has taken them, as Dask frees a tile no one holds: only the selection stays, for
+    a later layer's tile, and goes with it."""
+    import operator
+
+    from ds41numba.golden.cluster import _LocalClient
+
+    client = _LocalClient()
+    rows, selection = np.arange(3), np.arange(2)
+    tile = client.submit(lambda: (rows, selection))
+    taken = client.submit(operator.getitem, tile, 1)
+    first, second = tile.result()
+    assert first is rows and second is selection
+    assert tile.result() == (None, selection)
+    assert taken.result() is selection
+    assert tile.result() == (None, None)

@@ -247,24 +247,35 @@ class Cluster:
 
 
 class _Lazy:
-    """A task of :class:`InProcess`: run when its result is first asked for, then kept (a part
-    of a tile's result is handed over once and dropped from the tile)."""
+    """A task of :class:`InProcess`: run when its result is first asked for, then kept. A part
+    of a tile's result is handed over once and dropped from the tile: its file rows to the
+    first asking for the tile (the driver, which writes them), its selection to a ``getitem``
+    (a later layer's tile), as Dask frees what nothing holds any more."""
 
     def __init__(self, fn, args, key):
         self.fn, self.args, self.key, self.status = fn, args, key, "pending"
 
     def result(self):
-        if self.status == "pending":
-            args = [a.result() if isinstance(a, _Lazy) else a for a in self.args]
-            if self.fn is operator.getitem and isinstance(self.args[0], _Lazy):
-                tile, k = self.args[0], self.args[1]
-                self.value, tile.value = args[0][k], tuple(None if j == k else v
-                                                           for j, v in enumerate(tile.value))
-            else:
-                self.value = self.fn(*args)
-            self.fn = self.args = None
-            self.status = "finished"
-        return self.value
+        if self.status != "pending":
+            return self.value
+        args = [a.result() if isinstance(a, _Lazy) else a for a in self.args]
+        taken = self.fn is operator.getitem and isinstance(self.args[0], _Lazy)
+        if taken:
+            tile, k = self.args[0], self.args[1]
+            self.value, tile.value = args[0][k], _without(tile.value, k)
+        else:
+            self.value = self.fn(*args)
+        self.fn = self.args = None
+        self.status = "finished"
+        if taken:
+            return self.value
+        value, self.value = self.value, _without(self.value, 0)
+        return value
+
+
+def _without(parts: tuple, k: int) -> tuple:
+    """``parts`` with part ``k`` handed over (None in its place)."""
+    return tuple(None if j == k else v for j, v in enumerate(parts))
 
 
 class _LocalClient:
