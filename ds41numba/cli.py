@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from . import golden
 from .arguments import default_run, load_config, parse_layers, parse_rows, run_config
-from .compile_ahead import compile_ahead
+from .compile_ahead import compile_ahead, tier_for_run
 from .golden.files import check_target, ranges_text
 from .golden import CAPTURE_MODES, DEFAULT_INDEX_TOLERANCE, PROFILES, GoldenError, RunInterrupted
 from .golden.inputs_file import InputsFile
@@ -363,12 +363,14 @@ def _golden(args) -> int:
         stem = preset_name or os.path.splitext(os.path.basename(source))[0]
         out = os.path.join(".", f"ds41numba-golden-{stem}.safetensors")
     check_target(out, args.force)       # said before a first run's compile, not after it
-    compile_ahead(quiet=args.quiet)
-    with _cluster(args, plan) as cluster, \
-            _progress(plan.total_work, args.quiet, f"golden {preset_name or 'config'}") as progress:
-        info = golden.write_golden(plan, out, force=args.force, progress=progress,
-                                   chunk=args.chunk, resume=args.resume,
-                                   checkpoint_every=args.checkpoint_every, cluster=cluster)
+    with tier_for_run(plan.product_multiply_adds):
+        compile_ahead(quiet=args.quiet)
+        title = f"golden {preset_name or 'config'}"
+        with _cluster(args, plan) as cluster, \
+                _progress(plan.total_work, args.quiet, title) as progress:
+            info = golden.write_golden(plan, out, force=args.force, progress=progress,
+                                       chunk=args.chunk, resume=args.resume,
+                                       checkpoint_every=args.checkpoint_every, cluster=cluster)
     what = preset_name or args.config or args.weights
     print(f"wrote {info['path']}  ({what}, layers {ranges_text(plan.layers)}, prefill {plan.prefill} "
           f"+ {plan.decode} decode steps{f', batch {plan.batch}' if plan.batch > 1 else ''}, "
@@ -396,10 +398,13 @@ def _replay(args) -> int:
         info = f.run_info()
     total = golden.total_work(info.config, info.layers, info.prefill, info.decode,
                               info.rows) * info.batch
-    compile_ahead(quiet=args.quiet)
-    with _progress(total, args.quiet, "replay") as progress:
-        report = golden.replay(args.file, progress=progress, index_tolerance=args.index_tolerance,
-                               exact_index=args.exact_index, weights_dir=args.weights)
+    macs = golden.product_multiply_adds(info.config, info.layers, info.prefill + info.decode)
+    with tier_for_run(macs * info.batch):
+        compile_ahead(quiet=args.quiet)
+        with _progress(total, args.quiet, "replay") as progress:
+            report = golden.replay(args.file, progress=progress,
+                                   index_tolerance=args.index_tolerance,
+                                   exact_index=args.exact_index, weights_dir=args.weights)
     _print(report.to_json() if args.json else report.table() + "\n" + report.text())
     return 0 if report.ok else 1
 

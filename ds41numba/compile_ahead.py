@@ -19,6 +19,11 @@ tests call (:func:`compile_ahead` with ``every_tier`` and ``extra``).
 (a cluster's workers, while the driver runs the key side), with the parallel kernel of each
 serial twin listed.
 
+A small run (:func:`tier_for_run`: the built-in ``tiny`` and ``mixed`` goldens) runs on the
+``blas`` tier, the same bits as every other: its products take milliseconds on any tier, and the
+integer and bf16 kernels of the CPU's own would cost it more to compile (8 s of the default
+golden's 39 on a Zen 4 core) than they could save.
+
 ``python -m ds41numba.kernel_list`` rewrites the list (:mod:`.kernel_list`).
 ``DS41NUMBA_COMPILE_AHEAD=0`` turns compiling ahead off.
 """
@@ -26,6 +31,7 @@ serial twin listed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import subprocess
@@ -37,14 +43,19 @@ from pathlib import Path
 from numba.core import config as numba_config, sigutils
 from numba.core.dispatcher import Dispatcher
 
-from .numerics import BACKENDS, backend
+from .numerics import BACKENDS, backend, use_backend
 
-__all__ = ["ANY_TIER", "KERNELS", "Kernel", "compile_ahead", "load_cached", "read_kernels"]
+__all__ = ["ANY_TIER", "KERNELS", "SMALL_RUN_MACS", "Kernel", "compile_ahead", "load_cached",
+           "read_kernels", "tier_for_run"]
 
 KERNELS = Path(__file__).with_name("kernels.txt")
 ANY_TIER = "*"
 _TWIN = "_serial"        # a parallel kernel's serial twin is named <kernel>_serial
 _MODULE = "ds41numba.compile_ahead"     # run as `python -m` (then __name__ is "__main__")
+#: Multiply-adds of a run's products (:func:`.golden.work.product_multiply_adds`) below which it
+#: runs on the ``blas`` tier (:func:`tier_for_run`): about a tenth of a second on numpy's BLAS.
+#: The tiny golden takes 4e6, the mixed one 4e7, one v41-flash layer 1e9 at 8 tokens.
+SMALL_RUN_MACS = 1e9
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,18 @@ def _shares(kernels: list[Kernel], n: int) -> list[list[str]]:
         shares[i].append(name)
         loads[i] += cost[name]
     return [s for s in shares if s]
+
+
+@contextlib.contextmanager
+def tier_for_run(multiply_adds: float):
+    """Run the block (a command's compiling ahead and its run) on the ``blas`` tier when the
+    run's products are smaller than ``SMALL_RUN_MACS``, else on the tier it would run on anyway.
+    Every tier gives the same bits; a small run saves compiling the kernels of a higher one."""
+    if multiply_adds < SMALL_RUN_MACS and backend() != BACKENDS[-1]:
+        with use_backend(BACKENDS[-1]):
+            yield
+    else:
+        yield
 
 
 def _compile(names: list[str], tiers: tuple[str, ...], lists: tuple[Path, ...] = ()) -> None:

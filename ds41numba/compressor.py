@@ -16,7 +16,9 @@ from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
 from .batch import SINGLE, BatchRow, checked_batch
-from .numerics import is_int, linear_bf16, linear_f32, rms_norm, to_bf16_rne
+from .numerics import (is_int, linear_bf16, linear_f32, rms_norm, serial_twin, sized_call,
+                       to_bf16_rne)
+from .numerics.formats import ELEMENT_COST
 from .step import Step
 
 __all__ = ["CompressorWeights", "CompressorState", "compressor", "latent_positions"]
@@ -88,6 +90,15 @@ def _pool_groups(kv, score, ratio):
                 acc += kv[base + j, f] * p
             out[g, f] = acc
     return out
+
+
+_pool_groups_serial = serial_twin(_pool_groups)
+
+
+def _pooled(kv, score, ratio):
+    """``_pool_groups`` of every whole group of ``kv`` / ``score`` (:func:`sized_call`)."""
+    return sized_call(_pool_groups, kv.shape[0] // ratio, ratio * kv.shape[1] * ELEMENT_COST,
+                      kv, score, ratio)
 
 
 def _check_args(x, start_pos, ratio, weights, state, prefill_len):
@@ -163,12 +174,12 @@ def compressor(x: np.ndarray, start_pos: int, ratio: int, weights: CompressorWei
         state.score[rest:] = -np.inf
         if full == 0:
             return None
-        pooled = _pool_groups(kv[:full], score[:full], ratio)
+        pooled = _pooled(kv[:full], score[:full], ratio)
     else:
         slot = start_pos % ratio
         state.kv[slot] = kv[0]
         state.score[slot] = score[0]
         if (start_pos + 1) % ratio:
             return None
-        pooled = _pool_groups(state.kv, state.score, ratio)
+        pooled = _pooled(state.kv, state.score, ratio)
     return rms_norm(to_bf16_rne(pooled), weights.norm, norm_eps)

@@ -144,10 +144,29 @@ def _bf16_choices(tier: str) -> tuple:
     return (None, "0" if fma_faster() else "1")
 
 
+def _available() -> tuple[str, ...]:
+    """The tiers this CPU has: its own and every one after it (the tiers nest)."""
+    return BACKENDS[BACKENDS.index(backend()):]
+
+
+def _untraceable(path: Path) -> dict[tuple[str, str, str], float]:
+    """The lines of list ``path`` of the tiers this CPU lacks, which it cannot trace: a rewrite
+    keeps them as they were, ``{(tier, name, signature): seconds}``."""
+    available = _available()
+    return {(k.tier, k.name, k.signature): k.seconds
+            for k in (read_kernels(path) if path.exists() else [])
+            if k.tier not in (ANY_TIER, *available)}
+
+
+def _kept_note(rows) -> list[str]:
+    kept = sorted({tier for tier, _, _ in rows}, key=BACKENDS.index)
+    return [f"# The lines of {', '.join(kept)} are kept from an earlier list (a CPU with them)."] if kept else []
+
+
 def _record(path: Path) -> None:
     """Rewrite the list from the default golden's runs on every tier this CPU has (the lines
     of a tier it lacks are kept)."""
-    available = BACKENDS[BACKENDS.index(backend()):]     # the tiers nest
+    available = _available()
     seen: dict[str, dict[tuple[str, str], float]] = {}
     for tier in available:
         seen[tier] = {}
@@ -161,12 +180,8 @@ def _record(path: Path) -> None:
             print(f"{tier} at {threads} threads (bf16 FMA: {fma or 'own choice'}): "
                   f"{len(seen[tier])} kernels", file=sys.stderr)
     everywhere = set.intersection(*(set(calls) for calls in seen.values()))
-    # A tier this CPU lacks cannot be traced here: its lines stay as the list had them.
-    rows: dict[tuple[str, str, str], float] = {
-        (k.tier, k.name, k.signature): k.seconds
-        for k in (read_kernels(path) if path.exists() else [])
-        if k.tier not in (ANY_TIER, *available)}
-    kept = sorted({tier for tier, _, _ in rows}, key=BACKENDS.index)
+    rows = _untraceable(path)
+    lines = _kept_note(rows)
     for tier, calls in seen.items():
         for (name, sig), seconds in calls.items():
             row = (ANY_TIER if (name, sig) in everywhere else tier, name, sig)
@@ -174,9 +189,7 @@ def _record(path: Path) -> None:
     lines = ["# The kernels the default golden (`ds41numba golden`) calls from Python, read by",
              "# ds41numba/compile_ahead.py: tier ('*': every tier), compile seconds, module:qualname,",
              "# argument types. Written by `python -m ds41numba.kernel_list` on a CPU with the",
-             f"# tiers {', '.join(available)}."]
-    if kept:
-        lines.append(f"# The lines of {', '.join(kept)} are kept from an earlier list (a CPU with them).")
+             f"# tiers {', '.join(available)}."] + lines
     lines += [f"{tier} {rows[tier, name, sig]:.2f} {name} {sig}" for tier, name, sig in sorted(rows)]
     path.write_text("\n".join(lines) + "\n")
 
@@ -196,6 +209,7 @@ def _record_suite(path: Path) -> None:
     if status:
         print(f"the suite exited with status {status}: the list holds what the tests that ran "
               "called", file=sys.stderr)
+    kept = _untraceable(path)
     rows: dict[tuple[str, str], tuple[str, float]] = {}
     for name, sig, seconds, tier in calls:
         if (name, sig) not in golden and (name, sig) not in rows:
@@ -203,7 +217,9 @@ def _record_suite(path: Path) -> None:
     lines = ["# The kernels the test suite calls from Python that ds41numba/kernels.txt lacks, compiled",
              "# ahead at the suite's start (tests/conftest.py): the tier first called on, compile",
              "# seconds, module:qualname, argument types. Written by",
-             "# `python -m ds41numba.kernel_list --suite`."]
+             "# `python -m ds41numba.kernel_list --suite`."] + _kept_note(kept)
+    rows.update({(name, sig): (tier, seconds) for (tier, name, sig), seconds in kept.items()
+                 if (name, sig) not in golden})
     lines += [f"{tier} {seconds:.2f} {name} {sig}"
               for (name, sig), (tier, seconds) in sorted(rows.items())]
     path.write_text("\n".join(lines) + "\n")

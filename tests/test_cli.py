@@ -594,3 +594,46 @@ def test_chunk_with_scores_samples_and_ties(tmp_path, capsys):
     assert "step0.layers.0.sample.rows" in names and "step2.layers.0.sample.q" in names
     capsys.readouterr()
     assert main(["replay", str(path)]) == 0
+
+
+def test_a_small_run_runs_on_the_blas_tier_a_production_layer_on_this_cpus(tmp_path, monkeypatch):
+    """``golden`` and ``replay`` of the built-in default (4e6 multiply-adds of products) compile
+    ahead and run on the blas tier, which compiles fastest and gives the same bits; a production
+    layer at 2,048 tokens (3e11) on this CPU's own tier; the tier is this CPU's again after."""
+    from ds41numba import cli
+    from ds41numba.numerics import backend
+    own = backend()
+    made = _golden(tmp_path)
+    tiers = []
+    monkeypatch.setattr(cli, "compile_ahead", lambda quiet: tiers.append(("compile", backend())))
+
+    def write(plan, out, **kw):
+        tiers.append(("run", backend()))
+        return {"path": out, "tensors": 0, "bytes": 0, "seconds": 0.0}
+
+    class Agreed:
+        ok = True
+        table = text = lambda self: ""
+
+    monkeypatch.setattr(cli.golden, "write_golden", write)
+    monkeypatch.setattr(cli.golden, "replay", lambda *a, **kw: tiers.append(("run", backend()))
+                        or Agreed())
+    assert main(["golden", "--quiet", "--out", str(tmp_path / "a.safetensors")]) == 0
+    assert main(["replay", "--quiet", str(made)]) == 0
+    assert tiers == [("compile", "blas"), ("run", "blas")] * 2 and backend() == own
+    tiers.clear()
+    assert main(["golden", "--quiet", "--preset", "v41-flash", "--layers", "20", "--prefill",
+                 "2048", "--decode", "3", "--out", str(tmp_path / "b.safetensors")]) == 0
+    assert tiers == [("compile", own), ("run", own)]
+
+
+def test_the_products_of_the_default_golden_in_multiply_adds():
+    """tiny: every layer's wq_a 16x64, wq_b 128x16, wkv 32x64, wo_a 32x64, wo_b 64x32 (9,216);
+    kv sources 2 and 4 a compressor wkv 32x64 (and wgate 32x64 at ratio 2: layer 2); index
+    sources 2, 4, 5 an indexer wq_b 64x16 and weights_proj 2x64 (and wk 32x32 at 2 and 4): 66,944
+    a token for 52 tokens, and 52**2 / 2r scores of 2 heads x 32 at ratio 2 (layer 2) and 1
+    (layers 4, 5)."""
+    per_token = 9216 * 6 + 2048 * 2 + 2048 + (1024 + 128) * 3 + 1024 * 2
+    scores = 52 * 52 / 4 * 64 + 2 * (52 * 52 / 2 * 64)
+    assert per_token == 66944
+    assert golden.product_multiply_adds(preset("tiny"), range(6), 52) == 52 * per_token + scores

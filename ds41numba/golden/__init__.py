@@ -66,7 +66,7 @@ from .plan import GoldenPlan, closed_selection, missing_sources
 from .replaying import StoredWeights, replay
 from .run import check_cluster_capture, run_golden, write_golden
 from .stream import DEFAULT_CHUNK, stream_golden
-from .work import total_work, work_units
+from .work import product_multiply_adds, total_work, work_units
 from .rows import PER_ROW, held_positions, match_rows
 
 __all__ = [
@@ -82,6 +82,6 @@ __all__ = [
     "judge_index_rows", "DiskError", "RunInterrupted", "CHECKPOINT_EVERY", "Checkpoint",
     "checkpoint_dir", "partial_path", "GeneratedWeights", "make_weight", "StoredWeights",
     "run_pieces", "check_cluster_capture", "WeightsDir", "dequantize_fp8", "InputsFile",
-    "BatchRowFile", "BATCH_INPUTS", "batch_input_name", "total_work", "work_units",
+    "BatchRowFile", "BATCH_INPUTS", "batch_input_name", "total_work", "work_units", "product_multiply_adds",
     "query_tiles", "PER_ROW", "held_positions", "match_rows", "CACHE_CAPTURES",
 ]

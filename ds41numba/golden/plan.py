@@ -20,7 +20,7 @@ from .generator import (GeneratedWeights, LazyWeights, batch_input_name, checked
                         checked_seed, make_input)
 from .rows import checked_rows
 from .weights_dir import WeightsDir
-from .work import total_work
+from .work import product_multiply_adds, total_work
 
 __all__ = ["GoldenPlan", "missing_sources", "closed_selection", "make_stack"]
 
@@ -171,6 +171,13 @@ class GoldenPlan:
     def total_work(self) -> float:
         """The run's work in the progress bar's unit (:func:`total_work`)."""
         return (total_work(self.config, self.layers, self.prefill, self.decode, self.rows)
+                * self.batch)
+
+    @property
+    def product_multiply_adds(self) -> float:
+        """About how many multiply-adds the run's products take (:func:`product_multiply_adds`),
+        every sequence's."""
+        return (product_multiply_adds(self.config, self.layers, self.prefill + self.decode)
                 * self.batch)
 
     def metadata(self) -> dict[str, str]:

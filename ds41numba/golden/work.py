@@ -3,14 +3,19 @@
 A run that answers a few rows of a long prefill spends nearly all its time on the key side of
 every row, a full run nearly all on the queries (at 1M positions, the indexer): counting tokens
 would be wrong for one or the other. :func:`work_units` weighs each part by what it costs.
+:func:`product_multiply_adds` counts a run's products in multiply-adds instead, for deciding what
+to compile before it.
 """
 
 from __future__ import annotations
 
+import math
+
 from ..config import AttnConfig
+from ..stack import weight_specs
 from .rows import runs
 
-__all__ = ["QUERY_WORK", "INDEX_WORK", "work_units", "total_work"]
+__all__ = ["QUERY_WORK", "INDEX_WORK", "work_units", "total_work", "product_multiply_adds"]
 
 #: The progress bar's weights, in key sides of a token-layer (measured on v41-flash layer 20,
 #: AVX-512, about 55 us each): a query row's projections and attention, and each compressed
@@ -47,4 +52,19 @@ def total_work(config: AttnConfig, layers, prefill: int, decode: int, rows=None)
             total += work_units(config, i, 0, prefill, queries=False)
             total += sum(work_units(config, i, a, n, keys=False) for a, n in runs(rows))
         total += sum(work_units(config, i, prefill + s, 1, prefill=False) for s in range(decode))
+    return total
+
+
+def product_multiply_adds(config: AttnConfig, layers, tokens: int) -> float:
+    """About how many multiply-adds ``tokens`` positions through ``layers`` take in the products
+    a CPU's tier speeds up (:mod:`ds41numba.numerics.backend`): each token through every weight
+    matrix of each layer, and each index source's rows scoring the compressed positions they
+    see (``tokens**2 / 2r`` of them, ``index_n_heads * index_head_dim`` each)."""
+    total = 0.0
+    for i in layers:
+        total += tokens * sum(math.prod(shape) for shape, _ in weight_specs(config, i).values()
+                              if len(shape) == 2)
+        r = config.ratio(i)
+        if r and config.is_index_source(i):
+            total += tokens * tokens / (2 * r) * config.index_n_heads * config.index_head_dim
     return total

@@ -15,9 +15,10 @@ from numba.extending import intrinsic, overload
 
 from .vector_ir import (F32, I32, V16F, V16I, close_loop, extent, i64, open_loop, prefetch, row_operands,
                         row_pointer, splat, wide_registers)
+from .workers import serial_twin, sized_call
 
 __all__ = ["DOT_ROWS", "DOT_LANES", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_dot_run", "bf16_fma_tile",
-           "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16"]
+           "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16", "gemm_bf16_sized"]
 
 
 # The reference's products are of bf16 values summed in f32: the bf16 linears, and the indexer's
@@ -312,3 +313,16 @@ def gemm_bf16(a, b, out, groups, block_pairs):
             b_run = b[j, k0:k1]
             for r in range(0, r1 - r0, DOT_ROWS):
                 tile_product(a_rows[r:r + DOT_ROWS, k0 * width:k1 * width], b_run, o[r:r + DOT_ROWS], k0 > 0)
+
+
+gemm_bf16_serial = serial_twin(gemm_bf16)
+
+
+def gemm_bf16_sized(a, b, out, groups, block_pairs):
+    """:func:`gemm_bf16` on numba's threads where the product is large enough to split, else in
+    the calling thread (its serial twin; :func:`~.workers.sized_call`). A work item is
+    ``_GEMM_ROWS`` rows of one block of columns."""
+    rows = a.shape[0]
+    items = -(-rows // _GEMM_ROWS) * b.shape[0]
+    cost = min(rows, _GEMM_ROWS) * b.shape[1] * 2 * DOT_LANES
+    sized_call(gemm_bf16, items, cost, a, b, out, groups, block_pairs)

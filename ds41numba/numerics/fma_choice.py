@@ -15,6 +15,8 @@ from numba import njit, prange
 
 from .bf16_dot import DOT_LANES, DOT_ROWS, tile_product
 from .bf16_layouts import bf16_pairs
+from .formats import ELEMENT_COST
+from .workers import serial_twin, sized_call
 
 __all__ = ["values_range", "fma_safe", "fma_faster"]
 
@@ -76,13 +78,17 @@ def _bits_range(bits, pairs):
     return ok, lo, hi
 
 
+_bits_range_serial = serial_twin(_bits_range)
+
+
 def values_range(x: np.ndarray) -> tuple:
     """``(ok, lowest, highest)`` biased exponent of the non-zero values of f32 ``x`` (or of the
     pairs ``x`` holds, when uint32); ok False when one is denormal, inf, NaN or not bf16."""
     x = np.ascontiguousarray(x)
     pairs = x.dtype == np.uint32
     bits = x if pairs else np.ascontiguousarray(x, np.float32).view(np.uint32)
-    return _bits_range(bits.reshape(-1, bits.shape[-1] if bits.ndim else 1), pairs)
+    rows = bits.reshape(-1, bits.shape[-1] if bits.ndim else 1)
+    return sized_call(_bits_range, rows.shape[0], rows.shape[1] * ELEMENT_COST, rows, pairs)
 
 
 def fma_safe(a_range: tuple, b_range: tuple, k: int) -> bool:

@@ -11,12 +11,14 @@ import numpy as np
 from numba import njit, prange
 
 from .backend import tier_at_least
-from .bf16_dot import DOT_LANES, DOT_ROWS, gemm_bf16
+from .bf16_dot import DOT_LANES, DOT_ROWS, gemm_bf16_sized
 from .bf16_layouts import bf16_pairs
 from .fma_choice import fma_faster, fma_safe, values_range
 from .f32_products import F32Matrix, linear_f32_ordered
-from .formats import as_f32_array, is_bf16_valued, is_int, output_buffer, round_bf16_inplace
+from .formats import (ELEMENT_COST, as_f32_array, is_bf16_valued, is_int, output_buffer,
+                      round_bf16_inplace)
 from .matvec import MATVEC_MEMBERS, matvec_into, pair_hi, pair_lo
+from .workers import serial_twin, sized_call
 
 __all__ = ["linear_bf16", "linear_f32", "Bf16Matrix", "SharedInput", "MATVEC_MAX_ROWS",
            "TINY_BF16_LINEAR", "bf16_k_block"]
@@ -194,6 +196,9 @@ def _pack_bits(bits, out, first):
             blk[k // 2, lane] = np.uint32(bits[i, k - 1])
 
 
+_pack_bits_serial = serial_twin(_pack_bits)
+
+
 # Pairs widened at a time per block: a block's panel of them (4 KB) stays in L1 while each of
 # its rows is written out contiguously.
 _WIDEN_PAIRS = 32
@@ -218,6 +223,9 @@ def _widen_pairs(pairs, k_in, out):
         if k_in % 2:
             for j in range(lanes):
                 out[b * DOT_LANES + j, k_in - 1] = pair_lo(pairs[b, both, j])
+
+
+_widen_pairs_serial = serial_twin(_widen_pairs)
 
 
 def _even_width(x, groups=1):
@@ -270,7 +278,8 @@ class Bf16Matrix:
         for g in range(self.groups):
             for r0 in range(0, rank, _PACK_ROWS):
                 rows = w[g * rank + r0:g * rank + min(rank, r0 + _PACK_ROWS)]
-                _pack_bits(_bf16_bits(rows), pairs[g * nb:(g + 1) * nb], r0)
+                sized_call(_pack_bits, rows.shape[0], k_in * ELEMENT_COST, _bf16_bits(rows),
+                           pairs[g * nb:(g + 1) * nb], r0)
         return pairs
 
     @property
@@ -302,7 +311,8 @@ class Bf16Matrix:
             raise ValueError(f"Bf16Matrix.to_f32: group must be in 0..{self.groups - 1}, "
                              f"got {group}")
         out = np.empty((rank, k_in), np.float32)
-        _widen_pairs(self._pairs[g * nb:(g + 1) * nb], k_in, out)
+        sized_call(_widen_pairs, -(-rank // DOT_LANES), DOT_LANES * k_in * ELEMENT_COST,
+                   self._pairs[g * nb:(g + 1) * nb], k_in, out)
         return out
 
     def dot_bf16(self, x, out, ref_rows: int | None = None) -> bool:
@@ -338,10 +348,10 @@ class Bf16Matrix:
                 return False
             y = out[r0:r0 + n]
             if rows == n and rank % DOT_LANES == 0 and y.flags.c_contiguous:
-                gemm_bf16(a, b, y, self.groups, block_pairs)
+                gemm_bf16_sized(a, b, y, self.groups, block_pairs)
             else:
                 padded = np.empty((rows, b.shape[0] * DOT_LANES), np.float32)
-                gemm_bf16(a, b, padded, self.groups, block_pairs)
+                gemm_bf16_sized(a, b, padded, self.groups, block_pairs)
                 y[...] = padded[:n].reshape(n, self.groups, -1)[:, :, :rank].reshape(n, n_out)
         return True
 

@@ -20,8 +20,12 @@ SUM_LANES = 8
 _SUM_ILP = 4
 _SUM_LEVELS = 4
 
+# The sum's helpers are inlined into their callers' numba IR (``inline="always"``): compiled
+# apart, each nested level was optimised and compiled to machine code again inside the next,
+# and RMSNorm took 3.2 s to compile on a Zen 4 core instead of 1.9 (the same code and speed).
 
-@njit(cache=True)
+
+@njit(cache=True, inline="always")
 def _ceil_log2(x):
     if x <= 2:
         return 1
@@ -33,7 +37,7 @@ def _ceil_log2(x):
     return r
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _add_group(x, square, lanes, i, acc):
     """Group i (4 vectors of ``lanes`` values) into the 4 ILP partial sums ``acc[0]``."""
     for k in range(_SUM_ILP):
@@ -43,7 +47,7 @@ def _add_group(x, square, lanes, i, acc):
             acc[0, k, l] += v * v if square else v
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _multi_row_sum(x, square, lanes, size, acc):
     """``multi_row_sum`` with 4 ILP rows of ``lanes`` lanes over ``size`` groups of 4 * lanes values:
     ``acc[0, k, l]`` ends with the sum of values ``(4 * i + k) * lanes + l``, accumulated in cascade
@@ -72,7 +76,7 @@ def _multi_row_sum(x, square, lanes, size, acc):
                 acc[0, k, l] += acc[j, k, l]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def torch_sum_f32(x, square):
     """The f32 sum of the 1-D float32 row ``x`` (of its squares, each rounded to f32, when ``square``)
     in exactly the order torch's CPU ``sum`` over a contiguous last dimension adds them with 8-lane
