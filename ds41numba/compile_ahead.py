@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -152,18 +153,61 @@ def load_cached() -> int:
     return loaded
 
 
-def _shares(kernels: list[Kernel], n: int) -> list[list[str]]:
-    """The kernels' names in ``n`` shares of about equal compile time, the costliest first
-    (greedy), every signature of a kernel in one share (they share numba's index file)."""
+def _helpers(disp: Dispatcher, seen: set | None = None) -> set:
+    """The ds41numba kernels and helpers ``disp`` calls, directly or not, by the global names
+    its code (and its nested functions') reads: what numba compiles along with it."""
+    seen = set() if seen is None else seen
+    f = disp.py_func
+    codes = [f.__code__]
+    while codes:
+        code = codes.pop()
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        for name in code.co_names:
+            g = f.__globals__.get(name)
+            if (isinstance(g, Dispatcher) and g.py_func.__module__.startswith("ds41numba")
+                    and g not in seen):
+                seen.add(g)
+                _helpers(g, seen)
+    return seen
+
+
+def _families(kernels: list[Kernel]) -> list[tuple[list[str], float]]:
+    """The kernels' names in families, each with its compile seconds: a kernel joins the family
+    that holds more than half of the functions it compiles (:func:`_helpers`), which one process
+    then compiles once (the indexer's two top-k kernels share 23 of 25), else starts one. The
+    largest first, so a family's first kernel is its largest; every signature of a kernel is in
+    its family (they share numba's index file). A line that does not load is its own family."""
     cost: dict[str, float] = {}
     for k in kernels:
         cost[k.name] = cost.get(k.name, 0.0) + k.seconds
+    funcs: dict[str, set] = {}
+    for k in kernels:
+        try:
+            disp = k.dispatcher()
+            funcs[k.name] = _helpers(disp) | {disp}
+        except Exception:
+            funcs[k.name] = set()
+    families: list[tuple[set, list[str]]] = []
+    for name in sorted(cost, key=lambda m: -len(funcs[m])):
+        mine = funcs[name]
+        home = max(families, key=lambda f: len(mine & f[0]), default=None)
+        if home is not None and 2 * len(mine & home[0]) > len(mine):
+            home[0].update(mine)
+            home[1].append(name)
+        else:
+            families.append((set(mine), [name]))
+    return [(names, sum(cost[m] for m in names)) for _, names in families]
+
+
+def _shares(kernels: list[Kernel], n: int) -> list[list[str]]:
+    """The kernels' names in ``n`` shares of about equal compile time: their families
+    (:func:`_families`), each whole in one share, the costliest first (greedy)."""
     shares: list[list[str]] = [[] for _ in range(n)]
     loads = [0.0] * n
-    for name in sorted(cost, key=lambda m: -cost[m]):
+    for names, seconds in sorted(_families(kernels), key=lambda f: -f[1]):
         i = loads.index(min(loads))
-        shares[i].append(name)
-        loads[i] += cost[name]
+        shares[i] += names
+        loads[i] += seconds
     return [s for s in shares if s]
 
 
