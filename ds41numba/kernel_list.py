@@ -34,7 +34,7 @@ from pathlib import Path
 from numba.core import types
 from numba.core.dispatcher import Dispatcher
 
-from . import cli
+from . import cli, compile_ahead
 from .compile_ahead import ANY_TIER, KERNELS, read_kernels
 from .numerics import BACKENDS, backend, fma_faster, use_backend
 
@@ -105,7 +105,13 @@ def tracing(calls: list, strict: bool = True) -> Iterator[list]:
 
 def _trace(tier: str, argv: list[str]) -> None:
     """Run ``ds41numba ARGV`` on ``tier`` and print, a JSON line each, the kernels Python called
-    with types they had no code for and the seconds each took (:func:`tracing`)."""
+    with types they had no code for and the seconds each took (:func:`tracing`).
+
+    The run stays on ``tier`` however small (:func:`.compile_ahead.tier_for_run` is off): the
+    list holds each tier's kernels as the default golden calls them there, what a larger run on
+    that tier compiles ahead and a cluster's workers load (the small default golden itself runs
+    on ``blas``, whose lines the list has too)."""
+    compile_ahead.SMALL_RUN_MACS = 0        # this process only: a subprocess of _traced_calls
     with tracing([]) as calls, use_backend(tier):
         cli.main(argv)
     for name, sig, seconds, _ in calls:
@@ -186,8 +192,9 @@ def _record(path: Path) -> None:
         for (name, sig), seconds in calls.items():
             row = (ANY_TIER if (name, sig) in everywhere else tier, name, sig)
             rows[row] = max(seconds, rows.get(row, 0.0))
-    lines = ["# The kernels the default golden (`ds41numba golden`) calls from Python, read by",
-             "# ds41numba/compile_ahead.py: tier ('*': every tier), compile seconds, module:qualname,",
+    lines = ["# The kernels the default golden (`ds41numba golden`) calls from Python on each tier (run",
+             "# there however small; it runs on blas itself), read by ds41numba/compile_ahead.py:",
+             "# tier ('*': every tier), compile seconds, module:qualname,",
              "# argument types. Written by `python -m ds41numba.kernel_list` on a CPU with the",
              f"# tiers {', '.join(available)}."] + lines
     lines += [f"{tier} {rows[tier, name, sig]:.2f} {name} {sig}" for tier, name, sig in sorted(rows)]

@@ -86,11 +86,13 @@ def test_the_list_reads_and_names_kernels_that_exist(path):
         assert k.argtypes()
 
 
-def test_the_list_holds_every_kernel_the_default_golden_calls_on_this_tier():
-    """Run the default golden (a fresh process) and note the kernels it calls from Python: each
-    must be on the list for this tier, or a first run compiles it alone."""
-    listed = {(k.name, k.signature) for k in ahead.read_kernels() if k.tier in ("*", backend())}
-    called = kernel_list.traced_kernels(backend(), numba.get_num_threads())
+@pytest.mark.parametrize("tier", sorted({backend(), BACKENDS[-1]}, key=BACKENDS.index))
+def test_the_list_holds_every_kernel_the_default_golden_calls_on_a_tier(tier):
+    """Run the default golden (a fresh process) on this CPU's tier and on ``blas`` (where it runs,
+    being small: :func:`tier_for_run`) and note the kernels it calls from Python: each must be on
+    the list for that tier, or a first run compiles it alone."""
+    listed = {(k.name, k.signature) for k in ahead.read_kernels() if k.tier in ("*", tier)}
+    called = kernel_list.traced_kernels(tier, numba.get_num_threads())
     assert called and called <= listed, sorted(called - listed)
 
 
@@ -169,3 +171,11 @@ def test_loading_the_cached_kernels_loads_and_compiles_nothing_new(tmp_path, mon
                .signatures) == before
     monkeypatch.setenv("DS41NUMBA_COMPILE_AHEAD", "0")
     assert ahead.load_cached() == 0
+
+
+def test_a_workers_warm_up_loads_the_kernels_of_this_cpus_tier():
+    """The list keeps each tier's kernels although the small default golden runs on ``blas``:
+    a cluster's worker loads this CPU tier's (their parallel kernels, which its tiles call)."""
+    tiers = {k.tier for k in ahead._to_load()}
+    assert tiers == {"*", backend()}
+    assert {k.tier for k in ahead.read_kernels()} == {"*", *BACKENDS}
