@@ -440,7 +440,7 @@ def _export_paged(args) -> int:
 
 
 def _suite(args) -> int:
-    from .golden.suite import read_manifest, write_suite
+    from .golden.suite import plan_cases, read_manifest, write_suite
     if args.check is not None:
         if args.out is not None:
             raise GoldenError("give --out DIR (write) or --check DIR (check), not both")
@@ -458,8 +458,11 @@ def _suite(args) -> int:
             print(f"{status:>9}  {case.name}" + (f"  ({seconds:.1f} s)" if status == "written"
                                                  else ""), flush=True)
 
-    compile_ahead(quiet=args.quiet)
-    m = write_suite(config, preset_name, layers, args.out, args.seed, report=report)
+    largest = max((golden.product_multiply_adds(config, c.layers, c.prefill + c.decode)
+                   for c in plan_cases(config, layers)), default=0.0)
+    with tier_for_run(largest):
+        compile_ahead(quiet=args.quiet)
+        m = write_suite(config, preset_name, layers, args.out, args.seed, report=report)
     print(f"suite {args.out}: {len(m['cases'])} cases" + (
         f", {len(m['not_built'])} not built (they need: "
         f"{'; '.join(sorted({e['needs'] for e in m['not_built']}))})" if m["not_built"] else ""))

@@ -19,7 +19,7 @@ tests call (:func:`compile_ahead` with ``every_tier`` and ``extra``).
 (a cluster's workers, while the driver runs the key side), with the parallel kernel of each
 serial twin listed.
 
-A small run (:func:`tier_for_run`: the built-in ``tiny`` and ``mixed`` goldens) runs on the
+A small run (:func:`tier_for_run`: the built-in ``tiny`` and ``mixed`` goldens and suites) runs on the
 ``blas`` tier, the same bits as every other: its products take milliseconds on any tier, and the
 integer and bf16 kernels of the CPU's own would cost it more to compile (8 s of the default
 golden's 39 on a Zen 4 core) than they could save.

@@ -597,9 +597,10 @@ def test_chunk_with_scores_samples_and_ties(tmp_path, capsys):
 
 
 def test_a_small_run_runs_on_the_blas_tier_a_production_layer_on_this_cpus(tmp_path, monkeypatch):
-    """``golden`` and ``replay`` of the built-in default (4e6 multiply-adds of products) compile
-    ahead and run on the blas tier, which compiles fastest and gives the same bits; a production
-    layer at 2,048 tokens (3e11) on this CPU's own tier; the tier is this CPU's again after."""
+    """``golden`` and ``replay`` of the built-in default (4e6 multiply-adds of products) and the
+    tiny edge-case suite compile ahead and run on the blas tier, which compiles fastest and
+    gives the same bits; a production layer at 2,048 tokens (3e11) on this CPU's own tier; the
+    tier is this CPU's again after."""
     from ds41numba import cli
     from ds41numba.numerics import backend
     own = backend()
@@ -618,9 +619,13 @@ def test_a_small_run_runs_on_the_blas_tier_a_production_layer_on_this_cpus(tmp_p
     monkeypatch.setattr(cli.golden, "write_golden", write)
     monkeypatch.setattr(cli.golden, "replay", lambda *a, **kw: tiers.append(("run", backend()))
                         or Agreed())
+    from ds41numba.golden import suite
+    monkeypatch.setattr(suite, "write_suite", lambda *a, **kw: tiers.append(("run", backend()))
+                        or {"cases": [], "not_built": []})
     assert main(["golden", "--quiet", "--out", str(tmp_path / "a.safetensors")]) == 0
     assert main(["replay", "--quiet", str(made)]) == 0
-    assert tiers == [("compile", "blas"), ("run", "blas")] * 2 and backend() == own
+    assert main(["suite", "--quiet", "--preset", "tiny", "--out", str(tmp_path / "s")]) == 0
+    assert tiers == [("compile", "blas"), ("run", "blas")] * 3 and backend() == own
     tiers.clear()
     assert main(["golden", "--quiet", "--preset", "v41-flash", "--layers", "20", "--prefill",
                  "2048", "--decode", "3", "--out", str(tmp_path / "b.safetensors")]) == 0
