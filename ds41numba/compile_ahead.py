@@ -19,10 +19,10 @@ tests call (:func:`compile_ahead` with ``every_tier`` and ``extra``).
 (a cluster's workers, while the driver runs the key side), with the parallel kernel of each
 serial twin listed.
 
-A small run (:func:`tier_for_run`: the built-in ``tiny`` and ``mixed`` goldens and suites) runs on the
-``blas`` tier, the same bits as every other: its products take milliseconds on any tier, and the
-integer and bf16 kernels of the CPU's own would cost it more to compile (8 s of the default
-golden's 39 on a Zen 4 core) than they could save.
+A small run (:func:`tier_for_run`: the built-in ``tiny`` and ``mixed`` goldens and suites) runs
+on the ``blas`` tier, the same bits as every other: its products take milliseconds on any tier,
+and the integer and bf16 kernels of the CPU's own would cost it more to compile (8 s of the
+default golden's 39 on a Zen 4 core) than they could save.
 
 ``python -m ds41numba.kernel_list`` rewrites the list (:mod:`.kernel_list`).
 ``DS41NUMBA_COMPILE_AHEAD=0`` turns compiling ahead off.
