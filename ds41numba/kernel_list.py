@@ -165,8 +165,10 @@ def _untraceable(path: Path) -> dict[tuple[str, str, str], float]:
 
 
 def _kept_note(rows) -> list[str]:
+    """The list's comment line on the lines :func:`_untraceable` kept (none when none were)."""
     kept = sorted({tier for tier, _, _ in rows}, key=BACKENDS.index)
-    return [f"# The lines of {', '.join(kept)} are kept from an earlier list (a CPU with them)."] if kept else []
+    return ([f"# The lines of {', '.join(kept)} are kept from an earlier list (a CPU with them)."]
+            if kept else [])
 
 
 def _record(path: Path) -> None:
