@@ -82,6 +82,6 @@ __all__ = [
     "judge_index_rows", "DiskError", "RunInterrupted", "CHECKPOINT_EVERY", "Checkpoint",
     "checkpoint_dir", "partial_path", "GeneratedWeights", "make_weight", "StoredWeights",
     "run_pieces", "check_cluster_capture", "WeightsDir", "dequantize_fp8", "InputsFile",
-    "BatchRowFile", "BATCH_INPUTS", "batch_input_name", "total_work", "work_units", "product_multiply_adds",
-    "query_tiles", "PER_ROW", "held_positions", "match_rows", "CACHE_CAPTURES",
+    "BatchRowFile", "BATCH_INPUTS", "batch_input_name", "total_work", "work_units",
+    "product_multiply_adds", "query_tiles", "PER_ROW", "held_positions", "match_rows", "CACHE_CAPTURES",
 ]
