@@ -262,7 +262,7 @@ def test_partial_sort_of_a_prefix_is_the_whole_rows_set():
         want = torch_cpu_topk_set(row, k)
         got = np.empty(k, np.int64)
         m = max(k, seen)
-        partial_sort_set_into(row[:m], k, got, np.empty(k, np.float32), np.empty(k, np.int64))
+        partial_sort_set_into(row[:m], k, got, np.empty(k, np.int64))
         assert np.array_equal(got, want), (seen, k)
 
 
@@ -289,7 +289,7 @@ def test_hinted_partial_sort_skips_by_block_maxima_and_keeps_the_set(block):
         want = torch_cpu_topk_set(row, k)
         for hint in (maxima, pinned, np.full(nb, np.inf, np.float32), maxima + np.float32(1.0)):
             got = np.empty(k, np.int64)
-            partial_sort_set_hinted(row, k, got, np.empty(k, np.float32), np.empty(k, np.int64),
+            partial_sort_set_hinted(row, k, got, np.empty(k, np.int64),
                                     np.ascontiguousarray(hint, np.float32), block)
             assert np.array_equal(got, want), (n, k)
     # More +inf values than k, then a NaN in the pinned block: the top is +inf when the scan
@@ -300,7 +300,7 @@ def test_hinted_partial_sort_skips_by_block_maxima_and_keeps_the_set(block):
     hint = np.where(np.arange(-(-4096 // block)) == 4000 // block, np.inf, 0).astype(np.float32)
     hint[:-(-100 // block)] = np.inf
     got = np.empty(64, np.int64)
-    partial_sort_set_hinted(row, 64, got, np.empty(64, np.float32), np.empty(64, np.int64), hint, block)
+    partial_sort_set_hinted(row, 64, got, np.empty(64, np.int64), hint, block)
     assert 4000 in got and np.array_equal(got, torch_cpu_topk_set(row, 64))
 
 
@@ -326,8 +326,7 @@ def test_listed_partial_sort_visits_the_spans_and_keeps_the_set(block):
         offsets, firsts = candidate_quarters(np.packbits(cand)[None], np.array([n]), block)
         want = torch_cpu_topk_set(row, k)
         got = np.empty(k, np.int64)
-        partial_sort_set_listed(row, k, got, np.empty(k, np.float32), np.empty(k, np.int64),
-                                firsts, 8)
+        partial_sort_set_listed(row, k, got, np.empty(k, np.int64), firsts, 8)
         assert np.array_equal(got, want), (n, k)
         if np.isfinite(row).sum() < k:          # the case reaches -inf picks
             assert np.isneginf(row[want]).any()
@@ -477,3 +476,33 @@ def test_set_rejects(vals, k, err, match):
 def test_rows_rejects(vals, k, err, match):
     with pytest.raises(err, match=match):
         torch_cpu_topk_rows(vals, k)
+
+
+# --------------------------------------------------------------------------- pairs as integers
+
+
+def _special_f32():
+    """Every kind of f32 the comparator meets: both zeros, both infinities, NaNs of either sign
+    and any payload, the smallest and largest subnormals and normals of each sign, values a bit
+    apart, and random bit patterns."""
+    bits = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001,
+            0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x00000001, 0x80000001, 0x007FFFFF, 0x807FFFFF,
+            0x00800000, 0x80800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F800000, 0x3F800001, 0xBF800000,
+            0xBF800001, 0x3F7FFFFF, 0xBF7FFFFF]
+    rng = np.random.default_rng(5)
+    bits += list(rng.integers(0, 1 << 32, 200, dtype=np.uint64))
+    return np.array(bits, np.uint32).view(np.float32)
+
+
+def test_pair_keys_order_values_as_torchs_comparator_does():
+    """``pair_key(a) > pair_key(b)`` exactly when ``before(a, b)``, for every two values of the
+    table (each with itself too): -0 ties +0, every NaN ties every other and comes first."""
+    from ds41numba.topk import before, pair_key
+
+    vals = _special_f32()
+    keys = np.array([pair_key(v) for v in vals])
+    for a, ka in zip(vals, keys):
+        want = np.array([bool(before(a, b)) for b in vals])
+        assert np.array_equal(ka > keys, want), a
+    assert pair_key(np.float32(-0.0)) == pair_key(np.float32(0.0))
+    assert keys.max() == pair_key(np.float32(np.nan)) > pair_key(np.float32(np.inf))

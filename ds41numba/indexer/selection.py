@@ -54,8 +54,8 @@ def top_k_sets(scores, clen, k, out, block_scores, block):
     for s in prange(scores.shape[0]):
         n = _scanned(scores, clen, k, out, s)
         if n:
-            partial_sort_set_hinted(scores[s, :n], k, out[s], np.empty(k, np.float32),
-                                    np.empty(k, np.int64), block_scores[s], block)
+            partial_sort_set_hinted(scores[s, :n], k, out[s], np.empty(k, np.int64), block_scores[s],
+                                    block)
 
 
 top_k_sets_serial = serial_twin(top_k_sets)
@@ -69,8 +69,8 @@ def top_k_sets_listed(scores, clen, k, out, offsets, firsts, span):
     for s in prange(scores.shape[0]):
         n = _scanned(scores, clen, k, out, s)
         if n:
-            partial_sort_set_listed(scores[s, :n], k, out[s], np.empty(k, np.float32),
-                                    np.empty(k, np.int64), firsts[offsets[s]:offsets[s + 1]], span)
+            partial_sort_set_listed(scores[s, :n], k, out[s], np.empty(k, np.int64),
+                                    firsts[offsets[s]:offsets[s + 1]], span)
 
 
 top_k_sets_listed_serial = serial_twin(top_k_sets_listed)
