@@ -13,6 +13,7 @@ compared as f32; the index never breaks a tie) and then calls
 the set is the first k pairs afterwards. To get the same set we replay libstdc++'s versions of those
 algorithms step by step (introselect, and the heap select that ``partial_sort`` starts with),
 including the exact shape of ``__adjust_heap``: a textbook heap or quickselect keeps different ties.
+The steps move each pair as one int64 whose high half orders as ``before`` does (:func:`pair_key`).
 
 Public functions validate at the Python boundary and call njit kernels. ``topk_set_into`` (and its
 ``partial_sort_set_into`` branch, with ``topk_scratch_len``) is the allocation-free core other
