@@ -274,9 +274,9 @@ def run_passes(row, i, top, hint, block):
 
 
 @njit(cache=True)
-def _move_median_to_first(p, result, a, b, c):
+def _move_median_to_first(pairs, result, a, b, c):
     """libstdc++ ``__move_median_to_first``: swap the median of a, b, c (by ``before``) into result."""
-    ka, kb, kc = _key(p[a]), _key(p[b]), _key(p[c])
+    ka, kb, kc = _key(pairs[a]), _key(pairs[b]), _key(pairs[c])
     if ka > kb:
         if kb > kc:
             pick = b
@@ -290,50 +290,51 @@ def _move_median_to_first(p, result, a, b, c):
         pick = c
     else:
         pick = b
-    _swap(p, result, pick)
+    _swap(pairs, result, pick)
 
 
 @njit(cache=True)
-def _swap(p, i, j):
-    t = p[i]
-    p[i] = p[j]
-    p[j] = t
+def _swap(pairs, i, j):
+    t = pairs[i]
+    pairs[i] = pairs[j]
+    pairs[j] = t
 
 
 @njit(cache=True)
-def _unguarded_partition(p, first, last, pivot):
-    """libstdc++ ``__unguarded_partition``: Hoare partition around ``p[pivot]``, returns the cut."""
-    key = _key(p[pivot])
+def _unguarded_partition(pairs, first, last, pivot):
+    """libstdc++ ``__unguarded_partition``: Hoare partition around ``pairs[pivot]``; returns
+    the cut."""
+    key = _key(pairs[pivot])
     while True:
-        while _key(p[first]) > key:
+        while _key(pairs[first]) > key:
             first += 1
         last -= 1
-        while key > _key(p[last]):
+        while key > _key(pairs[last]):
             last -= 1
         if not first < last:
             return first
-        _swap(p, first, last)
+        _swap(pairs, first, last)
         first += 1
 
 
 @njit(cache=True)
-def _insertion_sort(p, first, last):
+def _insertion_sort(pairs, first, last):
     """libstdc++ ``__insertion_sort`` (stable): straight to the front, else an unguarded walk back."""
     if first == last:
         return
     for i in range(first + 1, last):
-        item = p[i]
+        item = pairs[i]
         key = _key(item)
         j = i
-        if key > _key(p[first]):
+        if key > _key(pairs[first]):
             while j > first:
-                p[j] = p[j - 1]
+                pairs[j] = pairs[j - 1]
                 j -= 1
         else:
-            while key > _key(p[j - 1]):
-                p[j] = p[j - 1]
+            while key > _key(pairs[j - 1]):
+                pairs[j] = pairs[j - 1]
                 j -= 1
-        p[j] = item
+        pairs[j] = item
 
 
 @njit(cache=True)
@@ -346,8 +347,9 @@ def _floor_log2(n):
 
 
 @njit(cache=True)
-def _nth_element(p, n, nth):
-    """libstdc++ ``std::nth_element(p, p + nth, p + n, before)`` (``__introselect``) in place."""
+def _nth_element(pairs, n, nth):
+    """libstdc++ ``std::nth_element(pairs, pairs + nth, pairs + n, before)``
+    (``__introselect``) in place."""
     if n == 0 or nth == n:
         return
     first = _ZERO
@@ -355,20 +357,20 @@ def _nth_element(p, n, nth):
     depth = 2 * _floor_log2(n)
     while last - first > 3:
         if depth == 0:
-            _heap_select(p, first, nth + 1, last)
+            _heap_select(pairs, first, nth + 1, last)
             # libstdc++ then swaps first and nth; that does not change which pairs are in
             # [0, nth], so the set is already final.
-            _swap(p, first, nth)
+            _swap(pairs, first, nth)
             return
         depth -= 1
         mid = first + (last - first) // 2
-        _move_median_to_first(p, first, first + 1, mid, last - 1)
-        cut = _unguarded_partition(p, first + 1, last, first)
+        _move_median_to_first(pairs, first, first + 1, mid, last - 1)
+        cut = _unguarded_partition(pairs, first + 1, last, first)
         if cut <= nth:
             first = cut
         else:
             last = cut
-    _insertion_sort(p, first, last)
+    _insertion_sort(pairs, first, last)
 
 
 # --------------------------------------------------------------------------- njit core
