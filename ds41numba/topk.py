@@ -56,21 +56,20 @@ def before(a, b):
 # value and index arrays (a consumer's rows at 32,768 tokens, 2026-12-05).
 _KEY_SHIFT = 32
 _INDEX_BITS = 0xFFFFFFFF
-_NAN_KEY = 0x7FFFFFFF
+_MAGNITUDE_BITS = 0x7FFFFFFF      # an f32's bits below its sign
+_NAN_KEY = _MAGNITUDE_BITS        # above every number's key (+inf's 0x7F800000)
 
 
 @njit(cache=True)
 def pair_key(x):
     """An f32 as an integer in ``before``'s order: ``before(a, b) == (pair_key(a) >
-    pair_key(b))`` for every two f32 values. A float's bits order its magnitude, so a negative
-    float's are flipped (more negative, lower); -0 and +0 compare equal, so both get 0; every
-    NaN gets one key, above +inf's (first, and never before another NaN)."""
+    pair_key(b))`` for every two f32 values. A float's bits below the sign order its magnitude,
+    so a negative float's key is minus them (-0 and +0, equal as floats, both 0); every NaN
+    gets one key, above +inf's (first, and never before another NaN)."""
     if x != x:
         return np.int64(_NAN_KEY)
-    if x == 0:
-        return np.int64(0)
     bits = np.int64(np.float32(x).view(np.int32))
-    return bits ^ np.int64(0x7FFFFFFF) if bits < 0 else bits
+    return -(bits & np.int64(_MAGNITUDE_BITS)) if bits < 0 else bits
 
 
 @njit(cache=True)
