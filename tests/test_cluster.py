@@ -95,6 +95,25 @@ def test_a_killed_worker_costs_only_its_tasks(tmp_path, cluster, reference):
     assert sha(path) == reference
 
 
+def test_tiles_go_out_as_workers_free_up_the_last_rows_first(tmp_path, cluster, reference,
+                                                             monkeypatch):
+    """No more tiles out than the cluster's slots (a worker ending one takes the costliest
+    left: the last rows first, layer by layer), and the file as before."""
+    submit, sent = queries_module.Queries.submit, []
+
+    def counted(self, i, a, n):
+        sent.append((i, a, len(self.keys_of)))           # tiles out, not yet handed over
+        return submit(self, i, a, n)
+
+    monkeypatch.setattr(queries_module.Queries, "submit", counted)
+    path = tmp_path / "s.safetensors"
+    write_golden(_plan(), path, chunk=37, cluster=cluster)
+    assert sha(path) == reference
+    assert max(out for *_, out in sent) == cluster.slots() - 1 == 1
+    firsts = list(range(0, 203, 37))[::-1]               # 185, 148, ..., 0
+    assert [(i, a) for i, a, _ in sent] == [(i, a) for i in range(8) for a in firsts]
+
+
 def _kill_all_in_layer(layer, cluster, seen):
     """A progress callback that kills every worker at once at ``layer``'s third tile."""
     def progress(n, where):

@@ -132,20 +132,25 @@ class Queries:
         if rows_of:
             self._write_layer_samples(i)
         retries = dict.fromkeys(rows_of, 0)
-        # The last rows first: a tile costs more the more positions its rows see, and the
-        # costliest first leave the cheap ones to even out the workers' ends.
+        # The last rows first, and no more tiles out than the workers run at once: a tile costs
+        # more the more positions its rows see, and each worker that ends one takes the
+        # costliest left. (Dask would place every tile at once, in turn: of four tiles on two
+        # workers, one would run the first and the third costliest, the other the cheapest.)
         # as_completed holds each future until it hands it over: ``fut`` is then the driver's
         # only reference, and the tile leaves its worker once it goes and the worker has taken
         # the selection from it.
-        tiles = self.cluster._distributed.as_completed(
-            [self.submit(i, a, n) for a, n in reversed(rows_of.items())])
+        waiting = list(rows_of.items())                 # taken from the end
+        tiles = self.cluster._distributed.as_completed()
+        out = self._more(i, waiting, tiles, 0)
         for fut in tiles:
             a = self.keys_of.pop(fut.key)
+            out = self._more(i, waiting, tiles, out - 1)
             try:
                 (first_row, rows, (at, samples), seconds), _ = fut.result()
             except (CancelledError, HandoverGone) as e:
                 self._lost_tile(e, i, a, rows_of[a], retries)
-                tiles.add(self.submit(i, a, rows_of[a]))
+                waiting.append((a, rows_of[a]))
+                out = self._more(i, waiting, tiles, out)
                 continue
             finally:
                 del fut
@@ -157,6 +162,14 @@ class Queries:
                 self.progress(work_units(self.plan.config, i, first_row, n, keys=False),
                               f"step 0 rows {first_row}-{first_row + n - 1} layer {i}")
             self.save()
+
+    def _more(self, i: int, waiting: list, tiles, out: int) -> int:
+        """Layer i's next ``waiting`` tiles submitted (into ``tiles``) while fewer than the
+        cluster's slots are ``out``; returns how many are out then."""
+        while waiting and out < self.cluster.slots():
+            tiles.add(self.submit(i, *waiting.pop()))
+            out += 1
+        return out
 
     def _forget(self, later) -> None:
         """After a layer's turn, keep only the selections and caches a ``later`` layer reads;
