@@ -1,5 +1,6 @@
 """A cluster run's queries part (:class:`Queries`): every layer's prefill query tiles, a layer
-at a time in layer order, submitted to the workers and written into the file as they complete.
+at a time in layer order, submitted to the workers the costliest first and no more at once than
+they run, and written into the file as they complete.
 
 A layer's work (its weights) and the caches it reads reach the workers through the cluster's
 handover (:mod:`.handover`), once per layer, or once for all the layers reading the same
