@@ -106,6 +106,7 @@ def test_tiles_go_out_as_workers_free_up_the_last_rows_first(tmp_path, cluster, 
         return submit(self, i, a, n)
 
     monkeypatch.setattr(queries_module.Queries, "submit", counted)
+    cluster.client.wait_for_workers(2, timeout=60)        # a worker killed earlier is back
     path = tmp_path / "s.safetensors"
     write_golden(_plan(), path, chunk=37, cluster=cluster)
     assert sha(path) == reference

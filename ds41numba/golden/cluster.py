@@ -93,7 +93,7 @@ _TRIM = "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"
 #: A local cluster's housekeeping made rare: at Dask's defaults each worker's event loop wakes
 #: every 10 to 100 ms (the loop's tick, the memory monitor, the statistical profiler, the
 #: system monitor) and took 0.7 s of a worker's CPU, and the driver's loop 0.9 s, in a
-#: 21-second window of tiles on 2 cores (0.1 s and 0.3 s so).
+#: 21-second window of tiles on 2 cores; with these settings 0.1 s and 0.3 s.
 _QUIET = {"distributed.admin.tick.interval": "1s",
           "distributed.worker.memory.monitor-interval": "1s",
           "distributed.worker.profile.enabled": False,

@@ -136,7 +136,7 @@ class Queries:
         # The last rows first, and no more tiles out than the workers run at once: a tile costs
         # more the more positions its rows see, and each worker that ends one takes the
         # costliest left. (Dask would place every tile at once, in turn: of four tiles on two
-        # workers, one would run the first and the third costliest, the other the cheapest.)
+        # workers, one ran the costliest and the third, the other the second and the cheapest.)
         # as_completed holds each future until it hands it over: ``fut`` is then the driver's
         # only reference, and the tile leaves its worker once it goes and the worker has taken
         # the selection from it.
