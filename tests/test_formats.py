@@ -79,6 +79,20 @@ def test_bf16_scalar_matches_array():
     assert_same_bits(np.array([nm.bf16_scalar(v) for v in vals], F32), naive.to_bf16_rne(vals))
 
 
+def test_bf16_scalar_no_payload_is_bf16_scalar_but_for_nans_with_payloads(random_bits):
+    """Without the NaN branch: every value but a NaN as bf16_scalar rounds it, and the NaNs
+    bf16_scalar makes (quiet, no payload, either sign) kept; a NaN with a payload is not
+    (0x7FFFFFFF carries out of the pattern)."""
+    specials = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F8000,
+                         0x00000001, 0x3F808000, 0x3F818000, 0x7FC00000, 0xFFC00000],
+                        np.uint32).view(F32)
+    some = random_bits[:200_000]
+    vals = np.concatenate([specials, some[~np.isnan(some)]])
+    got = np.array([nm.bf16_scalar_no_payload(v) for v in vals], F32)
+    assert_same_bits(got, np.array([nm.bf16_scalar(v) for v in vals], F32))
+    assert not np.isnan(nm.bf16_scalar_no_payload(np.uint32(0x7FFFFFFF).view(F32)))
+
+
 def test_round_bf16_inplace_and_is_bf16_valued():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 5, 7)).astype(F32)

@@ -281,6 +281,47 @@ def test_a_reused_score_buffer_is_masked_only_where_it_was_written(tier):
         assert np.array_equal(got, naive.tile_scores(iq, w, keys, narrow))
 
 
+@np.errstate(invalid="ignore", over="ignore")
+def test_the_head_mix_keeps_every_bit_of_nans_and_zeros():
+    """Both head mixes (head-major for tiles, position-major for a few queries) round each
+    weighted product without bf16's NaN branch, since such a product is a quiet NaN with no
+    payload or none; every bit as the naive mix's, with NaN payloads and signalling NaNs of
+    either sign, infinities and zeros of either sign among the dot products and the weights."""
+    rng = np.random.default_rng(31)
+    T, ih, n, t0 = 3, 8, 64, 128
+    d = rng.standard_normal((T * ih, n)).astype(np.float32)
+    bits = d.view(np.uint32)
+    for k, pattern in enumerate([0x7F800001, 0xFFA12345, 0x7FC00000, 0xFFFFFFFF, 0x7F80FFFF,
+                                 0x80000000, 0x00000000, 0x7F800000, 0xFF800000, 0x00000001]):
+        bits[(3 * k) % (T * ih), (7 * k) % n] = pattern
+    w = naive.to_bf16_rne(rng.standard_normal((T, ih)))
+    w_bits = w.view(np.uint32)
+    w_bits[0, 1], w_bits[1, 2], w_bits[2, 3] = 0x7FC10000, 0xFF800001, 0x7F800000   # NaNs, inf
+    w_bits[2, 6] = 0x7FFFFFFF        # a NaN whose bits, rounded without the NaN branch, carry
+    w[0, 4], w[1, 5] = 0.0, -0.0
+    clen = np.array([t0, t0 + 40, t0 + n], np.int64)
+    want = np.full((T, t0 + n), -np.inf, np.float32)
+    either = np.zeros(want.shape, bool)      # a NaN added to a NaN sum: either one's sign
+    for s in range(T):
+        for t in range(clen[s] - t0):
+            acc = np.float32(0.0)
+            for h in range(ih):
+                # (the product of two NaNs is either one, the CPU's choice: not built here)
+                assert not (np.isnan(d[s * ih + h, t]) and np.isnan(w[s, h]))
+                v = naive.to_bf16_rne(d[s * ih + h, t])
+                r = v if (v > 0 or v != v) else np.float32(0.0)
+                term = naive.to_bf16_rne(np.float32(r * naive.to_bf16_rne(w[s, h])))
+                either[s, t0 + t] |= bool(np.isnan(acc) and np.isnan(term))
+                acc = np.float32(acc + term)
+            want[s, t0 + t] = naive.to_bf16_rne(acc)
+    assert np.isnan(want).sum() > either.sum() > 0
+    for mix, dots in [(blas_scores.mix_heads_by_head, d), (blas_scores._mix_heads, d.T.copy())]:
+        got = np.full((T, t0 + n), -np.inf, np.float32)
+        mix(dots, w, clen, t0, got)
+        assert np.array_equal(got.view(np.uint32)[~either], want.view(np.uint32)[~either]), mix
+        assert np.isnan(got[either]).all()
+
+
 @pytest.mark.parametrize("path", SCORE_PATHS)
 # The keys hold NaN and infinities on purpose; numpy's BLAS path warns as it multiplies them.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")

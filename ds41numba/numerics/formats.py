@@ -25,6 +25,7 @@ from numba.extending import intrinsic
 from .workers import worth_parallel
 
 __all__ = ["is_int", "FP4_BLOCK", "LATENT_BLOCK", "FP8_BLOCK", "E4M3_MAX", "E2M1_MAX", "bf16_scalar",
+           "bf16_scalar_no_payload",
            "e4m3_scalar", "e2m1_scalar", "pow2ceil_scalar", "nan_max", "to_bf16_rne", "to_e4m3_rne",
            "to_e2m1_rne", "pow2ceil", "round_bf16_inplace", "is_bf16_valued", "as_f32_array",
            "check_inplace", "output_buffer", "aligned_empty", "ELEMENT_COST", "fma_f32"]
@@ -85,16 +86,29 @@ def _round_magnitude(a, mbits, emin):
 
 
 @njit(cache=True)
+def _bf16_rne_bits(bits):
+    """An f32's bits rounded to bf16's (RNE), truncated: right for every value but a NaN."""
+    # Ties go to the even bf16 pattern: add 0x7FFF plus the lowest kept bit, then truncate.
+    # Only a NaN pattern can carry out of 32 bits.
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+
+@njit(cache=True)
 def bf16_scalar(v):
     """Round an f32 to the nearest bf16 value (RNE), returned as f32. NaN -> quiet NaN of the same
     sign (as ml_dtypes), +-inf -> +-inf, overflow past the largest bf16 -> +-inf, -0.0 stays -0.0."""
     bits = np.float32(v).view(np.uint32)
-    # Ties go to the even bf16 pattern: add 0x7FFF plus the lowest kept bit, then truncate.
-    # Only a NaN pattern can carry out of 32 bits, and NaN takes the other branch: the select
-    # below is branch-free, so loops over it vectorise.
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    # NaN takes the other branch: the select is branch-free, so loops over it vectorise.
     nan = (bits & np.uint32(0x80000000)) | np.uint32(_F32_NAN_BITS)
-    return _f32_from_bits(nan if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+    return _f32_from_bits(nan if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+                          else _bf16_rne_bits(bits))
+
+
+@njit(cache=True)
+def bf16_scalar_no_payload(v):
+    """:func:`bf16_scalar` of a value that is no NaN, or a NaN as bf16_scalar makes them (quiet,
+    no payload: sign | 0x7FC00000), which is its own rounding: without the NaN branch."""
+    return _f32_from_bits(_bf16_rne_bits(np.float32(v).view(np.uint32)))
 
 
 @njit(cache=True)
