@@ -56,14 +56,16 @@ def _mix_heads(d, w, clen, t0, out):
     n = d.shape[0]
     vals = np.empty((_MIX_GROUP, ih), np.float32)
     acc = np.empty(_MIX_GROUP, np.float32)
-    ws = np.empty(ih, np.float32)
+    weights = np.empty((T, ih), np.float32)
+    for s in range(T):
+        for h in range(ih):
+            weights[s, h] = _head_weight(w[s, h])
     for a in range(0, n, _MIX_GROUP):
         g = min(n, a + _MIX_GROUP) - a
         for s in range(T):
             if t0 + a >= clen[s]:
                 continue
-            for h in range(ih):
-                ws[h] = _head_weight(w[s, h])
+            ws = weights[s]
             for j in range(g):
                 dj = d[a + j, s * ih:(s + 1) * ih]
                 vj = vals[j]
