@@ -167,7 +167,8 @@ class Queries:
     def _more(self, i: int, waiting: list, tiles, out: int) -> int:
         """Layer i's next ``waiting`` tiles submitted (into ``tiles``) while fewer than the
         cluster's slots are ``out``; returns how many are out then."""
-        while waiting and out < self.cluster.slots():
+        slots = self.cluster.slots() if waiting else 0       # the scheduler asked once
+        while waiting and out < slots:
             tiles.add(self.submit(i, *waiting.pop()))
             out += 1
         return out
