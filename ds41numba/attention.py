@@ -24,7 +24,7 @@ from .batch import SINGLE, checked_batch
 from .compressor import compressor, latent_positions
 from .indexer import IndexerCfg, index_keys, indexer
 from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_inplace, is_int,
-                       linear_bf16, rms_norm, single_threaded_blas)
+                       linear_bf16, linear_bf16_beside, rms_norm, single_threaded_blas)
 from .rope import apply_rotary, yarn_freqs_cis
 from .sparse_attention import sparse_attn
 from .step import Step
@@ -329,11 +329,14 @@ def _answer_queries(c, layer_id, weights, shared, x, step, window, table, captur
     window, offset, first = window
 
     qr = rms_norm(linear_bf16(x, weights.wq_a, ref_rows=ref_rows), weights.q_norm, c.norm_eps)
-    kv_rows, idx_comp, index_score = (window,), None, None
+    kv_rows, idx_comp, index_score, q_read = (window,), None, None, None
     if r > 0:
         if c.is_index_source(layer_id):
-            index_score = _select(c, layer_id, weights, shared, x, qr, step, table, offset,
-                                  capture)
+            # A decode step reads wq_b (the layer's largest weight but wo's) on one core while
+            # the other runs the indexer, which does not need it (linear_bf16_beside).
+            with linear_bf16_beside(qr, weights.wq_b, ref_rows) as q_read:
+                index_score = _select(c, layer_id, weights, shared, x, qr, step, table, offset,
+                                      capture)
         kv_rows = (window, shared.compress_kv[:step.end // r])
         idx_comp = shared.topk_idxs
     idx = index_rows(step.start_pos, seqlen, c.window_size, idx_comp, step.prefill_len)
@@ -352,7 +355,8 @@ def _answer_queries(c, layer_id, weights, shared, x, step, window, table, captur
     for s0 in range(0, seqlen, step):
         s1 = min(seqlen, s0 + step)
         n = s1 - s0
-        q = linear_bf16(qr[s0:s1], weights.wq_b, out=q_buf[:n], ref_rows=ref_rows).reshape(n, H, hd)
+        q = (q_read[s0:s1] if q_read is not None else
+             linear_bf16(qr[s0:s1], weights.wq_b, out=q_buf[:n], ref_rows=ref_rows)).reshape(n, H, hd)
         q = apply_rotary(q, positions[s0:s1], table, inplace=True)
         o = sparse_attn(q, kv_rows, attend[s0:s1], weights.attn_sink, hd ** -0.5, out=o_buf[:n])
         if capture:

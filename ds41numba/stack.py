@@ -102,9 +102,10 @@ def _checked_weight(name: str, array, shape: tuple[int, ...], kind: str, groups:
 
 
 # The projections that read one input, by that input: a decode step runs each set as one call.
+# (The query latent's two, ``wq_b`` and the indexer's, do not share a call: ``wq_b`` is read
+# beside the indexer's work, which needs the indexer's own first; attention.linear_bf16_beside.)
 _SHARED_INPUTS = {"x": ("wkv.weight", "compressor.wkv.weight", "wq_a.weight",
-                        "indexer.weights_proj.weight"),
-                  "qr": ("wq_b.weight", "indexer.wq_b.weight")}
+                        "indexer.weights_proj.weight")}
 
 
 def _share_inputs(got: dict) -> None:

@@ -392,6 +392,51 @@ def test_weights_sharing_an_input_run_one_kernel_call_a_step(monkeypatch):
     assert calls == [4, 4, 4, 4]
 
 
+@pytest.mark.parametrize("k, n, groups, m, ref_rows", [
+    (2048, 2048, 1, 1, None), (1024, 4096, 2, 3, None), (2047, 2048, 1, 2, 1)])
+def test_a_product_read_beside_other_work_is_the_product(k, n, groups, m, ref_rows):
+    """``linear_bf16_beside`` of a decode step's rows by a weight of ``BESIDE_MIN_BYTES`` (one
+    row or several, grouped, odd K, a call's run length): the literal reference order's
+    product bit for bit, and ``linear_bf16``'s, complete when the block ends; the block's own
+    numba kernels run on one thread meanwhile."""
+    if not nm.can_work_beside():
+        pytest.skip("one numba thread: nothing runs beside")
+    rng = np.random.default_rng(k + m)
+    mats, want = _shared_case(rng, k, [n], groups)
+    assert mats[0].nbytes >= nm.BESIDE_MIN_BYTES
+    x = _bf16_rows(rng, (m, groups * k))
+    small, small_x = nm.Bf16Matrix(_bf16_rows(rng, (64, 96))), _bf16_rows(rng, (1, 96))
+    with nm.linear_bf16_beside(x, mats[0], ref_rows) as got:
+        threads_inside = numba.get_num_threads()
+        small_y = nm.linear_bf16(small_x, small)
+    assert threads_inside == 1 and got is not None
+    assert_same_bits(got, want(x, ref_rows)[0])
+    assert_same_bits(got, nm.linear_bf16(x, mats[0], ref_rows=ref_rows))
+    assert_same_bits(small_y, nm.linear_bf16(small_x, small))
+
+
+def test_a_product_that_would_not_pay_beside_is_left_to_the_caller():
+    """``linear_bf16_beside`` gives None (the caller multiplies as usual) for a weight under
+    ``BESIDE_MIN_BYTES``, a plain float32 weight, a prefill's rows, and one numba thread."""
+    rng = np.random.default_rng(23)
+    big = nm.Bf16Matrix(_bf16_rows(rng, (2048, 2048), 1 / 45))
+    w_small = _bf16_rows(rng, (256, 2048))
+    cases = [(_bf16_rows(rng, (1, 2048)), nm.Bf16Matrix(w_small), None),
+             (_bf16_rows(rng, (1, 2048)), w_small, None),
+             (_bf16_rows(rng, (16, 2048)), big, None),
+             (_bf16_rows(rng, (2, 2048)), big, 4096)]
+    for x, w, ref_rows in cases:
+        with nm.linear_bf16_beside(x, w, ref_rows) as got:
+            assert got is None
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        with nm.linear_bf16_beside(_bf16_rows(rng, (1, 2048)), big) as got:
+            assert got is None
+    finally:
+        numba.set_num_threads(threads)
+
+
 def test_shared_inputs_survive_a_pickle_and_refuse_what_cannot_share():
     """A pickled layer's weights still share their input (and carry no output); weights of other
     widths, a weight twice or in two groups, or more than MATVEC_MEMBERS are refused."""

@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import ml_dtypes
+import numba
 import numpy as np
 import pytest
 
@@ -165,6 +166,27 @@ def test_replay_golden_without_avx512_bf16(reference_golden, name):
         failures, same, total = replay(reference_golden(name))
     assert not failures, f"{len(failures)} mismatches, first: " + "\n".join(failures[:15])
     assert same == total, f"only {same / total:.4%} of float elements bit-identical"
+
+
+@pytest.mark.parametrize("name", ["tiny", "prod_dev"])
+def test_replay_with_wq_b_read_beside_the_indexer(reference_golden, monkeypatch, name):
+    """Each index source's decode product of ``wq_b`` read on a second thread while its indexer
+    runs on one (as production weights are whenever numba runs two threads; here every weight,
+    ``BESIDE_MIN_BYTES`` 0): the goldens bit for bit."""
+    if numba.get_num_threads() < 2:
+        pytest.skip("one numba thread: nothing runs beside")
+    from ds41numba.numerics import linear, matvec
+    beside = []
+    real = matvec.work_beside
+    monkeypatch.setattr(linear, "BESIDE_MIN_BYTES", 0)
+    monkeypatch.setattr(matvec, "work_beside", lambda *a: beside.append(a[0]) or real(*a))
+    failures, same, total = replay(reference_golden(name))
+    assert not failures, f"{len(failures)} mismatches, first: " + "\n".join(failures[:15])
+    assert same == total, f"only {same / total:.4%} of float elements bit-identical"
+    d = reference_golden(name)
+    sources = sum(d.config.ratio(i) > 0 and d.config.is_index_source(i)
+                  for i in range(d.config.n_layers))
+    assert len(beside) == sources * d.run.decode > 0
 
 
 # =============================================================================== thread counts

@@ -1,11 +1,16 @@
 """Threads (ds41numba.numerics.workers): where a parallel kernel runs."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numba
 import numpy as np
 import pytest
 from numba import njit, prange
+from numba.core.errors import TypingError
 
-from ds41numba.numerics import PARALLEL_MIN_MACS, serial_twin, sized_call, workers
+from ds41numba.numerics import (PARALLEL_MIN_MACS, claim_next, serial_twin, sized_call, work_beside,
+                                workers)
 
 
 @njit(parallel=True)
@@ -54,14 +59,24 @@ _row_sums_serial = serial_twin(_row_sums)
 
 def test_a_small_call_runs_the_serial_twin_a_large_one_the_kernel():
     """Below the threshold the twin runs (the parallel kernel is not even compiled), above it
-    the kernel; the same body gives the same bits."""
+    the kernel, unless this thread runs one numba thread (then the twin again); the same body
+    gives the same bits."""
+    if numba.get_num_threads() < 2:
+        pytest.skip("one numba thread: every call runs the twin")
     x = np.random.default_rng(3).standard_normal((64, 33)).astype(np.float32)
-    small, large = np.empty(64, np.float32), np.empty(64, np.float32)
+    small, large, alone = (np.empty(64, np.float32) for _ in range(3))
     sized_call(_row_sums, 64, 1, x, small)
     assert _row_sums_serial.signatures and not _row_sums.signatures
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        sized_call(_row_sums, 64, PARALLEL_MIN_MACS, x, alone)
+    finally:
+        numba.set_num_threads(threads)
+    assert not _row_sums.signatures
     sized_call(_row_sums, 64, PARALLEL_MIN_MACS, x, large)
     assert _row_sums.signatures
-    assert small.tobytes() == large.tobytes()
+    assert small.tobytes() == large.tobytes() == alone.tobytes()
 
 
 def test_every_twin_in_the_package_is_its_kernel_under_the_kernel_lists_name():
@@ -90,3 +105,102 @@ def test_with_the_jit_off_the_package_imports_and_runs_as_python():
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NUMBA_DISABLE_JIT="1"),
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "1.0"
+
+
+# ================================================================================ work beside
+
+
+@njit(nogil=True)
+def _claim_all(counter, n, mine):
+    """Claim items of ``counter`` below ``n`` until none is left, with some arithmetic on each
+    (so that two threads' claims interleave); ``mine`` gets them in order. Returns how many."""
+    got = 0
+    item = claim_next(counter)
+    while item < n:
+        acc = 0.0
+        for j in range(300):
+            acc += np.sqrt(item + j)
+        mine[got] = item if acc >= 0 else -1
+        got += 1
+        item = claim_next(counter)
+    return got
+
+
+@njit(nogil=True)
+def _claim_count(counter, n, seen):
+    """Claim items of ``counter`` below ``n`` until none is left, counting each in ``seen``."""
+    item = claim_next(counter)
+    while item < n:
+        seen[item] += 1
+        item = claim_next(counter)
+
+
+@njit
+def _claim_one(counter):
+    return claim_next(counter)
+
+
+def test_claims_count_up_from_the_counter_in_one_atomic_step():
+    counter = np.array([5], np.int64)
+    assert [_claim_one(counter) for _ in range(3)] == [5, 6, 7] and counter[0] == 8
+    assert "atomicrmw add" in next(iter(_claim_one.inspect_llvm().values()))
+    with pytest.raises(TypingError):
+        _claim_one(np.zeros(1, np.int32))
+
+
+def test_two_threads_claiming_at_once_get_every_item_once():
+    """Two threads started together claim 300,000 items of one counter, both some: each item
+    exactly once (a claim made of a load and a store would hand some out twice, as measured
+    with one, in most runs)."""
+    n = 300_000
+    _claim_all(np.array([n], np.int64), n, np.empty(1, np.int64))     # compiled before the race
+    for _ in range(3):
+        counter = np.zeros(1, np.int64)
+        mine = [np.full(n, -1, np.int64) for _ in range(2)]
+        start = threading.Barrier(2)
+
+        def claim(m):
+            start.wait()
+            return _claim_all(counter, n, m)
+
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(claim, mine))
+        claimed = np.concatenate([m[:g] for m, g in zip(mine, got)])
+        assert sorted(claimed.tolist()) == list(range(n)) and min(got) > 0
+        assert counter[0] == n + 2          # each thread's last claim found nothing left
+
+
+def test_work_beside_shares_a_kernels_items_between_a_helper_and_this_thread():
+    """The kernel runs on another thread (started with the block; nothing waits for it) and,
+    after the block, here with the count restored (1 in the block); between them every item is
+    claimed once."""
+    if not workers.can_work_beside():
+        pytest.skip("one numba thread: nothing runs beside")
+    threads, n = numba.get_num_threads(), 50_000
+    counter, seen = np.zeros(1, np.int64), np.zeros(n, np.int64)
+    calls = []
+
+    def kernel(counter, n, seen):
+        calls.append((threading.get_ident(), numba.get_num_threads()))
+        _claim_count(counter, n, seen)
+
+    with work_beside(kernel, counter, n, seen):
+        inside = numba.get_num_threads()
+    assert inside == 1 and numba.get_num_threads() == threads
+    here = threading.get_ident()
+    assert len(calls) == 2 and {c[0] for c in calls} - {here} and (here, threads) in calls
+    assert (seen == 1).all() and counter[0] == n + 2
+
+
+def test_work_beside_waits_for_its_helper_when_the_block_raises():
+    """An error in the block reaches the caller after both calls have ended, the count
+    restored."""
+    if not workers.can_work_beside():
+        pytest.skip("one numba thread: nothing runs beside")
+    threads = numba.get_num_threads()
+    counter, n = np.zeros(1, np.int64), 20_000
+    seen = np.zeros(n, np.int64)
+    with pytest.raises(RuntimeError, match="in the block"):
+        with work_beside(_claim_count, counter, n, seen):
+            raise RuntimeError("in the block")
+    assert (seen == 1).all() and counter[0] == n + 2 and numba.get_num_threads() == threads

@@ -114,7 +114,7 @@ def _bf16_run(pairs, blocks, w, clen, b, s_lo, e, d, out, block, block_max):
     _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _bf16_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX512-BF16: ``q = (pairs,)``, ``keys = (blocks,)``."""
     T = w.shape[0]
@@ -151,7 +151,7 @@ def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, blo
     _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX512-VNNI: ``q = (quads, corr, scales)``, ``keys = (quads, scales)``,
     per-block or folded. Folded rows (one correction a row) of whole row tiles a query are
@@ -172,7 +172,7 @@ def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, bloc
 _vnni_kernel_serial = serial_twin(_vnni_kernel)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _vnni_quarters_kernel(q, keys, w, clen, offsets, firsts, group_at, workers, converts, out):
     """A candidate consumer's scores on VNNI's folded rows: each query's quarters (``firsts[
     offsets[s]:offsets[s + 1]]``, :func:`~.candidate_scores.candidate_quarters`) four to a
@@ -264,7 +264,7 @@ def _pairs_run(q, keys, w, clen, b, s_lo, e, d, out, block, block_max):
     _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX2: the per-block layout of :func:`_vnni_kernel`, ``q = (quads, corr,
     scales)``, ``keys = (quads, scales)``, through :func:`~ds41numba.numerics.int8_pairs_into`."""
@@ -281,7 +281,7 @@ def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, blo
 _pairs_kernel_serial = serial_twin(_pairs_kernel)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AMX: ``q = (quads, scales)``, ``keys = (quads, scales)``, both folded.
     Queries of whole row tiles are mixed as they are formed

@@ -20,8 +20,10 @@
 - ``head_mix``: the head mix both mixers share (its two roundings, ``converted_mix_exact``);
 - ``f32_products``: f32 products in the reference's MKL order, on the micro-kernels of
   ``f32_tiles``;
-- ``linear``: the projections (``Bf16Matrix``, ``SharedInput``, ``linear_bf16``, ``linear_f32``);
-- ``matvec``: the decode step's product of one or several held bf16 weights, one kernel call;
+- ``linear``: the projections (``Bf16Matrix``, ``SharedInput``, ``linear_bf16``,
+  ``linear_bf16_beside``, ``linear_f32``);
+- ``matvec``: the decode step's product of one or several held bf16 weights, one kernel call
+  (or read beside other work, ``matvec_beside``);
 - ``norm``: RMSNorm and torch's CPU sum order;
 - ``softmax``: torch's CPU softmax and Sleef's ``expf``, as sparse attention runs them;
 - ``workers``: threads (not numerics: the "run in parallel?" policy, the worker pool, BLAS's
@@ -49,15 +51,16 @@ from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LA
                       aligned_empty, as_f32_array, bf16_scalar, bf16_scalar_no_payload, check_inplace, is_int, e2m1_scalar, e4m3_scalar, fma_f32,
                       is_bf16_valued, nan_max, output_buffer, pow2ceil, pow2ceil_scalar,
                       round_bf16_inplace, to_bf16_rne, to_e2m1_rne, to_e4m3_rne)
-from .linear import (MATVEC_MAX_ROWS, TINY_BF16_LINEAR, Bf16Matrix, SharedInput, bf16_k_block,
-                     linear_bf16, linear_f32)
-from .matvec import MATVEC_MEMBERS, matvec_into, pair_hi, pair_lo
+from .linear import (BESIDE_MIN_BYTES, MATVEC_MAX_ROWS, TINY_BF16_LINEAR, Bf16Matrix, SharedInput,
+                     bf16_k_block, linear_bf16, linear_bf16_beside, linear_f32)
+from .matvec import MATVEC_MEMBERS, matvec_beside, matvec_into, pair_hi, pair_lo
 from .norm import SUM_LANES, rms_norm, torch_sum_f32
 from .softmax import SOFTMAX_LANES, expf_u10, softmax_rows
 from .quant import (Q_FP4_E4M3, Q_FP4_E8M0, Q_FP8, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
                     fp4_quant_e8m0_inplace, quant_row)
-from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, in_workers, single_threaded_blas,
-                      serial_twin, sized_call, split_range, worth_parallel)
+from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, can_work_beside, claim_next, in_workers,
+                      serial_twin, single_threaded_blas, sized_call, split_range, work_beside,
+                      worth_parallel)
 
 __all__ = [
     "AMX_K", "AMX_ROWS", "MAX_BLOCK", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "amx_mix_tile", "converted_mix_exact",
@@ -75,12 +78,13 @@ __all__ = [
     "aligned_empty", "as_f32_array", "bf16_scalar", "bf16_scalar_no_payload", "check_inplace", "is_int", "e2m1_scalar", "e4m3_scalar", "fma_f32",
     "is_bf16_valued", "nan_max", "output_buffer", "pow2ceil", "pow2ceil_scalar",
     "round_bf16_inplace", "to_bf16_rne", "to_e2m1_rne", "to_e4m3_rne",
-    "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR", "Bf16Matrix", "SharedInput", "bf16_k_block", "linear_bf16",
-    "linear_f32", "MATVEC_MEMBERS", "matvec_into", "pair_hi", "pair_lo",
+    "BESIDE_MIN_BYTES", "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR", "Bf16Matrix", "SharedInput",
+    "bf16_k_block", "linear_bf16", "linear_bf16_beside", "linear_f32", "MATVEC_MEMBERS",
+    "matvec_beside", "matvec_into", "pair_hi", "pair_lo",
     "SUM_LANES", "rms_norm", "torch_sum_f32",
     "SOFTMAX_LANES", "expf_u10", "softmax_rows",
     "Q_FP4_E4M3", "Q_FP4_E8M0", "Q_FP8", "act_quant_fp8_inplace", "fp4_quant_e4m3_inplace",
     "fp4_quant_e8m0_inplace", "quant_row",
     "PARALLEL_MIN_MACS", "POOL_MIN_MACS", "in_workers", "single_threaded_blas", "split_range",
-    "worth_parallel", "serial_twin", "sized_call",
+    "worth_parallel", "serial_twin", "sized_call", "claim_next", "can_work_beside", "work_beside",
 ]

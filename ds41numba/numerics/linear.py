@@ -5,6 +5,7 @@ in the reference's own order where that order is known (docs/exactness.md).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -17,11 +18,11 @@ from .fma_choice import fma_faster, fma_safe, values_range
 from .f32_products import F32Matrix, linear_f32_ordered
 from .formats import (ELEMENT_COST, as_f32_array, is_bf16_valued, is_int, output_buffer,
                       round_bf16_inplace)
-from .matvec import MATVEC_MEMBERS, matvec_into, pair_hi, pair_lo
-from .workers import serial_twin, sized_call
+from .matvec import MATVEC_MEMBERS, matvec_beside, matvec_into, pair_hi, pair_lo
+from .workers import can_work_beside, serial_twin, sized_call
 
-__all__ = ["linear_bf16", "linear_f32", "Bf16Matrix", "SharedInput", "MATVEC_MAX_ROWS",
-           "TINY_BF16_LINEAR", "bf16_k_block"]
+__all__ = ["linear_bf16", "linear_bf16_beside", "linear_f32", "Bf16Matrix", "SharedInput",
+           "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR", "BESIDE_MIN_BYTES", "bf16_k_block"]
 
 
 
@@ -121,10 +122,8 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     n_out, k_in = w.shape
     shape = x.shape[:-1] + (n_out,)
     ref_m = rows if ref_rows is None else ref_rows
-    ordered = ref_m * (n_out // w.groups) * k_in > TINY_BF16_LINEAR
-    # The kernel is chosen by the reference's rows, not ours: a few rows of a long prefill (a
-    # tile's tail, a short chunk) run on the kernel its other rows run on.
-    if ordered and 0 < rows and ref_m <= MATVEC_MAX_ROWS:
+    ordered = _ordered(w, ref_m)
+    if _decode_kernel(w, rows, ref_rows):
         if out is None:
             return w.matvec(x, ref_rows)
         y = output_buffer(out, shape, "linear_bf16")
@@ -143,6 +142,50 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     for g in range(w.groups):
         linear_f32(per_group[:, g], w.to_f32(g), out=y[:, g * rank:(g + 1) * rank], ref_rows=ref_m)
     return round_bf16_inplace(y).reshape(shape)
+
+
+def _ordered(w, ref_rows: int) -> bool:
+    """Whether the reference sums ``w``'s product of a call of ``ref_rows`` rows in oneDNN's
+    order (``TINY_BF16_LINEAR``)."""
+    return ref_rows * (w.shape[0] // w.groups) * w.shape[1] > TINY_BF16_LINEAR
+
+
+def _decode_kernel(w, rows: int, ref_rows: int | None) -> bool:
+    """Whether :func:`linear_bf16` multiplies ``rows`` rows of a call of ``ref_rows`` by the
+    :class:`Bf16Matrix` ``w`` on the decode kernel (:meth:`Bf16Matrix.matvec`). The kernel is
+    chosen by the reference's rows, not ours: a few rows of a long prefill (a tile's tail, a
+    short chunk) run on the kernel its other rows run on."""
+    ref_m = rows if ref_rows is None else ref_rows
+    return _ordered(w, ref_m) and 0 < rows and ref_m <= MATVEC_MAX_ROWS
+
+
+#: The smallest weight :func:`linear_bf16_beside` reads beside other work: handing a product to
+#: the helper thread and back costs tens of microseconds, and a weight of 8 MB takes about
+#: 0.3 ms to read (27 GB/s, 2 cores of the Zen 4).
+BESIDE_MIN_BYTES = 8 << 20
+
+
+@contextlib.contextmanager
+def linear_bf16_beside(x, w, ref_rows: int | None = None):
+    """:func:`linear_bf16` ``(x, w, ref_rows=ref_rows)`` beside the ``with`` block, where that
+    pays: a decode step's product (the decode kernel's rows) of a :class:`Bf16Matrix` of at
+    least ``BESIDE_MIN_BYTES``, with two or more numba threads. The weight is then read on a
+    helper thread while the block runs on this one, and the block's numba kernels on one
+    thread (:func:`~.matvec.matvec_beside`): a decode step's reading of its largest weight
+    goes on while the indexer computes. The context's value is the product ``[..., out]``,
+    complete when the block ends; None where it does not pay (the caller multiplies as
+    usual). The same bits either way."""
+    x = np.asarray(x)
+    rows = x.size // max(x.shape[-1], 1) if x.ndim else 0
+    if not (isinstance(w, Bf16Matrix) and x.ndim >= 1 and x.shape[-1] == w.in_features
+            and _decode_kernel(w, rows, ref_rows) and w.nbytes >= BESIDE_MIN_BYTES
+            and can_work_beside()):
+        yield None
+        return
+    x2, block = w._matvec_input(x, ref_rows)
+    out = np.empty((x2.shape[0], w.shape[0]), np.float32)
+    with matvec_beside(x2, (w._pairs,), (w.groups,), w.shape[1], block, (out,)):
+        yield out.reshape(x.shape[:-1] + (w.shape[0],))
 
 
 def bf16_k_block(ref_rows: int, k: int) -> int:
@@ -367,13 +410,17 @@ class Bf16Matrix:
             return values
         return np.concatenate([values, np.zeros((rows - values.shape[0], values.shape[1]), np.float32)])
 
+    def _matvec_input(self, x, ref_rows: int | None):
+        """The decode kernel's input rows ``[m, in]`` (float32, C-contiguous) and run length."""
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
+        block = bf16_k_block(x2.shape[0] if ref_rows is None else ref_rows, self.shape[1])
+        return x2, block + block % 2
+
     def matvec(self, x, ref_rows: int | None = None):
         """``bf16(x @ w.T)`` for a few rows ``x [..., in_features]``, reading the held pairs, summed
         in the reference's order for a call of ``ref_rows`` rows (default: the rows of x). A
         weight that shares its input (:class:`SharedInput`) computes it with the others'."""
-        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self.in_features)
-        block = bf16_k_block(x2.shape[0] if ref_rows is None else ref_rows, self.shape[1])
-        block += block % 2
+        x2, block = self._matvec_input(x, ref_rows)
         if self._shared is not None:
             out = self._shared.product(self, x2, block)
         else:

@@ -12,15 +12,17 @@ threads as one list. Each output is summed whole by one work item in the referen
 
 from __future__ import annotations
 
+import contextlib
+
 import numba
 import numpy as np
 from numba import njit, prange
 
 from .bf16_dot import DOT_LANES, MATVEC_BLOCKS, bf16_matvec_tile
 from .formats import bf16_scalar
-from .workers import serial_twin, sized_call
+from .workers import claim_next, serial_twin, sized_call, work_beside
 
-__all__ = ["MATVEC_MEMBERS", "matvec_into", "pair_lo", "pair_hi"]
+__all__ = ["MATVEC_MEMBERS", "matvec_into", "matvec_beside", "pair_lo", "pair_hi"]
 
 #: Weights one call takes at most (a layer's projections of ``x`` are four); fewer are padded
 #: with empty ones, so that one compiled kernel serves every count.
@@ -129,7 +131,7 @@ def _run_items(x, pairs, outs, groups, k_in, block, lo, hi):
         _matvec_bf16_block(x, pairs[j], outs[j], groups[j], k_in, block, item - first, acc, part)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _matvec_kernel(x, pairs, outs, groups, k_in, block, workers):
     # Each of ``workers`` takes one run of items holding an equal share of the blocks (numba's
     # own split of the items would give one thread a whole item more of four blocks where a
@@ -147,9 +149,34 @@ def _matvec_kernel(x, pairs, outs, groups, k_in, block, workers):
 _matvec_kernel_serial = serial_twin(_matvec_kernel)
 
 
+@njit(cache=True, nogil=True)
+def _claimed_kernel(x, pairs, outs, groups, k_in, block, next_item):
+    """The call's work items, each run by the thread that claims it (``next_item[0]``): the
+    calls of :func:`matvec_beside`'s two threads share them."""
+    n = len(_item_ends(pairs, groups))
+    item = claim_next(next_item)
+    while item < n:
+        _run_items(x, pairs, outs, groups, k_in, block, item, item + 1)
+        item = claim_next(next_item)
+
+
 # What pads a call of fewer weights: no blocks, so no work items.
 _NO_PAIRS = np.zeros((0, 1, DOT_LANES), np.uint32)
 _NO_OUT = np.zeros((1, 0), np.float32)
+
+
+def _call_args(name, x, pairs, groups, outs) -> tuple:
+    """A call's weights, groups and outputs padded to ``MATVEC_MEMBERS`` (one compiled kernel
+    for every count), its input writeable; checked."""
+    n = len(pairs)
+    if not 1 <= n <= MATVEC_MEMBERS or len(groups) != n or len(outs) != n:
+        raise ValueError(f"{name}: 1 to {MATVEC_MEMBERS} weights, each with its groups and "
+                         f"output, got {len(pairs)}, {len(groups)} and {len(outs)}")
+    pad = MATVEC_MEMBERS - n
+    if not x.flags.writeable:       # a read-only x would compile a kernel of its own (~5 s)
+        x = x.copy()
+    return (x, tuple(pairs) + (_NO_PAIRS,) * pad, tuple(outs) + (_NO_OUT,) * pad,
+            tuple(int(g) for g in groups) + (1,) * pad)
 
 
 def matvec_into(x, pairs, groups, k_in: int, block: int, outs) -> None:
@@ -161,16 +188,19 @@ def matvec_into(x, pairs, groups, k_in: int, block: int, outs) -> None:
     inputs each (``in = groups[j] * k_in``), ``outs[j]`` float32 ``[m, out_j]``; ``block`` the
     reference's run length (even). At most ``MATVEC_MEMBERS`` weights.
     """
-    n = len(pairs)
-    if not 1 <= n <= MATVEC_MEMBERS or len(groups) != n or len(outs) != n:
-        raise ValueError(f"matvec_into: 1 to {MATVEC_MEMBERS} weights, each with its groups and "
-                         f"output, got {len(pairs)}, {len(groups)} and {len(outs)}")
-    pad = MATVEC_MEMBERS - n
-    if not x.flags.writeable:       # a read-only x would compile a kernel of its own (~5 s)
-        x = x.copy()
+    x, pairs, outs, groups = _call_args("matvec_into", x, pairs, groups, outs)
     # Small weights (the indexer's key projection) run in the calling thread (sized_call).
     per_item = MATVEC_BLOCKS * DOT_LANES
     sized_call(_matvec_kernel, -(-sum(o.shape[1] for o in outs) // per_item),
-               x.shape[0] * k_in * per_item, x, tuple(pairs) + (_NO_PAIRS,) * pad,
-               tuple(outs) + (_NO_OUT,) * pad, tuple(int(g) for g in groups) + (1,) * pad, k_in,
-               block, numba.get_num_threads())
+               x.shape[0] * k_in * per_item, x, pairs, outs, groups, k_in, block,
+               numba.get_num_threads())
+
+
+@contextlib.contextmanager
+def matvec_beside(x, pairs, groups, k_in: int, block: int, outs):
+    """:func:`matvec_into` beside the ``with`` block: read on a helper thread while the block
+    runs on this one, then on both (:func:`~.workers.work_beside`); ``outs`` are complete when
+    the block ends. The same sums, each output whole by one work item."""
+    x, pairs, outs, groups = _call_args("matvec_beside", x, pairs, groups, outs)
+    with work_beside(_claimed_kernel, x, pairs, outs, groups, k_in, block, np.zeros(1, np.int64)):
+        yield

@@ -8,17 +8,21 @@ output is computed whole by one work item, in a fixed order, whichever thread ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from concurrent.futures import ThreadPoolExecutor
 
+import llvmlite.ir as ir
 import numba
 import numpy as np
 from numba import njit
+from numba.extending import intrinsic
 from threadpoolctl import ThreadpoolController
 
 __all__ = ["PARALLEL_MIN_MACS", "POOL_MIN_MACS", "worth_parallel", "serial_twin", "sized_call",
-           "single_threaded_blas", "in_workers", "split_range"]
+           "single_threaded_blas", "in_workers", "split_range", "claim_next", "can_work_beside",
+           "work_beside"]
 
 #: Work, in multiply-adds, from which a numba parallel kernel repays waking its workers (tens of
 #: microseconds, up to ~0.4 ms on a busy machine, measured here). An element of an element-wise
@@ -73,9 +77,10 @@ def sized_call(kernel, items: int, cost: int, *args):
     one score row masked or selected) still wakes every worker and waits for the last of them:
     tens of microseconds on a quiet machine, milliseconds when another process holds a core.
     With numba's thread count set to 1 for the call none is woken, and the kernel's loop runs
-    as a plain loop; the results are the same either way.
+    as a plain loop; the results are the same either way. Where this thread's count is 1
+    already (inside :func:`work_beside`), every call runs so.
     """
-    if items > 1 and worth_parallel(items, cost):
+    if items > 1 and numba.get_num_threads() > 1 and worth_parallel(items, cost):
         return kernel(*args)
     twin = _TWINS.get(kernel)
     if twin is not None:
@@ -131,3 +136,60 @@ def split_range(n: int, parts: int) -> list[tuple[int, int]]:
     """``0 .. n`` cut into at most ``parts`` near-equal non-empty ranges."""
     cuts = np.linspace(0, n, max(1, min(parts, n)) + 1).astype(int)
     return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+
+
+@intrinsic
+def claim_next(typingctx, counter):
+    """``counter[0]`` (an int64 array), incremented in the same step (an atomic fetch-and-add):
+    threads claiming work items this way each get an item no other thread gets."""
+    if not (isinstance(counter, numba.types.Array) and counter.dtype == numba.types.int64):
+        return None
+    sig = numba.types.int64(counter)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "seq_cst")
+
+    return sig, codegen
+
+
+@functools.lru_cache(maxsize=1)
+def _helper() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds41numba-beside")
+
+
+def can_work_beside() -> bool:
+    """Whether :func:`work_beside` can run its kernel on a second core: numba runs at least two
+    threads here, and compiles (``NUMBA_DISABLE_JIT`` makes kernels Python, which hold the GIL)."""
+    return numba.get_num_threads() > 1 and not numba.config.DISABLE_JIT
+
+
+@contextlib.contextmanager
+def work_beside(kernel, *args):
+    """``kernel(*args)`` on a helper thread while the ``with`` block runs on this one, then on
+    this thread too; the context ends when both calls have.
+
+    For work bound by reading memory beside work bound by arithmetic: a decode step's largest
+    product streams its weight at 22-24 GB/s on one core of the Zen 4 where both cores reach
+    27-28, so while this thread computes on one core the other reads nearly as fast as both
+    would. ``kernel`` is a ``nogil`` njit function whose calls share its work items, each
+    claimed once (:func:`claim_next` on a counter among ``args``): the call after the block
+    takes the items the helper has not, so this thread's core joins the reading as soon as its
+    own work is done. In the block this thread's numba kernels run on one thread (numba's count
+    is per thread; :func:`sized_call` runs their serial twins), so two cores hold two threads.
+    Which thread runs an item changes none of its results.
+
+    The helper needs the GIL to enter its kernel: the block's kernels should release it
+    (``nogil``, as the decode step's products and index scores do), else the helper starts
+    when the block ends and this thread does the work alone (the same results, later). Nothing
+    waits for the helper to start: waking an idle core took 0.13 ms here.
+    """
+    done = _helper().submit(kernel, *args)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(threads)
+        kernel(*args)
+        done.result()
