@@ -168,7 +168,7 @@ def test_replay_golden_without_avx512_bf16(reference_golden, name):
     assert same == total, f"only {same / total:.4%} of float elements bit-identical"
 
 
-@pytest.mark.parametrize("name", ["tiny", "prod_dev"])
+@pytest.mark.parametrize("name", ["mixed", "prod_dev"])
 def test_replay_with_wq_b_read_beside_the_indexer(reference_golden, monkeypatch, name):
     """Each index source's decode product of ``wq_b`` read on a second thread while its indexer
     runs on one (as production weights are whenever numba runs two threads; here every weight,
