@@ -332,8 +332,8 @@ def _answer_queries(c, layer_id, weights, shared, x, step, window, table, captur
     kv_rows, idx_comp, index_score, q_read = (window,), None, None, None
     if r > 0:
         if c.is_index_source(layer_id):
-            # A decode step reads wq_b (the layer's largest weight but wo's) on one core while
-            # the other runs the indexer, which does not need it (linear_bf16_beside).
+            # A decode step reads wq_b (a third of V4.1-Flash's step's weights) on one core
+            # while the other runs the indexer, which does not need it (linear_bf16_beside).
             with linear_bf16_beside(qr, weights.wq_b, ref_rows) as q_read:
                 index_score = _select(c, layer_id, weights, shared, x, qr, step, table, offset,
                                       capture)

@@ -77,10 +77,9 @@ def sized_call(kernel, items: int, cost: int, *args):
     one score row masked or selected) still wakes every worker and waits for the last of them:
     tens of microseconds on a quiet machine, milliseconds when another process holds a core.
     With numba's thread count set to 1 for the call none is woken, and the kernel's loop runs
-    as a plain loop; the results are the same either way. Where this thread's count is 1
-    already (inside :func:`work_beside`), every call runs so.
+    as a plain loop; the results are the same either way.
     """
-    if items > 1 and numba.get_num_threads() > 1 and worth_parallel(items, cost):
+    if items > 1 and worth_parallel(items, cost):
         return kernel(*args)
     twin = _TWINS.get(kernel)
     if twin is not None:
@@ -176,7 +175,7 @@ def work_beside(kernel, *args):
     claimed once (:func:`claim_next` on a counter among ``args``): the call after the block
     takes the items the helper has not, so this thread's core joins the reading as soon as its
     own work is done. In the block this thread's numba kernels run on one thread (numba's count
-    is per thread; :func:`sized_call` runs their serial twins), so two cores hold two threads.
+    is per thread), so two cores hold two threads.
     Which thread runs an item changes none of its results.
 
     The helper needs the GIL to enter its kernel: the block's kernels should release it
