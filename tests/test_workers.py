@@ -1,5 +1,7 @@
 """Threads (ds41numba.numerics.workers): where a parallel kernel runs."""
 
+import multiprocessing
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -194,3 +196,18 @@ def test_work_beside_waits_for_its_helper_when_the_block_raises():
         with work_beside(_claim_count, counter, n, seen):
             raise RuntimeError("in the block")
     assert (seen == 1).all() and counter[0] == n + 2 and numba.get_num_threads() == threads
+
+
+def _helper_in_child():
+    sys.exit(0 if workers._helper().submit(int, "7").result(timeout=30) == 7 else 1)
+
+
+def test_a_forked_child_gets_its_own_helper_thread():
+    """The helper thread (and the worker pool) belong to a process: a child forked after its
+    parent used them starts its own (the parent's threads do not exist in it, and work queued
+    for them would wait forever)."""
+    assert workers._helper().submit(int, "5").result(timeout=30) == 5
+    child = multiprocessing.get_context("fork").Process(target=_helper_in_child)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,9 +110,17 @@ def single_threaded_blas(threads: int = 1):
     return _blas_controller().limit(limits=threads, user_api="blas")
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)
+def _executor(pid: int, workers: int, name: str) -> ThreadPoolExecutor:
+    """A pool of ``workers`` Python threads named ``name``, one per process (``pid``): a child
+    forked from a process that had one holds none of its threads, and work queued for them
+    would never run."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41numba")
+    """:func:`in_workers`' pool."""
+    return _executor(os.getpid(), workers, "ds41numba")
 
 
 def in_workers(fn, jobs) -> None:
@@ -152,9 +161,9 @@ def claim_next(typingctx, counter):
     return sig, codegen
 
 
-@functools.lru_cache(maxsize=1)
 def _helper() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds41numba-beside")
+    """:func:`work_beside`'s helper thread."""
+    return _executor(os.getpid(), 1, "ds41numba-beside")
 
 
 def can_work_beside() -> bool:
