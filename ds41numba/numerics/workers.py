@@ -177,15 +177,15 @@ def work_beside(kernel, *args):
     """``kernel(*args)`` on a helper thread while the ``with`` block runs on this one, then on
     this thread too; the context ends when both calls have.
 
-    For work bound by reading memory beside work bound by arithmetic: a decode step's largest
-    product streams its weight at 22-24 GB/s on one core of the Zen 4 where both cores reach
-    27-28, so while this thread computes on one core the other reads nearly as fast as both
-    would. ``kernel`` is a ``nogil`` njit function whose calls share its work items, each
-    claimed once (:func:`claim_next` on a counter among ``args``): the call after the block
-    takes the items the helper has not, so this thread's core joins the reading as soon as its
-    own work is done. In the block this thread's numba kernels run on one thread (numba's count
-    is per thread), so two cores hold two threads.
-    Which thread runs an item changes none of its results.
+    For work bound by reading memory beside work bound by arithmetic: a decode step's product
+    streams its weight at 22-25 GB/s on one core of the Zen 4 where both cores reach 27-40 (the
+    host's memory moves between those), so while this thread computes on one core the other
+    reads most of what both would. ``kernel`` is a ``nogil`` njit function whose calls share
+    its work items, each claimed once (:func:`claim_next` on a counter among ``args``): the call
+    after the block takes the items the helper has not, so this thread's core joins the reading
+    as soon as its own work is done. In the block this thread's numba kernels run on one thread
+    (numba's count is per thread), so two cores hold two threads. Which thread runs an item
+    changes none of its results.
 
     The helper needs the GIL to enter its kernel: the block's kernels should release it
     (``nogil``, as the decode step's products and index scores do), else the helper starts
