@@ -6,6 +6,8 @@
 * ``Decode``: one decode step of layer 20 at ``common.DECODE_CONTEXTS`` (4,096; 65,536 with
   ``DS41_BENCH_FULL=1``). ``setup_cache`` runs the prefill that reaches each context once and
   pickles the layer's state; every timed step decodes the next position.
+* ``DecodeOverhead``: a decode step of layer 20's roles at tiny dimensions, where every kernel
+  is nearly free: what a step spends besides its arithmetic and its reading.
 
 Each benchmark process builds its layer's weights once (about 540 MB for layer 20, a few
 seconds); peak memory therefore includes the weights, as it does in use, but not what numba
@@ -99,3 +101,50 @@ class Decode:
 
     def peakmem_decode_step(self, paths, context):
         self._step(self.run, context)
+
+
+class DecodeOverhead:
+    """A decode step of layer 20's roles (ratio 1; kv, index, key-owner and candidate source) at
+    tiny dimensions (dim 256, 16 heads of 128, 16 index heads of 64), 256 positions of context:
+    every kernel takes microseconds, so what is timed is the step's Python, numba's dispatch,
+    the small kernels and the hand-off of ``wq_b`` to the helper thread, as a production step
+    runs them (``BESIDE_MIN_BYTES`` lowered to 0 for the tiny weight). It is the part of a
+    production step that no weight is read beside (0.68 ms of a 10 ms step at 65,536 context on
+    the 2-core Zen 4, 2026-12-05), and it hardly depends on the host's memory, so it moves
+    only when the code does."""
+
+    number = 20
+    repeat = (5, 20, 10.0)
+    rounds = 1
+    warmup_time = 0
+    timeout = 600
+    _CONTEXT = 256
+    _STEPS = 32                     # a sample's steps (asv runs setup before each sample)
+
+    def setup(self):
+        from ds41numba.golden import make_input, make_weights
+        from ds41numba.numerics import linear
+        from ds41numba.stack import AttentionStack
+
+        layer = common.DECODE_LAYER
+        cfg = common.layer_config(self._CONTEXT + self._STEPS, layer).replace(
+            dim=256, n_heads=16, head_dim=128, q_lora_rank=64, o_lora_rank=32, o_groups=2,
+            index_n_heads=16, index_head_dim=64, index_topk=64, candidate_topk_blocks=16)
+        self.stack = AttentionStack(cfg, make_weights(cfg, [layer], common.SEED), layers=[layer])
+        self.stack.forward(layer, make_input("x", (self._CONTEXT, cfg.dim), common.SEED), 0)
+        self.inputs = [make_input(f"decode{i}", (1, cfg.dim), common.SEED)
+                       for i in range(self._STEPS)]
+        self._beside = linear.BESIDE_MIN_BYTES
+        linear.BESIDE_MIN_BYTES = 0
+        self.next = 0
+        self.time_decode_step()         # warm
+
+    def teardown(self):
+        from ds41numba.numerics import linear
+
+        linear.BESIDE_MIN_BYTES = self._beside
+
+    def time_decode_step(self):
+        i = self.next
+        self.stack.forward(common.DECODE_LAYER, self.inputs[i], self._CONTEXT + i)
+        self.next = i + 1
