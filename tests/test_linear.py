@@ -13,6 +13,7 @@ from helpers import linear_case, linear_case_names
 from numerics_helpers import assert_same_bits, bf16_dot_blocks, F32, needs_bf16_dot
 from ds41numba import numerics as nm
 from ds41numba.numerics import linear as linear_mod
+from ds41numba.numerics import matvec as matvec_mod
 
 
 # --------------------------------------------------------------------------------------- linear
@@ -392,15 +393,20 @@ def test_weights_sharing_an_input_run_one_kernel_call_a_step(monkeypatch):
     assert calls == [4, 4, 4, 4]
 
 
+@pytest.mark.parametrize("lead", [None, 0, 1 << 30], ids=["lead", "no-lead", "all-lead"])
 @pytest.mark.parametrize("k, n, groups, m, ref_rows", [
     (2048, 2048, 1, 1, None), (1024, 4096, 2, 3, None), (2047, 2048, 1, 2, 1)])
-def test_a_product_read_beside_other_work_is_the_product(k, n, groups, m, ref_rows):
+def test_a_product_read_beside_other_work_is_the_product(k, n, groups, m, ref_rows, lead,
+                                                         monkeypatch):
     """``linear_bf16_beside`` of a decode step's rows by a weight of ``BESIDE_MIN_BYTES`` (one
     row or several, grouped, odd K, a call's run length): the literal reference order's
     product bit for bit, and ``linear_bf16``'s, complete when the block ends; the block's own
-    numba kernels run on one thread meanwhile."""
+    numba kernels run on one thread meanwhile. Whatever the calling thread reads first
+    (``matvec.LEAD_BYTES``: part of the weight, none, all of it)."""
     if not nm.can_work_beside():
         pytest.skip("one numba thread: nothing runs beside")
+    if lead is not None:
+        monkeypatch.setattr(matvec_mod, "LEAD_BYTES", lead)
     rng = np.random.default_rng(k + m)
     mats, want = _shared_case(rng, k, [n], groups)
     assert mats[0].nbytes >= nm.BESIDE_MIN_BYTES
@@ -413,6 +419,27 @@ def test_a_product_read_beside_other_work_is_the_product(k, n, groups, m, ref_ro
     assert_same_bits(got, want(x, ref_rows)[0])
     assert_same_bits(got, nm.linear_bf16(x, mats[0], ref_rows=ref_rows))
     assert_same_bits(small_y, nm.linear_bf16(small_x, small))
+
+
+def test_a_claimed_call_runs_at_most_its_share_of_items():
+    """``matvec._claimed_kernel`` with ``most`` items claims and runs that many (each whole,
+    the outputs of the others untouched), then, called again without a limit, the rest: the
+    calling thread's first share of a product read beside its block."""
+    rng = np.random.default_rng(29)
+    w = nm.Bf16Matrix(_bf16_rows(rng, (512, 96)))       # 4 items of 128 outputs
+    x = _bf16_rows(rng, (1, 96))
+    want = nm.linear_bf16(x, w)
+    out = np.full((1, 512), np.nan, np.float32)
+    x2, block = w._matvec_input(x, None)
+    args = matvec_mod._call_args("test", x2, (w._pairs,), (w.groups,), (out,))
+    counter = np.zeros(1, np.int64)
+    matvec_mod._claimed_kernel(*args, 96, block, counter, 3)
+    assert counter[0] == 3
+    assert_same_bits(out[:, :384], want[:, :384])
+    assert np.isnan(out[:, 384:]).all()
+    matvec_mod._claimed_kernel(*args, 96, block, counter, 1 << 20)
+    assert counter[0] == 5                      # the last claim found no item
+    assert_same_bits(out, want)
 
 
 def test_a_product_that_would_not_pay_beside_is_left_to_the_caller():

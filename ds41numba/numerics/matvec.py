@@ -150,14 +150,15 @@ _matvec_kernel_serial = serial_twin(_matvec_kernel)
 
 
 @njit(cache=True, nogil=True)
-def _claimed_kernel(x, pairs, outs, groups, k_in, block, next_item):
-    """The call's work items, each run by the thread that claims it (``next_item[0]``): the
-    calls of :func:`matvec_beside`'s two threads share them."""
+def _claimed_kernel(x, pairs, outs, groups, k_in, block, next_item, most):
+    """The call's work items, each run by the thread that claims it (``next_item[0]``), at most
+    ``most`` of them: the calls of :func:`matvec_beside`'s two threads share them."""
     n = len(_item_ends(pairs, groups))
-    item = claim_next(next_item)
-    while item < n:
-        _run_items(x, pairs, outs, groups, k_in, block, item, item + 1)
+    for _ in range(most):
         item = claim_next(next_item)
+        if item >= n:
+            return
+        _run_items(x, pairs, outs, groups, k_in, block, item, item + 1)
 
 
 # What pads a call of fewer weights: no blocks, so no work items.
@@ -196,11 +197,21 @@ def matvec_into(x, pairs, groups, k_in: int, block: int, outs) -> None:
                numba.get_num_threads())
 
 
+#: What :func:`matvec_beside`'s calling thread reads before its block, while the helper thread
+#: wakes (0.13-0.23 ms, measured on the 2-core Zen 4: about 4 MB at one core's rate).
+LEAD_BYTES = 4 << 20
+
+
 @contextlib.contextmanager
 def matvec_beside(x, pairs, groups, k_in: int, block: int, outs):
     """:func:`matvec_into` beside the ``with`` block: read on a helper thread while the block
     runs on this one, then on both (:func:`~.workers.work_beside`); ``outs`` are complete when
-    the block ends. The same sums, each output whole by one work item."""
+    the block ends. This thread reads the first ``LEAD_BYTES`` while the helper wakes. The
+    same sums, each output whole by one work item."""
     x, pairs, outs, groups = _call_args("matvec_beside", x, pairs, groups, outs)
-    with work_beside(_claimed_kernel, x, pairs, outs, groups, k_in, block, np.zeros(1, np.int64)):
+    items = len(_item_ends(pairs, groups))
+    item_bytes = max(1, sum(p.nbytes for p in pairs) // max(items, 1))
+    counter = np.zeros(1, np.int64)
+    with work_beside(_claimed_kernel, x, pairs, outs, groups, k_in, block, counter, items):
+        _claimed_kernel(x, pairs, outs, groups, k_in, block, counter, LEAD_BYTES // item_bytes)
         yield
