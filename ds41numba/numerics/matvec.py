@@ -206,12 +206,13 @@ LEAD_BYTES = 4 << 20
 def matvec_beside(x, pairs, groups, k_in: int, block: int, outs):
     """:func:`matvec_into` beside the ``with`` block: read on a helper thread while the block
     runs on this one, then on both (:func:`~.workers.work_beside`); ``outs`` are complete when
-    the block ends. This thread reads the first ``LEAD_BYTES`` while the helper wakes. The
-    same sums, each output whole by one work item."""
+    the block ends. This thread reads the first ``LEAD_BYTES`` (at most half the items) while
+    the helper wakes. The same sums, each output whole by one work item."""
     x, pairs, outs, groups = _call_args("matvec_beside", x, pairs, groups, outs)
     items = len(_item_ends(pairs, groups))
     item_bytes = max(1, sum(p.nbytes for p in pairs) // max(items, 1))
     counter = np.zeros(1, np.int64)
     with work_beside(_claimed_kernel, x, pairs, outs, groups, k_in, block, counter, items):
-        _claimed_kernel(x, pairs, outs, groups, k_in, block, counter, LEAD_BYTES // item_bytes)
+        _claimed_kernel(x, pairs, outs, groups, k_in, block, counter,
+                        min(LEAD_BYTES // item_bytes, items // 2))
         yield
