@@ -108,10 +108,10 @@ class DecodeOverhead:
     tiny dimensions (dim 256, 16 heads of 128, 16 index heads of 64), 256 positions of context:
     every kernel takes microseconds, so what is timed is the step's Python, numba's dispatch,
     the small kernels and the hand-off of ``wq_b`` to the helper thread, as a production step
-    runs them (``BESIDE_MIN_BYTES`` lowered to 0 for the tiny weight). It is the part of a
-    production step that no weight is read beside (0.68 ms of a 10 ms step at 65,536 context on
-    the 2-core Zen 4, 2026-12-05), and it hardly depends on the host's memory, so it moves
-    only when the code does."""
+    runs them (``BESIDE_MIN_BYTES`` lowered to 0 for the tiny weight): 0.6-0.8 ms on the 2-core
+    Zen 4 (2026-12-05) against a 10 ms production step, most of it (all but the indexer's
+    0.26 ms) time in which a production step reads no weight. It hardly depends on the host's
+    memory, so it moves when the code does."""
 
     number = 20
     repeat = (5, 20, 10.0)

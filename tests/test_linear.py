@@ -393,7 +393,7 @@ def test_weights_sharing_an_input_run_one_kernel_call_a_step(monkeypatch):
     assert calls == [4, 4, 4, 4]
 
 
-@pytest.mark.parametrize("lead", [None, 0, 1 << 30], ids=["lead", "no-lead", "half-lead"])
+@pytest.mark.parametrize("lead", [0, 1 << 20, 1 << 30], ids=["no-lead", "lead-1MB", "half-lead"])
 @pytest.mark.parametrize("k, n, groups, m, ref_rows", [
     (2048, 2048, 1, 1, None), (1024, 4096, 2, 3, None), (2047, 2048, 1, 2, 1)])
 def test_a_product_read_beside_other_work_is_the_product(k, n, groups, m, ref_rows, lead,
@@ -402,11 +402,11 @@ def test_a_product_read_beside_other_work_is_the_product(k, n, groups, m, ref_ro
     row or several, grouped, odd K, a call's run length): the literal reference order's
     product bit for bit, and ``linear_bf16``'s, complete when the block ends; the block's own
     numba kernels run on one thread meanwhile. Whatever the calling thread reads first
-    (``matvec.LEAD_BYTES``: part of the weight, none, or as much as it may: half)."""
+    (``matvec.LEAD_BYTES``: none, 1 MB, or as much as it may: half the weight, 4 MB here, as
+    the default does)."""
     if not nm.can_work_beside():
         pytest.skip("one numba thread: nothing runs beside")
-    if lead is not None:
-        monkeypatch.setattr(matvec_mod, "LEAD_BYTES", lead)
+    monkeypatch.setattr(matvec_mod, "LEAD_BYTES", lead)
     rng = np.random.default_rng(k + m)
     mats, want = _shared_case(rng, k, [n], groups)
     assert mats[0].nbytes >= nm.BESIDE_MIN_BYTES
