@@ -122,14 +122,13 @@ def linear_bf16(x, w, out=None, ref_rows: int | None = None):
     n_out, k_in = w.shape
     shape = x.shape[:-1] + (n_out,)
     ref_m = rows if ref_rows is None else ref_rows
-    ordered = _ordered(w, ref_m)
     if _decode_kernel(w, rows, ref_rows):
         if out is None:
             return w.matvec(x, ref_rows)
         y = output_buffer(out, shape, "linear_bf16")
         y[...] = w.matvec(x, ref_rows)
         return y
-    if ordered:
+    if _ordered(w, ref_m):
         y = output_buffer(out, (rows, n_out), "linear_bf16")
         if w.dot_bf16(x.reshape(rows, w.in_features), y, ref_rows):
             return round_bf16_inplace(y).reshape(shape)
