@@ -322,6 +322,42 @@ def test_the_head_mix_keeps_every_bit_of_nans_and_zeros():
         assert np.isnan(got[either]).all()
 
 
+@np.errstate(invalid="ignore", over="ignore")
+def test_the_head_mix_of_finite_dot_products_rounds_them_without_the_nan_branch():
+    """An integer kernel's dot products are finite, and the head-major mix told so rounds them
+    without bf16's NaN branch: every bit as the naive mix's and as the mix not told so, with
+    rounding ties of both parities, zeros of either sign, the largest f32 (which rounds to inf)
+    and values that round up a binade among the dot products, and NaN, inf and zero weights."""
+    rng = np.random.default_rng(32)
+    T, ih, n, t0 = 4, 8, 64, 96
+    d = (rng.standard_normal((T * ih, n)) * 300).astype(np.float32)
+    bits = d.view(np.uint32)
+    for k, pattern in enumerate([0x3F808000, 0x3F818000, 0xC3008000, 0x80000000, 0x00000000,
+                                 0x7F7FFFFF, 0x3FFFFFFF, 0x00000001, 0xBF7F8000, 0x4B7FC000]):
+        bits[(5 * k) % (2 * ih), (11 * k) % n] = pattern
+    w = naive.to_bf16_rne(rng.standard_normal((T, ih)))
+    w[0, 4], w[1, 5] = 0.0, -0.0
+    # A NaN or infinite weight makes its query's every score NaN or infinite: queries 2 and 3.
+    w_bits = w.view(np.uint32)
+    w_bits[2, 1], w_bits[3, 2], w_bits[3, 3] = 0x7FC10000, 0xFF800000, 0x7F800000
+    clen = np.array([t0 + n, t0 + 40, t0 + n, t0 + 7], np.int64)
+    want = np.full((T, t0 + n), -np.inf, np.float32)
+    for s in range(T):
+        for t in range(clen[s] - t0):
+            acc = np.float32(0.0)
+            for h in range(ih):
+                v = naive.to_bf16_rne(d[s * ih + h, t])
+                r = v if v > 0 else np.float32(0.0)
+                acc = np.float32(acc + naive.to_bf16_rne(np.float32(r * naive.to_bf16_rne(w[s, h]))))
+            want[s, t0 + t] = naive.to_bf16_rne(acc)
+    assert np.isnan(want).any() and np.isfinite(want[:2, t0:t0 + 40]).all()
+    for finite in (True, False):
+        got = np.full((T, t0 + n), -np.inf, np.float32)
+        blas_scores.mix_heads_by_head(d, w, clen, t0, got, finite)
+        # NaN scores come from the weights alone (0 * inf, a NaN weight): quiet, no payload
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), finite
+
+
 @pytest.mark.parametrize("path", SCORE_PATHS)
 # The keys hold NaN and infinities on purpose; numpy's BLAS path warns as it multiplies them.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")

@@ -60,11 +60,12 @@ def _next_run(need, b, a, T):
 
 
 @njit(cache=True)
-def _mix_dots(d, w, clen, t0, s_lo, out, block, block_max):
+def _mix_dots(d, w, clen, t0, s_lo, out, block, block_max, finite):
     """The dot products ``d`` of a key block (a query head a row) of the queries ``s_lo ..``,
-    mixed into ``out`` where visible, and their block maxima when ``block`` > 0."""
+    mixed into ``out`` where visible, and their block maxima when ``block`` > 0. ``finite``:
+    ``d`` are an integer kernel's exact dot products, never NaN."""
     T, ih = w.shape
-    mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:])
+    mix_heads_by_head(d[s_lo * ih:T * ih], w[s_lo:], clen[s_lo:], t0, out[s_lo:], finite)
     if block:
         key_block_maxima(out, clen, t0, s_lo, block, block_max)
 
@@ -111,7 +112,7 @@ def _bf16_run(pairs, blocks, w, clen, b, s_lo, e, d, out, block, block_max):
     d[first:] = 0
     for r in range(first, e * ih, DOT_ROWS):
         bf16_dot_tile(pairs[r:r + DOT_ROWS], blocks[b], d[r:r + DOT_ROWS])
-    _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max)
+    _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max, False)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -148,7 +149,7 @@ def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, blo
     for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, e * ih, DOT_ROWS):
         int8_dot_into(quads[r:r + DOT_ROWS], corr[r:r + DOT_ROWS], scales[r:r + DOT_ROWS],
                       key_quads[b], key_scales[b], d[r:r + DOT_ROWS])
-    _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max)
+    _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max, True)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -243,7 +244,7 @@ def _amx_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, bloc
         for r in range(first, e * ih, AMX_ROWS):
             amx_dot_tile(quads[r:r + AMX_ROWS], scales[r:r + AMX_ROWS], key_quads[b],
                          key_scales[b], d[r:r + AMX_ROWS])
-        _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max)
+        _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max, True)
         return
     rows = slice(s_lo * ih, e * ih)
     got, got_max, maxima, whole = _mix_target(out[:e], mixed, clen[:e], s_lo, t0, block, block_max)
@@ -261,7 +262,7 @@ def _pairs_run(q, keys, w, clen, b, s_lo, e, d, out, block, block_max):
     for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, e * ih, DOT_ROWS):
         int8_pairs_into(quads[r:r + DOT_ROWS], corr[r:r + DOT_ROWS], scales[r:r + DOT_ROWS],
                         key_quads[b], key_scales[b], d[r:r + DOT_ROWS])
-    _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max)
+    _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max, True)
 
 
 @njit(parallel=True, cache=True, nogil=True)
