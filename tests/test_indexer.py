@@ -333,8 +333,9 @@ def test_the_head_mix_of_finite_dot_products_rounds_them_without_the_nan_branch(
     d = (rng.standard_normal((T * ih, n)) * 300).astype(np.float32)
     bits = d.view(np.uint32)
     for k, pattern in enumerate([0x3F808000, 0x3F818000, 0xC3008000, 0x80000000, 0x00000000,
-                                 0x7F7FFFFF, 0x3FFFFFFF, 0x00000001, 0xBF7F8000, 0x4B7FC000]):
+                                 0x3F7F8000, 0x3FFFFFFF, 0x00000001, 0xBF7F8000, 0x4B7FC000]):
         bits[(5 * k) % (2 * ih), (11 * k) % n] = pattern
+    bits[1, 50] = 0x7F7FFFFF      # query 0, head 1: rounds to inf
     w = naive.to_bf16_rne(rng.standard_normal((T, ih)))
     w[0, 4], w[1, 5] = 0.0, -0.0
     # A NaN or infinite weight makes its query's every score NaN or infinite: queries 2 and 3.
@@ -350,7 +351,7 @@ def test_the_head_mix_of_finite_dot_products_rounds_them_without_the_nan_branch(
                 r = v if v > 0 else np.float32(0.0)
                 acc = np.float32(acc + naive.to_bf16_rne(np.float32(r * naive.to_bf16_rne(w[s, h]))))
             want[s, t0 + t] = naive.to_bf16_rne(acc)
-    assert np.isnan(want).any() and np.isfinite(want[:2, t0:t0 + 40]).all()
+    assert np.isnan(want).any() and np.isinf(want[0, t0 + 50]) and np.isfinite(want[1, t0:t0 + 40]).all()
     for finite in (True, False):
         got = np.full((T, t0 + n), -np.inf, np.float32)
         blas_scores.mix_heads_by_head(d, w, clen, t0, got, finite)
