@@ -404,6 +404,26 @@ def libm_cosf_sinf():
     return libm.cosf, libm.sinf
 
 
+def values_range(x):
+    """``numerics.values_range``, one value at a time: ``(ok, lowest, highest)`` biased exponent
+    of the non-zero values of f32 ``x`` (of the bf16 values of its pairs, when uint32), ok False
+    where one is not a bf16 value, is denormal, inf or NaN (whose exponent, 255, counts)."""
+    bits = np.ascontiguousarray(x).reshape(-1)
+    if bits.dtype == np.uint32:                     # pairs: each half a bf16 value's top bits
+        bits = np.stack([bits << 16, bits & 0xFFFF0000], axis=-1).reshape(-1)
+    else:
+        bits = bits.astype(F32).view(np.uint32)
+    ok, lo, hi = True, 255, 0
+    for b in bits.tolist():
+        if b & 0xFFFF:
+            ok = False
+        if b & 0x7FFFFFFF:
+            e = (b >> 23) & 0xFF
+            ok = ok and e not in (0, 255)
+            lo, hi = min(lo, e), max(hi, e)
+    return ok, lo, hi
+
+
 # NaN and infinities propagate through this reference as IEEE arithmetic says (the kernels'
 # behaviour under test), so numpy's warnings about them are expected here.
 @np.errstate(invalid="ignore", over="ignore")

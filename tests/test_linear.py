@@ -153,6 +153,48 @@ def test_bf16_fma_tile_is_vdpbf16ps_where_fma_safe_says_so():
         assert not nm.values_range(y)[0]
 
 
+# Every kind of value values_range tells apart, as f32 bits: zeros, normals (the extremes of
+# bf16's range among them), denormals, infinities, NaNs, values that are not bf16.
+_RANGE_VALUES = np.array([0x00000000, 0x80000000, 0x3F800000, 0xBF800000, 0x00800000, 0x80800000,
+                          0x7F7F0000, 0xFF7F0000, 0x00010000, 0x807F0000, 0x7F800000, 0xFF800000,
+                          0x7FC00000, 0xFF810000, 0x3F800001, 0x3F808000, 0x40490FDB],
+                         np.uint32)
+
+
+def test_values_range_every_bf16_value_against_the_naive_twin():
+    """Exhaustive over the 65,536 bf16 bit patterns, each beside 1.0 (exponent 127), as f32
+    values and as a pair: the range of every one is the naive twin's, NaN's and inf's exponent
+    255 and a denormal's 0 included."""
+    ones = np.uint32(0x3F80)
+    for h in range(1 << 16):
+        f32 = (np.array([h, ones], np.uint32) << 16).view(F32)[None]
+        pair = np.array([[h | (ones << 16)]], np.uint32)
+        assert nm.values_range(f32) == naive.values_range(f32), hex(h)
+        assert nm.values_range(pair) == naive.values_range(pair), hex(h)
+
+
+@pytest.mark.parametrize("width", [1, 2, 15, 16, 17, 64, 1031])
+def test_values_range_mixed_rows_against_the_naive_twin(width):
+    """Rows of every width a vector loop splits differently (its tails), drawn from
+    ``_RANGE_VALUES``, some values only where the rows are mostly zeros or normals: the whole
+    array's range is the twin's, for f32 values and for pairs. A NaN among zeros is not ok (the
+    float minima and maxima that came before missed it)."""
+    rng = np.random.default_rng(width)
+    zero, nan = _RANGE_VALUES[0], _RANGE_VALUES[12]
+    for trial in range(40):
+        pool = _RANGE_VALUES[: rng.integers(1, len(_RANGE_VALUES) + 1)]
+        bits = rng.choice(pool, size=(rng.integers(1, 5), width)).astype(np.uint32)
+        if trial % 4 == 0:
+            bits[:] = zero
+            bits.flat[rng.integers(bits.size)] = rng.choice(_RANGE_VALUES)
+        f32 = bits.view(F32)
+        assert nm.values_range(f32) == naive.values_range(f32), bits
+        pairs = (bits >> 16) | (rng.choice(pool, size=bits.shape).astype(np.uint32) & 0xFFFF0000)
+        assert nm.values_range(pairs) == naive.values_range(pairs), pairs
+    assert nm.values_range(np.array([[0, nan]], np.uint32).view(F32)) == (False, 255, 255)
+    assert nm.values_range(np.zeros((3, width), F32)) == (True, 255, 0)
+
+
 @pytest.mark.parametrize("wide", [True, False], ids=["avx512", "avx2"])
 def test_the_bf16_micro_kernels_passes_cover_their_tile_once(monkeypatch, wide):
     """Whatever this CPU is, both register widths' passes of a bf16 micro-kernel call
