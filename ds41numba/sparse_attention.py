@@ -72,8 +72,9 @@ _PV_HEADS = 8 if wide_registers() else 6
 _PV_COLS = 48 if wide_registers() else 16
 #: List rows ahead whose slice the P @ rows tile prefetches (the rows lie scattered in memory).
 _PV_PREFETCH = 4
-#: Entries of the address table past the list that the tiles may read.
-_LIST_SLACK = max(_QK_ROWS - 1, _PV_PREFETCH)
+#: Entries of the address table past the list that the tiles may read (a q.k tile's rows and
+#: the next tile's, which it prefetches).
+_LIST_SLACK = max(2 * _QK_ROWS - 1, _PV_PREFETCH)
 
 
 def _tile_operands(builder, ops, arrays, rows, nvec, by_address, prefetch, masked):
@@ -107,6 +108,14 @@ def _tile_operands(builder, ops, arrays, rows, nvec, by_address, prefetch, maske
             return builder.load(builder.inttoptr(at, F32.as_pointer()), align=4)
 
         def load_b(k):
+            if prefetch:
+                # One line a step of the next tile's rows (their addresses follow this tile's in
+                # the table): step k asks for row k % rows's line holding element k, so the
+                # block's lines of every row are asked for while this tile runs.
+                ahead = listed(table, builder.add(builder.urem(k, i64(rows)), i64(rows)))
+                line = builder.and_(builder.mul(k, i64(4)), i64(-64))
+                prefetch_line(builder, builder.inttoptr(builder.add(ahead, line),
+                                                        ir.IntType(8).as_pointer()))
             return [load_row(builder, b_op, k, i64(64 * v), V16F) for v in range(nvec)]
 
         return extent(builder, arrays[2]), load_a, load_b, o_op, accumulate
@@ -139,10 +148,12 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
     The listed KV rows are read where they lie, through a table of their addresses (int64),
     as one operand, so they are never copied:
     * ``by_address == "a"`` (q.k): ``tile(addr, offset, b, out, accumulate)``; ``a[k, i]`` is
-      the float at ``addr[i] + 4 * (offset + k)``; K is ``b.shape[0]``.
+      the float at ``addr[i] + 4 * (offset + k)``; K is ``b.shape[0]``. With ``prefetch``
+      the next tile's rows, ``addr[rows .. 2 * rows - 1]``, are asked for one line a step.
     * ``by_address == "b"`` (P @ rows): ``tile(a, addr, offset, width, out, accumulate)``;
       ``b[k, c]`` is the float at ``addr[k] + 4 * (offset + c)`` for ``c < width`` (lanes from
-      ``width`` on read nothing and hold 0); K is ``a.shape[0]``. Only a ``masked`` tile reads
+      ``width`` on read nothing and hold 0); K is ``a.shape[0]``; with ``prefetch`` the row
+      that many steps ahead is asked for. Only a ``masked`` tile reads
       part of a row (masked loads, slower); an unmasked one reads all its lanes and ignores
       ``width``.
     The array operands are float32 2-d views: ``a`` any strides, ``b`` and ``out`` contiguous
@@ -175,10 +186,10 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
 
 
 # q.k tiles for 16, 32, 48 and 64 heads; the P @ rows tile.
-_qk_tile1 = _fma_tile(_QK_ROWS, 1, "a")
-_qk_tile2 = _fma_tile(_QK_ROWS, 2, "a")
-_qk_tile3 = _fma_tile(_QK_ROWS, 3, "a")
-_qk_tile4 = _fma_tile(_QK_ROWS, _QK_HEADS // 16, "a")
+_qk_tile1 = _fma_tile(_QK_ROWS, 1, "a", _QK_ROWS)
+_qk_tile2 = _fma_tile(_QK_ROWS, 2, "a", _QK_ROWS)
+_qk_tile3 = _fma_tile(_QK_ROWS, 3, "a", _QK_ROWS)
+_qk_tile4 = _fma_tile(_QK_ROWS, _QK_HEADS // 16, "a", _QK_ROWS)
 _pv_tile = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH)
 _pv_tile_masked = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH, masked=True)
 
@@ -189,7 +200,7 @@ def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
     False) for each run of -1 entries inside a product block (see above). For each: ``addr``
     the row's address, ``src`` the row (``zero_row`` for a run), ``pos`` its list position;
     ``edges[b]`` the first of product block b. ``addr`` is filled with the zero row's address
-    past the end (the last q.k tile reads up to 5 more). ``parts`` are row blocks that stack to
+    past the end (the last q.k tile reads up to 11 more: its rows, then those it prefetches). ``parts`` are row blocks that stack to
     the KV rows, ``starts`` their first row ids. Returns ``(n, number listed)``."""
     W = row_idx.shape[0]
     zero_addr = zero_row.ctypes.data
@@ -242,7 +253,7 @@ def _qk_blocked(qT, addr, n, x, lo, hi):
             nv = min(_QK_HEADS // 16, (hi - h0 + 15) // 16)
             b = qT[d0:min(hd, d0 + KC), h0:h0 + 16 * nv]
             for c0 in range(0, n, _QK_ROWS):
-                a = addr[c0:c0 + _QK_ROWS]
+                a = addr[c0:c0 + 2 * _QK_ROWS]
                 t = x[c0:c0 + _QK_ROWS, h0:h0 + 16 * nv]
                 if nv == 4:
                     _qk_tile4(a, d0, b, t, d0 > 0)
