@@ -209,6 +209,25 @@ def _projection_case(tokens=1024):
                       flops=2 * tokens * k_in * n_out, elements=tokens * n_out)
 
 
+def _input_range_case(tokens=4096):
+    """The check a bf16 product's input passes before the FMA twin multiplies it (where that
+    kernel runs: every Intel kind, the ``blas`` tier): a 4,096-token prefill's input of
+    ``wo_b``, layer 20's widest. One pass over the values, so bound by reading them."""
+    cfg = layer_config(tokens)
+    k_in = cfg.o_groups * cfg.o_lora_rank
+
+    def build():
+        return {"x": normal_bf16((tokens, k_in), 23)}
+
+    def run(st):
+        from ds41numba.numerics import values_range
+
+        values_range(st["x"])
+
+    return KernelCase("bf16_input_range", f"a bf16 product's input check ({tokens} rows of wo_b)",
+                      f"x {tokens}x{k_in}", build, run, elements=tokens * k_in)
+
+
 def _compressor_case(tokens=1024):
     cfg = layer_config(tokens, 2)
     layer, r, hd = 2, 2, cfg.head_dim
@@ -284,6 +303,7 @@ def kernel_cases() -> dict[str, KernelCase]:
         _topk_case("topk_1m", "top-k, 1M entries (partial_sort branch)", 1, 1 << 20, 512),
         _topk_case("topk_4k", "top-k, 4K entries (nth_element branch)", 64, 4096, 512),
         _projection_case(),
+        _input_range_case(),
         _sparse_attn_case(),
         _indexer_case(),
         _index_scores_case("default"),
