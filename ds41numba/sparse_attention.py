@@ -200,8 +200,9 @@ def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
     False) for each run of -1 entries inside a product block (see above). For each: ``addr``
     the row's address, ``src`` the row (``zero_row`` for a run), ``pos`` its list position;
     ``edges[b]`` the first of product block b. ``addr`` is filled with the zero row's address
-    past the end (the last q.k tile reads up to 11 more: its rows, then those it prefetches). ``parts`` are row blocks that stack to
-    the KV rows, ``starts`` their first row ids. Returns ``(n, number listed)``."""
+    past the end (the last q.k tile reads up to 11 more: its rows, then those it prefetches).
+    ``parts`` are row blocks that stack to the KV rows, ``starts`` their first row ids.
+    Returns ``(n, number listed)``."""
     W = row_idx.shape[0]
     zero_addr = zero_row.ctypes.data
     n = 0

@@ -41,11 +41,11 @@ def _magnitudes_range(low_bits, smallest_less_one, largest, shift):
 @njit(cache=True)
 def _row_range(row, pairs):
     """The range of one row of bits: f32 values, or (``pairs``) pairs of bf16 values. One pass
-    of unsigned minima, maxima and ors over the magnitudes' bits, every step kept to uint32 and
-    an index loop (so LLVM vectorises it, about 9x the float loop it replaced): an inf or NaN
-    is a largest magnitude, a denormal a smallest one."""
+    of unsigned minima, maxima and ors over the magnitudes' bits: an inf or NaN is a largest
+    magnitude, a denormal a smallest one. Every step is kept to uint32 and the loop indexes the
+    row, or LLVM leaves it scalar."""
     low_bits, largest, smallest = _U32(0), _U32(0), _U32(0xFFFFFFFF)
-    if pairs:
+    if pairs:       # bf16 values by construction: no low bits to check
         for i in range(row.shape[0]):
             a, b = _U32(row[i] & _U32(0x7FFF)), _U32((row[i] >> _U32(16)) & _U32(0x7FFF))
             largest = max(largest, max(a, b))
