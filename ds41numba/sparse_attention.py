@@ -109,10 +109,10 @@ def _tile_operands(builder, ops, arrays, rows, nvec, by_address, prefetch, maske
 
         def load_b(k):
             if prefetch:
-                # One line a step of the next tile's rows (their addresses follow this tile's in
-                # the table): step k asks for row k % rows's line holding element k, so the
+                # One line a step of the rows ``prefetch`` entries on in the table (the next
+                # tile's): step k asks for row k % rows's line holding element k, so the
                 # block's lines of every row are asked for while this tile runs.
-                ahead = listed(table, builder.add(builder.urem(k, i64(rows)), i64(rows)))
+                ahead = listed(table, builder.add(builder.urem(k, i64(rows)), i64(prefetch)))
                 line = builder.and_(builder.mul(k, i64(4)), i64(-64))
                 prefetch_line(builder, builder.inttoptr(builder.add(ahead, line),
                                                         ir.IntType(8).as_pointer()))
@@ -149,7 +149,8 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
     as one operand, so they are never copied:
     * ``by_address == "a"`` (q.k): ``tile(addr, offset, b, out, accumulate)``; ``a[k, i]`` is
       the float at ``addr[i] + 4 * (offset + k)``; K is ``b.shape[0]``. With ``prefetch``
-      the next tile's rows, ``addr[rows .. 2 * rows - 1]``, are asked for one line a step.
+      the rows ``addr[prefetch .. prefetch + rows - 1]`` (the next tile's, for ``prefetch ==
+      rows``) are asked for one line a step.
     * ``by_address == "b"`` (P @ rows): ``tile(a, addr, offset, width, out, accumulate)``;
       ``b[k, c]`` is the float at ``addr[k] + 4 * (offset + c)`` for ``c < width`` (lanes from
       ``width`` on read nothing and hold 0); K is ``a.shape[0]``; with ``prefetch`` the row
