@@ -227,15 +227,17 @@ def test_tile_scores_on_every_fp4_byte(monkeypatch, path, T, ih, idim, n):
 
 @pytest.mark.parametrize("tier", ALL_TIERS)
 @pytest.mark.parametrize("block", [8, 4, 32, 3, 12])
-def test_block_maxima_taken_with_the_scores_are_the_naive_maxima(tier, block):
+@pytest.mark.parametrize("clen", [[0, 1, 37, 200, 299, 300], [250, 260, 280, 299, 300, 300]])
+def test_block_maxima_taken_with_the_scores_are_the_naive_maxima(tier, block, clen):
     """The candidate source's block maxima from ``scores(maxima=...)`` (inside the packed
     kernels where ``block`` divides their key block, a pass after them otherwise): each row's
     visible blocks only, a partly visible one over what the row sees, a NaN winning (an inf
-    head weight times a zero product), every other entry of the buffer left as it was."""
+    head weight times a zero product), every other entry of the buffer left as it was. The
+    second ``clen``: the first key blocks seen whole by every row (the kernels' straight path)."""
     rng = np.random.default_rng(block)
     T, ih, idim, n = 6, 32, 128, 300
     iq, w, keys = _index_inputs(rng, T, ih, idim, n)
-    clen = np.array([0, 1, 37, 200, 299, 300])
+    clen = np.array(clen)
     for weights in (w, np.where(np.arange(ih) == 3, np.float32(np.inf), w).astype(np.float32)):
         want_scores = naive.tile_scores(iq, weights, keys, clen)
         with use_backend(tier):

@@ -6,7 +6,8 @@ visibility mask. Each worker takes a contiguous run of key blocks; for each bloc
 dot products of the queries that see any of it (a suffix of the tile, as ``clen`` grows with
 the query) and mixes them while they are in cache, in torch's head order
 (:func:`~.blas_scores.mix_heads_by_head`), or takes them mixed from a tile kernel that mixes as
-it forms them (AMX's and VNNI's folded rows). Every score is formed whole by one worker, in a
+it forms them (AMX's and VNNI's folded rows; on VNNI's, the run's blocks every query sees whole
+first, a tile call each straight into the score rows). Every score is formed whole by one worker, in a
 fixed order, so the result does not depend on the thread count. A candidate consumer's tile on
 VNNI's folded rows runs by query instead: each worker takes a run of the queries' groups of four
 candidate quarters (:func:`_vnni_quarters_kernel`), its multiply-adds only the candidates'.
@@ -152,17 +153,48 @@ def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, blo
     _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max, True)
 
 
+@njit(cache=True)
+def _seen_whole(clen, width, lo, hi, need):
+    """The end of the key blocks from ``lo`` (up to ``hi``) that every query sees whole and
+    needs: ``lo`` where ``need`` lists a consumer's blocks."""
+    if need.shape[1]:
+        return lo
+    return max(lo, min(hi, min(clen.min(), width) // DOT_LANES))
+
+
+@njit(cache=True)
+def _vnni_whole(q, keys, w_rows, lo, hi, converts, out, maxima, block_max):
+    """Key blocks ``lo .. hi - 1``, each seen whole by every query, on VNNI's folded rows: a
+    :func:`~ds41numba.numerics.vnni_mix_tile` call a block straight into the score rows (and,
+    with ``maxima``, the blocks' maxima), none of :func:`_vnni_run`'s bookkeeping of partly
+    seen blocks (a quarter of a decode step's scores at 65,536 keys, measured)."""
+    quads, corr, scales = q
+    key_quads, key_scales = keys
+    per = DOT_LANES // MAX_BLOCK if maxima else 0
+    for b in range(lo, hi):
+        vnni_mix_tile(quads, corr, scales, w_rows, key_quads[b], key_scales[b],
+                      out[:, b * DOT_LANES:(b + 1) * DOT_LANES], block_max[:, b * per:(b + 1) * per],
+                      converts, maxima)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX512-VNNI: ``q = (quads, corr, scales)``, ``keys = (quads, scales)``,
     per-block or folded. Folded rows (one correction a row) of whole row tiles a query are
-    mixed as they are formed (:func:`~ds41numba.numerics.vnni_mix_tile`)."""
+    mixed as they are formed (:func:`~ds41numba.numerics.vnni_mix_tile`), the blocks every
+    query sees whole first (:func:`_vnni_whole`) where the kernel takes any maxima asked."""
     T, ih = w.shape
     w_rows = w.reshape((T * ih, 1))
+    folded = ih % AMX_ROWS == 0 and q[1].shape[1] == 1 and (block == 0 or block == MAX_BLOCK)
     for wk in prange(workers):
         d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
         mixed = np.empty((T, DOT_LANES), np.float32)
-        for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
+        lo, hi = wk * n_blocks // workers, (wk + 1) * n_blocks // workers
+        if folded:
+            whole = _seen_whole(clen, out.shape[1], lo, hi, need)
+            _vnni_whole(q, keys, w_rows, lo, whole, converts, out, block == MAX_BLOCK, block_max)
+            lo = whole
+        for b in range(lo, hi):
             a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
             while a < T:
                 _vnni_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, converts, out, block,
