@@ -8,6 +8,7 @@ whatever the order (fp4-quantised operands), so they must be bit-identical.
 """
 
 import importlib
+import threading
 
 import numba
 import numpy as np
@@ -20,7 +21,7 @@ from numerics_helpers import (ALL_TIERS, TIERS, needs_amx, needs_avx2_int8, need
 from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, linear_bf16,
                        select_candidate_blocks, to_bf16_rne)
 from ds41numba.attention import layer_rope_table
-from ds41numba.numerics import (pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks,
+from ds41numba.numerics import (DOT_LANES, pack_bf16_pairs, pack_folded_blocks, pack_int8_blocks,
                                 pack_offset_folded_blocks, use_backend, workers)
 
 # ``ds41numba.indexer`` is the function (the package namespace re-exports it over the module)
@@ -28,6 +29,7 @@ indexer_mod = importlib.import_module("ds41numba.indexer")
 blas_scores = importlib.import_module("ds41numba.indexer.blas_scores")
 candidates = importlib.import_module("ds41numba.indexer.candidates")
 lightning = importlib.import_module("ds41numba.indexer.lightning")
+packed_scores = importlib.import_module("ds41numba.indexer.packed_scores")
 query_layouts = importlib.import_module("ds41numba.indexer.query_layouts")
 tier_scores = importlib.import_module("ds41numba.indexer.tier_scores")
 
@@ -124,12 +126,12 @@ SCORE_PATHS = [*LAYOUTS, pytest.param("avx2-int8", marks=needs_avx2_int8),
 INT8_PATHS = {"avx2-int8": "avx2int8", "avx512-vnni": "avx512vnni"}
 
 
-def int8_tile_scores(iq, w, keys, clen, n, tier="avx512vnni"):
+def int8_tile_scores(iq, w, keys, clen, n, tier="avx512vnni", **kwargs):
     """The per-block integer kernel's scores on ``tier`` (VNNI's, or AVX2's on "avx2int8"), or
     None where it declines (products not exact as integers)."""
     quads, scales, rng = pack_int8_blocks(keys)
     with use_backend(tier):
-        return tier_scores.tile_scores_int8(iq, w, (quads, scales), rng, clen, n)
+        return tier_scores.tile_scores_int8(iq, w, (quads, scales), rng, clen, n, **kwargs)
 
 
 def amx_tile_scores(iq, w, keys, clen, n):
@@ -141,12 +143,12 @@ def amx_tile_scores(iq, w, keys, clen, n):
     return tier_scores.tile_scores_amx(iq, w, (quads, scales), rng, clen, n)
 
 
-def vnni_folded_tile_scores(iq, w, keys, clen, n):
+def vnni_folded_tile_scores(iq, w, keys, clen, n, **kwargs):
     """The VNNI tier's folded kernel's scores (:func:`amx_tile_scores`' twin)."""
     if keys.shape[1] % 64:
         return None
     quads, scales, rng = pack_offset_folded_blocks(keys)
-    return tier_scores.tile_scores_vnni_folded(iq, w, (quads, scales), rng, clen, n)
+    return tier_scores.tile_scores_vnni_folded(iq, w, (quads, scales), rng, clen, n, **kwargs)
 
 
 # The kernels that mix folded rows' products as they form them: AMX's, and VNNI's.
@@ -402,6 +404,44 @@ def test_packed_tile_scores_do_not_depend_on_the_thread_count(path):
     finally:
         numba.set_num_threads(before)
     assert before > 1 and np.array_equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("scores", [pytest.param(int8_tile_scores, marks=needs_int8_dot, id="per-block"),
+                                    pytest.param(vnni_folded_tile_scores, marks=needs_int8_dot,
+                                                 id="folded")])
+def test_scores_beside_a_weight_read_are_shared_with_the_free_helper(monkeypatch, scores):
+    """In a decode step's block beside its weight reading (``work_beside``) VNNI's scores go a
+    run of ``SHARED_BLOCKS`` key blocks at a time to the thread that claims it: this one, and
+    the helper once free (here at once; this thread's call waits for it to start, so both
+    run). The same scores and block maxima as the naive loops, the last run a partial one."""
+    if not workers.can_work_beside():
+        pytest.skip("one numba thread: nothing runs beside")
+    rng = np.random.default_rng(14)
+    T, ih, idim, block = 2, 32, 128, 8
+    n = (2 * packed_scores.SHARED_BLOCKS + 3) * DOT_LANES - 5
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    clen = np.array([n - 1000, n])
+    here, helper_in, calls = threading.get_ident(), threading.Event(), []
+
+    def counted(kernel):
+        def run(*args):
+            calls.append(threading.get_ident())
+            if threading.get_ident() != here:
+                helper_in.set()
+            else:
+                assert helper_in.wait(30)
+            kernel(*args)
+        return run
+
+    for layout, kernel in list(packed_scores._SHARED.items()):
+        monkeypatch.setitem(packed_scores._SHARED, layout, counted(kernel))
+    buf = np.full((T, -(-n // block)), 7.0, np.float32)
+    with workers.work_beside(lambda: None):
+        got = scores(iq, w, keys, clen, n, maxima=(block, buf))
+    want = naive.tile_scores(iq, w, keys, clen)
+    assert len(set(calls)) == 2 and np.array_equal(got, want)
+    for (s, j), v in _naive_visible_maxima(want, clen, block).items():
+        assert buf[s, j] == v, (s, j)
 
 
 def _spread(x, head, groups, factor):

@@ -11,8 +11,8 @@ import pytest
 from numba import njit, prange
 from numba.core.errors import TypingError
 
-from ds41numba.numerics import (PARALLEL_MIN_MACS, claim_next, serial_twin, sized_call, work_beside,
-                                workers)
+from ds41numba.numerics import (PARALLEL_MIN_MACS, claim_next, in_beside_block, serial_twin,
+                                share_with_helper, sized_call, work_beside, workers)
 
 
 @njit(parallel=True)
@@ -196,6 +196,39 @@ def test_work_beside_waits_for_its_helper_when_the_block_raises():
         with work_beside(_claim_count, counter, n, seen):
             raise RuntimeError("in the block")
     assert (seen == 1).all() and counter[0] == n + 2 and numba.get_num_threads() == threads
+
+
+def test_a_share_with_a_busy_helper_is_withdrawn_and_a_free_one_joins():
+    """In a block whose helper is still busy (its kernel waits here for an event) the shared
+    kernel runs here alone: the helper's call, queued behind the busy one, is withdrawn before
+    it starts, and nothing waits for the helper. With the helper free, both calls run; every
+    item is claimed once either way. ``in_beside_block`` is true only inside the block."""
+    if not workers.can_work_beside():
+        pytest.skip("one numba thread: nothing runs beside")
+    release, here = threading.Event(), threading.get_ident()
+    n = 20_000
+    for busy in (True, False):
+        counter, seen, calls = np.zeros(1, np.int64), np.zeros(n, np.int64), []
+        helper_in = threading.Event()
+
+        def shared(counter, n, seen):
+            calls.append(threading.get_ident())
+            if threading.get_ident() != here:
+                helper_in.set()
+            elif not busy:      # this thread waits for the free helper to join
+                assert helper_in.wait(30)
+            _claim_count(counter, n, seen)
+
+        release.clear()
+        assert not in_beside_block()
+        with work_beside(lambda: release.wait(30) if busy else None):
+            assert in_beside_block()
+            share_with_helper(shared, counter, n, seen)
+            assert calls == [here] if busy else len(set(calls)) == 2
+            release.set()
+        assert not in_beside_block()
+        assert (seen == 1).all()
+        assert calls == [here] if busy else len(calls) == 2
 
 
 def _helper_in_child():

@@ -25,14 +25,19 @@ import numpy as np
 from numba import njit, prange
 
 from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, QUARTER, amx_begin, amx_dot_tile,
-                        amx_end, amx_mix_tile, bf16_dot_tile, int8_dot_into, int8_pairs_into,
-                        serial_twin, sized_call, vnni_mix_quarters, vnni_mix_tile)
+                        amx_end, amx_mix_tile, bf16_dot_tile, claim_next, in_beside_block,
+                        int8_dot_into, int8_pairs_into, serial_twin, share_with_helper, sized_call,
+                        vnni_mix_quarters, vnni_mix_tile)
 from .blas_scores import mix_heads_by_head
 from .block_maxima import key_block_maxima, visible_block_maxima
 from .candidate_scores import EVERY_KEY_BLOCK, NeededKeys
 from .visibility import masked_buffer
 
 __all__ = ["LAYOUTS", "tile_scores_packed"]
+
+#: Key blocks a claim of :func:`_vnni_claimed` takes: 64 are 2,048 keys, about 45 us of one
+#: query's scores on a Zen 4 core (an item the helper thread may finish after this one's last).
+SHARED_BLOCKS = 64
 
 
 @njit(cache=True)
@@ -177,29 +182,49 @@ def _vnni_whole(q, keys, w_rows, lo, hi, converts, out, maxima, block_max):
                       converts, maxima)
 
 
+@njit(cache=True, nogil=True)
+def _vnni_blocks(q, keys, w, clen, lo, hi, converts, out, block, block_max, need, d, mixed):
+    """Key blocks ``lo .. hi - 1`` of :func:`_vnni_kernel`'s scores (``d`` and ``mixed`` the
+    caller's buffers)."""
+    T, ih = w.shape
+    w_rows = w.reshape((T * ih, 1))
+    if ih % AMX_ROWS == 0 and q[1].shape[1] == 1 and (block == 0 or block == MAX_BLOCK):
+        whole = _seen_whole(clen, out.shape[1], lo, hi, need)
+        _vnni_whole(q, keys, w_rows, lo, whole, converts, out, block == MAX_BLOCK, block_max)
+        lo = whole
+    for b in range(lo, hi):
+        a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
+        while a < T:
+            _vnni_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, converts, out, block, block_max)
+            a, e = _next_run(need, b, e, T)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX512-VNNI: ``q = (quads, corr, scales)``, ``keys = (quads, scales)``,
     per-block or folded. Folded rows (one correction a row) of whole row tiles a query are
     mixed as they are formed (:func:`~ds41numba.numerics.vnni_mix_tile`), the blocks every
     query sees whole first (:func:`_vnni_whole`) where the kernel takes any maxima asked."""
-    T, ih = w.shape
-    w_rows = w.reshape((T * ih, 1))
-    folded = ih % AMX_ROWS == 0 and q[1].shape[1] == 1 and (block == 0 or block == MAX_BLOCK)
     for wk in prange(workers):
         d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
-        mixed = np.empty((T, DOT_LANES), np.float32)
-        lo, hi = wk * n_blocks // workers, (wk + 1) * n_blocks // workers
-        if folded:
-            whole = _seen_whole(clen, out.shape[1], lo, hi, need)
-            _vnni_whole(q, keys, w_rows, lo, whole, converts, out, block == MAX_BLOCK, block_max)
-            lo = whole
-        for b in range(lo, hi):
-            a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
-            while a < T:
-                _vnni_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, converts, out, block,
-                          block_max)
-                a, e = _next_run(need, b, e, T)
+        mixed = np.empty((w.shape[0], DOT_LANES), np.float32)
+        _vnni_blocks(q, keys, w, clen, wk * n_blocks // workers, (wk + 1) * n_blocks // workers,
+                     converts, out, block, block_max, need, d, mixed)
+
+
+@njit(cache=True, nogil=True)
+def _vnni_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, need, counter):
+    """:func:`_vnni_kernel` a run of ``SHARED_BLOCKS`` key blocks at a time, each run by the
+    thread that claims it (``counter``): calls on two threads share the blocks
+    (:func:`~ds41numba.numerics.share_with_helper`)."""
+    d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
+    mixed = np.empty((w.shape[0], DOT_LANES), np.float32)
+    while True:
+        lo = claim_next(counter) * SHARED_BLOCKS
+        if lo >= n_blocks:
+            return
+        _vnni_blocks(q, keys, w, clen, lo, min(n_blocks, lo + SHARED_BLOCKS), converts, out, block,
+                     block_max, need, d, mixed)
 
 
 _vnni_kernel_serial = serial_twin(_vnni_kernel)
@@ -341,6 +366,9 @@ _amx_kernel_serial = serial_twin(_amx_kernel)
 LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kernel,
            "amx": _amx_kernel, "int8_pairs": _pairs_kernel}
 
+#: The layouts whose scores a decode step shares with the helper thread (:func:`_vnni_claimed`).
+_SHARED = {"int8": _vnni_claimed, "vnni_folded": _vnni_claimed}
+
 # The kernel's block maxima buffer when none are asked for (one type for every call).
 _NO_MAXIMA = np.empty((1, 1), np.float32)
 
@@ -378,6 +406,11 @@ def tile_scores_packed(layout: str, q: tuple, keys: tuple, w: np.ndarray, clen: 
                     and not block and w.shape[1] % AMX_ROWS == 0 else None)
         if quarters is not None:
             _quarter_scores(q, keys, w, clen, quarters, converts, out)
+        elif layout in _SHARED and in_beside_block() and n_blocks > SHARED_BLOCKS:
+            # A decode step's scores beside its weight reading: the helper thread joins them
+            # when its reading is done (at long context they outlast it).
+            share_with_helper(_SHARED[layout], q, keys, w, clen, n_blocks, converts, out, block,
+                              block_max, blocks, np.zeros(1, np.int64))
         else:
             # A key block's multiply-adds: every query row's packed words times the lanes (a
             # word's 2 or 4 products counted as one).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +24,7 @@ from threadpoolctl import ThreadpoolController
 
 __all__ = ["PARALLEL_MIN_MACS", "POOL_MIN_MACS", "worth_parallel", "serial_twin", "sized_call",
            "single_threaded_blas", "in_workers", "split_range", "claim_next", "can_work_beside",
-           "work_beside"]
+           "work_beside", "in_beside_block", "share_with_helper"]
 
 #: Work, in multiply-adds, from which a numba parallel kernel repays waking its workers (tens of
 #: microseconds, up to ~0.4 ms on a busy machine, measured here). An element of an element-wise
@@ -195,9 +196,36 @@ def work_beside(kernel, *args):
     done = _helper().submit(kernel, *args)
     threads = numba.get_num_threads()
     numba.set_num_threads(1)
+    _beside.depth = in_beside_block() + 1
     try:
         yield
     finally:
+        _beside.depth -= 1
         numba.set_num_threads(threads)
         kernel(*args)
         done.result()
+
+
+# How many work_beside blocks this thread is in.
+_beside = threading.local()
+
+
+def in_beside_block() -> int:
+    """Whether this thread is in a :func:`work_beside` block (the helper thread busy with its
+    kernel, this thread's numba kernels on one thread)."""
+    return getattr(_beside, "depth", 0)
+
+
+def share_with_helper(kernel, *args) -> None:
+    """``kernel(*args)`` here and, once it is free, on the helper thread: in a
+    :func:`work_beside` block, for arithmetic that can outlast the helper's reading (a decode
+    step's index scores at long context). ``kernel`` is a ``nogil`` njit function whose calls
+    share their work items (:func:`claim_next` on a counter among ``args``); the helper's call
+    waits behind the block's kernel and starts when that has no items left. When this thread's
+    call finds none left first, the helper's is withdrawn if it has not begun (the helper still
+    reading), else awaited (at most its last item). Which thread runs an item changes none of
+    its results."""
+    later = _helper().submit(kernel, *args)
+    kernel(*args)
+    if not later.cancel():
+        later.result()
