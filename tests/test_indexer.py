@@ -406,14 +406,21 @@ def test_packed_tile_scores_do_not_depend_on_the_thread_count(path):
     assert before > 1 and np.array_equal(got[0], got[1])
 
 
+def avx2_tile_scores(iq, w, keys, clen, n, **kwargs):
+    """AVX2's integer scores (the per-block layout), or None where they decline."""
+    return int8_tile_scores(iq, w, keys, clen, n, "avx2int8", **kwargs)
+
+
 @pytest.mark.parametrize("scores", [pytest.param(int8_tile_scores, marks=needs_int8_dot, id="per-block"),
                                     pytest.param(vnni_folded_tile_scores, marks=needs_int8_dot,
-                                                 id="folded")])
+                                                 id="folded"),
+                                    pytest.param(avx2_tile_scores, marks=needs_avx2_int8, id="avx2")])
 def test_scores_beside_a_weight_read_are_shared_with_the_free_helper(monkeypatch, scores):
-    """In a decode step's block beside its weight reading (``work_beside``) VNNI's scores go a
-    run of ``SHARED_BLOCKS`` key blocks at a time to the thread that claims it: this one, and
-    the helper once free (here at once; this thread's call waits for it to start, so both
-    run). The same scores and block maxima as the naive loops, the last run a partial one."""
+    """In a decode step's block beside its weight reading (``work_beside``) the integer scores
+    (VNNI's, AVX2's) go a run of ``SHARED_BLOCKS`` key blocks at a time to the thread that
+    claims it: this one, and the helper once free (here at once; this thread's call waits for
+    it to start, so both run). The same scores and block maxima as the naive loops, the last
+    run a partial one."""
     if not workers.can_work_beside():
         pytest.skip("one numba thread: nothing runs beside")
     rng = np.random.default_rng(14)

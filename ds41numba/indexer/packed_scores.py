@@ -212,21 +212,6 @@ def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, bloc
                      converts, out, block, block_max, need, d, mixed)
 
 
-@njit(cache=True, nogil=True)
-def _vnni_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, need, counter):
-    """:func:`_vnni_kernel` a run of ``SHARED_BLOCKS`` key blocks at a time, each run by the
-    thread that claims it (``counter``): calls on two threads share the blocks
-    (:func:`~ds41numba.numerics.share_with_helper`)."""
-    d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
-    mixed = np.empty((w.shape[0], DOT_LANES), np.float32)
-    while True:
-        lo = claim_next(counter) * SHARED_BLOCKS
-        if lo >= n_blocks:
-            return
-        _vnni_blocks(q, keys, w, clen, lo, min(n_blocks, lo + SHARED_BLOCKS), converts, out, block,
-                     block_max, need, d, mixed)
-
-
 _vnni_kernel_serial = serial_twin(_vnni_kernel)
 
 
@@ -322,18 +307,26 @@ def _pairs_run(q, keys, w, clen, b, s_lo, e, d, out, block, block_max):
     _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max, True)
 
 
+@njit(cache=True, nogil=True)
+def _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d):
+    """Key blocks ``lo .. hi - 1`` of :func:`_pairs_kernel`'s scores (``d`` the caller's
+    buffer)."""
+    T = w.shape[0]
+    for b in range(lo, hi):
+        a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
+        while a < T:
+            _pairs_run(q, keys, w, clen, b, a, e, d, out, block, block_max)
+            a, e = _next_run(need, b, e, T)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX2: the per-block layout of :func:`_vnni_kernel`, ``q = (quads, corr,
     scales)``, ``keys = (quads, scales)``, through :func:`~ds41numba.numerics.int8_pairs_into`."""
-    T = w.shape[0]
     for wk in prange(workers):
         d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
-        for b in range(wk * n_blocks // workers, (wk + 1) * n_blocks // workers):
-            a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
-            while a < T:
-                _pairs_run(q, keys, w, clen, b, a, e, d, out, block, block_max)
-                a, e = _next_run(need, b, e, T)
+        _pairs_blocks(q, keys, w, clen, wk * n_blocks // workers, (wk + 1) * n_blocks // workers,
+                      out, block, block_max, need, d)
 
 
 _pairs_kernel_serial = serial_twin(_pairs_kernel)
@@ -366,8 +359,39 @@ _amx_kernel_serial = serial_twin(_amx_kernel)
 LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kernel,
            "amx": _amx_kernel, "int8_pairs": _pairs_kernel}
 
-#: The layouts whose scores a decode step shares with the helper thread (:func:`_vnni_claimed`).
-_SHARED = {"int8": _vnni_claimed, "vnni_folded": _vnni_claimed}
+@njit(cache=True)
+def _claimed_run(counter, n_blocks):
+    """The next run of ``SHARED_BLOCKS`` key blocks, ``[lo, hi)``, claimed on ``counter``
+    (empty when none is left)."""
+    lo = min(n_blocks, claim_next(counter) * SHARED_BLOCKS)
+    return lo, min(n_blocks, lo + SHARED_BLOCKS)
+
+
+@njit(cache=True, nogil=True)
+def _vnni_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, need, counter):
+    """:func:`_vnni_kernel`'s key blocks a run at a time (:func:`_claimed_run`), each run by the
+    thread that claims it: calls on two threads share them
+    (:func:`~ds41numba.numerics.share_with_helper`)."""
+    d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
+    mixed = np.empty((w.shape[0], DOT_LANES), np.float32)
+    lo, hi = _claimed_run(counter, n_blocks)
+    while lo < hi:
+        _vnni_blocks(q, keys, w, clen, lo, hi, converts, out, block, block_max, need, d, mixed)
+        lo, hi = _claimed_run(counter, n_blocks)
+
+
+@njit(cache=True, nogil=True)
+def _pairs_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, need, counter):
+    """:func:`_vnni_claimed` on AVX2 (:func:`_pairs_kernel`'s blocks)."""
+    d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
+    lo, hi = _claimed_run(counter, n_blocks)
+    while lo < hi:
+        _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d)
+        lo, hi = _claimed_run(counter, n_blocks)
+
+
+#: The layouts whose scores a decode step shares with the helper thread, each with its kernel.
+_SHARED = {"int8": _vnni_claimed, "vnni_folded": _vnni_claimed, "int8_pairs": _pairs_claimed}
 
 # The kernel's block maxima buffer when none are asked for (one type for every call).
 _NO_MAXIMA = np.empty((1, 1), np.float32)
