@@ -411,10 +411,10 @@ def avx2_tile_scores(iq, w, keys, clen, n, **kwargs):
     return int8_tile_scores(iq, w, keys, clen, n, "avx2int8", **kwargs)
 
 
-@pytest.mark.parametrize("scores", [pytest.param(int8_tile_scores, marks=needs_int8_dot, id="per-block"),
-                                    pytest.param(vnni_folded_tile_scores, marks=needs_int8_dot,
-                                                 id="folded"),
-                                    pytest.param(avx2_tile_scores, marks=needs_avx2_int8, id="avx2")])
+@pytest.mark.parametrize("scores", [
+    pytest.param(int8_tile_scores, marks=needs_int8_dot, id="per-block"),
+    pytest.param(vnni_folded_tile_scores, marks=needs_int8_dot, id="folded"),
+    pytest.param(avx2_tile_scores, marks=needs_avx2_int8, id="avx2")])
 def test_scores_beside_a_weight_read_are_shared_with_the_free_helper(monkeypatch, scores):
     """In a decode step's block beside its weight reading (``work_beside``) the integer scores
     (VNNI's, AVX2's) go a run of ``SHARED_BLOCKS`` key blocks at a time to the thread that

@@ -6,11 +6,15 @@ visibility mask. Each worker takes a contiguous run of key blocks; for each bloc
 dot products of the queries that see any of it (a suffix of the tile, as ``clen`` grows with
 the query) and mixes them while they are in cache, in torch's head order
 (:func:`~.blas_scores.mix_heads_by_head`), or takes them mixed from a tile kernel that mixes as
-it forms them (AMX's and VNNI's folded rows; on VNNI's, the run's blocks every query sees whole
-first, a tile call each straight into the score rows). Every score is formed whole by one worker, in a
-fixed order, so the result does not depend on the thread count. A candidate consumer's tile on
-VNNI's folded rows runs by query instead: each worker takes a run of the queries' groups of four
-candidate quarters (:func:`_vnni_quarters_kernel`), its multiply-adds only the candidates'.
+it forms them (AMX's and VNNI's folded rows; on VNNI's, the run's blocks every query sees
+whole go first, a tile call each straight into the score rows). Every score is formed whole by
+one worker, in a fixed order, so the result does not depend on the thread count. A candidate
+consumer's tile on VNNI's folded rows runs by query instead: each worker takes a run of the
+queries' groups of four candidate quarters (:func:`_vnni_quarters_kernel`), its multiply-adds
+only the candidates'. In a decode step's block beside its weight reading
+(:func:`~ds41numba.numerics.work_beside`), VNNI's and AVX2's scores go a run of key blocks at
+a time to the thread that claims it, the step's or the helper once its reading is done
+(:func:`_vnni_claimed`).
 
 The layouts (:data:`LAYOUTS`): ``"bf16"`` (bf16 pairs, AVX512-BF16), ``"int8"`` (VNNI's
 per-block layout, a scale a 32-value block), ``"vnni_folded"`` (VNNI's folded rows: one scale a
@@ -35,8 +39,8 @@ from .visibility import masked_buffer
 
 __all__ = ["LAYOUTS", "tile_scores_packed"]
 
-#: Key blocks a claim of :func:`_vnni_claimed` takes: 64 are 2,048 keys, about 45 us of one
-#: query's scores on a Zen 4 core (an item the helper thread may finish after this one's last).
+#: Key blocks a claim of :func:`_claimed_run` takes: 64 are 2,048 keys, about 45 us of one
+#: query's scores on a Zen 4 core (the longest the step's thread waits for the helper's last).
 SHARED_BLOCKS = 64
 
 
@@ -178,8 +182,8 @@ def _vnni_whole(q, keys, w_rows, lo, hi, converts, out, maxima, block_max):
     per = DOT_LANES // MAX_BLOCK if maxima else 0
     for b in range(lo, hi):
         vnni_mix_tile(quads, corr, scales, w_rows, key_quads[b], key_scales[b],
-                      out[:, b * DOT_LANES:(b + 1) * DOT_LANES], block_max[:, b * per:(b + 1) * per],
-                      converts, maxima)
+                      out[:, b * DOT_LANES:(b + 1) * DOT_LANES],
+                      block_max[:, b * per:(b + 1) * per], converts, maxima)
 
 
 @njit(cache=True, nogil=True)
@@ -195,7 +199,8 @@ def _vnni_blocks(q, keys, w, clen, lo, hi, converts, out, block, block_max, need
     for b in range(lo, hi):
         a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
         while a < T:
-            _vnni_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, converts, out, block, block_max)
+            _vnni_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, converts, out, block,
+                      block_max)
             a, e = _next_run(need, b, e, T)
 
 
@@ -358,6 +363,7 @@ _amx_kernel_serial = serial_twin(_amx_kernel)
 #: The packed layouts, each with the kernel that scores it.
 LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kernel,
            "amx": _amx_kernel, "int8_pairs": _pairs_kernel}
+
 
 @njit(cache=True)
 def _claimed_run(counter, n_blocks):

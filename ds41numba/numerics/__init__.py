@@ -58,9 +58,9 @@ from .norm import SUM_LANES, rms_norm, torch_sum_f32
 from .softmax import SOFTMAX_LANES, expf_u10, softmax_rows
 from .quant import (Q_FP4_E4M3, Q_FP4_E8M0, Q_FP8, act_quant_fp8_inplace, fp4_quant_e4m3_inplace,
                     fp4_quant_e8m0_inplace, quant_row)
-from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, can_work_beside, claim_next, in_beside_block,
-                      in_workers, serial_twin, share_with_helper, single_threaded_blas, sized_call,
-                      split_range, work_beside, worth_parallel)
+from .workers import (PARALLEL_MIN_MACS, POOL_MIN_MACS, can_work_beside, claim_next,
+                      in_beside_block, in_workers, serial_twin, share_with_helper,
+                      single_threaded_blas, sized_call, split_range, work_beside, worth_parallel)
 
 __all__ = [
     "AMX_K", "AMX_ROWS", "MAX_BLOCK", "FOLD_SPREAD", "amx_begin", "amx_dot_tile", "amx_end", "amx_mix_tile", "converted_mix_exact",

@@ -196,7 +196,7 @@ def work_beside(kernel, *args):
     done = _helper().submit(kernel, *args)
     threads = numba.get_num_threads()
     numba.set_num_threads(1)
-    _beside.depth = in_beside_block() + 1
+    _beside.depth = getattr(_beside, "depth", 0) + 1
     try:
         yield
     finally:
@@ -210,10 +210,10 @@ def work_beside(kernel, *args):
 _beside = threading.local()
 
 
-def in_beside_block() -> int:
+def in_beside_block() -> bool:
     """Whether this thread is in a :func:`work_beside` block (the helper thread busy with its
     kernel, this thread's numba kernels on one thread)."""
-    return getattr(_beside, "depth", 0)
+    return getattr(_beside, "depth", 0) > 0
 
 
 def share_with_helper(kernel, *args) -> None:
