@@ -388,7 +388,8 @@ def _vnni_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, n
 
 @njit(cache=True, nogil=True)
 def _pairs_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, need, counter):
-    """:func:`_vnni_claimed` on AVX2 (:func:`_pairs_kernel`'s blocks)."""
+    """:func:`_vnni_claimed` on AVX2 (:func:`_pairs_kernel`'s blocks): a kernel of its own, as
+    VNNI's instructions do not compile for a CPU without them."""
     d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
     lo, hi = _claimed_run(counter, n_blocks)
     while lo < hi:
