@@ -143,13 +143,20 @@ _bf16_kernel_serial = serial_twin(_bf16_kernel)
 
 
 @njit(cache=True)
+def _mixes_folded(q, ih):
+    """Whether VNNI's queries ``q`` are folded rows (one correction a row) of whole row tiles a
+    query (``ih`` heads): then :func:`~ds41numba.numerics.vnni_mix_tile` mixes them as formed."""
+    return ih % AMX_ROWS == 0 and q[1].shape[1] == 1
+
+
+@njit(cache=True)
 def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, block, block_max):
     """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX512-VNNI."""
     ih = w.shape[1]
     quads, corr, scales = q
     key_quads, key_scales = keys
     t0 = b * DOT_LANES
-    if ih % AMX_ROWS == 0 and corr.shape[1] == 1:
+    if _mixes_folded(q, ih):
         rows = slice(s_lo * ih, e * ih)
         got, got_max, maxima, whole = _mix_target(out[:e], mixed, clen[:e], s_lo, t0, block, block_max)
         vnni_mix_tile(quads[rows], corr[rows], scales[rows], w_rows[rows], key_quads[b],
@@ -192,7 +199,7 @@ def _vnni_blocks(q, keys, w, clen, lo, hi, converts, out, block, block_max, need
     caller's buffers)."""
     T, ih = w.shape
     w_rows = w.reshape((T * ih, 1))
-    if ih % AMX_ROWS == 0 and q[1].shape[1] == 1 and (block == 0 or block == MAX_BLOCK):
+    if _mixes_folded(q, ih) and (block == 0 or block == MAX_BLOCK):
         whole = _seen_whole(clen, out.shape[1], lo, hi, need)
         _vnni_whole(q, keys, w_rows, lo, whole, converts, out, block == MAX_BLOCK, block_max)
         lo = whole

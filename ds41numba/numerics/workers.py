@@ -173,6 +173,10 @@ def can_work_beside() -> bool:
     return numba.get_num_threads() > 1 and not numba.config.DISABLE_JIT
 
 
+# How many work_beside blocks this thread is in.
+_beside = threading.local()
+
+
 @contextlib.contextmanager
 def work_beside(kernel, *args):
     """``kernel(*args)`` on a helper thread while the ``with`` block runs on this one, then on
@@ -204,10 +208,6 @@ def work_beside(kernel, *args):
         numba.set_num_threads(threads)
         kernel(*args)
         done.result()
-
-
-# How many work_beside blocks this thread is in.
-_beside = threading.local()
 
 
 def in_beside_block() -> bool:
