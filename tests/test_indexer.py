@@ -363,6 +363,30 @@ def test_the_head_mix_of_finite_dot_products_rounds_them_without_the_nan_branch(
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), finite
 
 
+@np.errstate(invalid="ignore", over="ignore")
+@pytest.mark.parametrize("path", [*SCORE_PATHS, pytest.param("vnni-folded", marks=needs_int8_dot)])
+def test_every_score_path_keeps_the_bits_of_nan_and_infinite_head_weights(monkeypatch, path):
+    """A head weight that is a NaN (with a payload, signalling, or one whose bits would carry if
+    rounded as a number), an infinity or a zero of either sign: every path's scores are the
+    naive ones bit for bit. The mixing kernels make such a NaN quiet with no payload once a row,
+    so a weighted term's rounding needs no NaN test; a dropped or wrong quieting fails here.
+    One weight that is not finite a query: two NaNs in one sum leave the CPU's choice of bits."""
+    rng = np.random.default_rng(33)
+    T, ih, idim, n = 5, 16, 128, 100
+    iq, w, keys = _index_inputs(rng, T, ih, idim, n)
+    w_bits = w.view(np.uint32)
+    w_bits[0, 3], w_bits[1, 0], w_bits[2, 15], w_bits[3, 7] = 0x7FC10000, 0xFF800001, 0x7FFFFFFF, 0x7F800000
+    w[4, 2], w[4, 9] = 0.0, -0.0
+    clen = np.array([n, 70, n, 33, n], np.int64)
+    if path == "vnni-folded":
+        got = vnni_folded_tile_scores(iq, w, keys, clen, n)
+    else:
+        got = package_tile_scores(path, monkeypatch, iq, w, keys, clen, n)
+    want = naive.tile_scores(iq, w, keys, clen)
+    assert np.isnan(want[:3, :33]).all() and np.isnan(want[3, :33]).any() and np.isinf(want[3]).any()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("path", SCORE_PATHS)
 # The keys hold NaN and infinities on purpose; numpy's BLAS path warns as it multiplies them.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
@@ -411,10 +435,34 @@ def avx2_tile_scores(iq, w, keys, clen, n, **kwargs):
     return int8_tile_scores(iq, w, keys, clen, n, "avx2int8", **kwargs)
 
 
-@pytest.mark.parametrize("scores", [
-    pytest.param(int8_tile_scores, marks=needs_int8_dot, id="per-block"),
-    pytest.param(vnni_folded_tile_scores, marks=needs_int8_dot, id="folded"),
-    pytest.param(avx2_tile_scores, marks=needs_avx2_int8, id="avx2")])
+# The integer paths that take a tile's queries whole: VNNI's per-block and folded kernels, AVX2's.
+INTEGER_SCORES = [pytest.param(int8_tile_scores, marks=needs_int8_dot, id="per-block"),
+                  pytest.param(vnni_folded_tile_scores, marks=needs_int8_dot, id="folded"),
+                  pytest.param(avx2_tile_scores, marks=needs_avx2_int8, id="avx2")]
+
+
+@pytest.mark.parametrize("scores", INTEGER_SCORES)
+@pytest.mark.parametrize("T, ih", [(7, 8), (3, 16), (1, 32)])
+def test_integer_scores_write_no_row_past_their_queries(scores, T, ih):
+    """The queries' rows are padded to whole row tiles (7 x 8 heads: 56 rows in 64); a kernel
+    that mixed the padding as queries would write rows past the tile's. The score and maxima
+    buffers are the first T rows of larger ones, their rows after untouched; the key blocks
+    every query sees whole (the first ones here) go straight to the mixing kernels."""
+    rng = np.random.default_rng(17)
+    n, block = 200, 8
+    iq, w, keys = _index_inputs(rng, T, ih, 128, n)
+    clen = np.arange(n - T + 1, n + 1)
+    out = np.full((T + 2, n), 7.0, np.float32)
+    maxima = np.full((T + 2, -(-n // block)), 7.0, np.float32)
+    got = scores(iq, w, keys, clen, n, out=out[:T], maxima=(block, maxima[:T]))
+    want = naive.tile_scores(iq, w, keys, clen)
+    assert got is not None and np.array_equal(got, want)
+    assert (out[T:] == 7.0).all() and (maxima[T:] == 7.0).all()
+    for (s, j), v in _naive_visible_maxima(want, clen, block).items():
+        assert maxima[s, j] == v, (s, j)
+
+
+@pytest.mark.parametrize("scores", INTEGER_SCORES)
 def test_scores_beside_a_weight_read_are_shared_with_the_free_helper(monkeypatch, scores):
     """In a decode step's block beside its weight reading (``work_beside``) the integer scores
     (VNNI's, AVX2's) go a run of ``SHARED_BLOCKS`` key blocks at a time to the thread that

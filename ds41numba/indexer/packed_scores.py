@@ -30,8 +30,8 @@ from numba import njit, prange
 
 from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, QUARTER, amx_begin, amx_dot_tile,
                         amx_end, amx_mix_tile, bf16_dot_tile, claim_next, in_beside_block,
-                        int8_dot_into, int8_pairs_into, serial_twin, share_with_helper, sized_call,
-                        vnni_mix_quarters, vnni_mix_tile)
+                        int8_dot_into, int8_pairs_into, pairs_mix_tile, serial_twin,
+                        share_with_helper, sized_call, vnni_mix_quarters, vnni_mix_tile)
 from .blas_scores import mix_heads_by_head
 from .block_maxima import key_block_maxima, visible_block_maxima
 from .candidate_scores import EVERY_KEY_BLOCK, NeededKeys
@@ -308,26 +308,52 @@ def _amx_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, bloc
 
 
 @njit(cache=True)
-def _pairs_run(q, keys, w, clen, b, s_lo, e, d, out, block, block_max):
-    """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX2."""
+def _pairs_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, out, block, block_max):
+    """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX2: mixed as they are formed
+    (:func:`~ds41numba.numerics.pairs_mix_tile`) where a query is whole row tiles."""
     ih = w.shape[1]
     quads, corr, scales = q
     key_quads, key_scales = keys
+    t0 = b * DOT_LANES
+    if ih % DOT_ROWS == 0:
+        rows = slice(s_lo * ih, e * ih)
+        got, got_max, maxima, whole = _mix_target(out[:e], mixed, clen[:e], s_lo, t0, block, block_max)
+        pairs_mix_tile(quads[rows], corr[rows], scales[rows], w_rows[rows], key_quads[b],
+                       key_scales[b], got, got_max, maxima)
+        _finish_mixed(mixed, clen[:e], s_lo, t0, out[:e], whole, maxima, block, block_max)
+        return
     for r in range(s_lo * ih // DOT_ROWS * DOT_ROWS, e * ih, DOT_ROWS):
         int8_pairs_into(quads[r:r + DOT_ROWS], corr[r:r + DOT_ROWS], scales[r:r + DOT_ROWS],
                         key_quads[b], key_scales[b], d[r:r + DOT_ROWS])
-    _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max, True)
+    _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max, True)
+
+
+@njit(cache=True)
+def _pairs_whole(q, keys, w_rows, lo, hi, out, maxima, block_max):
+    """:func:`_vnni_whole` on AVX2: a :func:`~ds41numba.numerics.pairs_mix_tile` call a block."""
+    quads, corr, scales = q
+    key_quads, key_scales = keys
+    per = DOT_LANES // MAX_BLOCK if maxima else 0
+    for b in range(lo, hi):
+        pairs_mix_tile(quads, corr, scales, w_rows, key_quads[b], key_scales[b],
+                       out[:, b * DOT_LANES:(b + 1) * DOT_LANES],
+                       block_max[:, b * per:(b + 1) * per], maxima)
 
 
 @njit(cache=True, nogil=True)
-def _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d):
-    """Key blocks ``lo .. hi - 1`` of :func:`_pairs_kernel`'s scores (``d`` the caller's
-    buffer)."""
-    T = w.shape[0]
+def _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d, mixed):
+    """Key blocks ``lo .. hi - 1`` of :func:`_pairs_kernel`'s scores (``d`` and ``mixed`` the
+    caller's buffers)."""
+    T, ih = w.shape
+    w_rows = w.reshape((T * ih, 1))
+    if ih % DOT_ROWS == 0 and (block == 0 or block == MAX_BLOCK):
+        whole = _seen_whole(clen, out.shape[1], lo, hi, need)
+        _pairs_whole(q, keys, w_rows, lo, whole, out, block == MAX_BLOCK, block_max)
+        lo = whole
     for b in range(lo, hi):
         a, e = _next_run(need, b, _first_seeing(clen, T, b * DOT_LANES), T)
         while a < T:
-            _pairs_run(q, keys, w, clen, b, a, e, d, out, block, block_max)
+            _pairs_run(q, keys, w, w_rows, clen, b, a, e, d, mixed, out, block, block_max)
             a, e = _next_run(need, b, e, T)
 
 
@@ -337,8 +363,9 @@ def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, blo
     scales)``, ``keys = (quads, scales)``, through :func:`~ds41numba.numerics.int8_pairs_into`."""
     for wk in prange(workers):
         d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
+        mixed = np.empty((w.shape[0], DOT_LANES), np.float32)
         _pairs_blocks(q, keys, w, clen, wk * n_blocks // workers, (wk + 1) * n_blocks // workers,
-                      out, block, block_max, need, d)
+                      out, block, block_max, need, d, mixed)
 
 
 _pairs_kernel_serial = serial_twin(_pairs_kernel)
@@ -398,9 +425,10 @@ def _pairs_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, 
     """:func:`_vnni_claimed` on AVX2 (:func:`_pairs_kernel`'s blocks): a kernel of its own, as
     VNNI's instructions do not compile for a CPU without them."""
     d = np.empty((q[0].shape[0], DOT_LANES), np.float32)
+    mixed = np.empty((w.shape[0], DOT_LANES), np.float32)
     lo, hi = _claimed_run(counter, n_blocks)
     while lo < hi:
-        _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d)
+        _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d, mixed)
         lo, hi = _claimed_run(counter, n_blocks)
 
 

@@ -42,7 +42,7 @@ from .folded_layouts import (AMX_K, AMX_ROWS, FOLD_SPREAD, FOLDED_KEY_OFFSET, em
                              pack_folded_blocks, pack_offset_folded_blocks)
 from .head_mix import MAX_BLOCK, converted_mix_exact
 from .int8_dot import QUARTER, int8_dot_exact, int8_dot_into, int8_dot_tile, vnni_mix_quarters, vnni_mix_tile
-from .int8_pairs import int8_pairs_into, int8_pairs_tile
+from .int8_pairs import int8_pairs_into, int8_pairs_tile, pairs_mix_tile
 from .int8_layouts import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_blocks_shape,
                            int8_rows, merge_ranges, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
@@ -71,7 +71,7 @@ __all__ = [
     "DOT_LANES", "DOT_ROWS", "bf16_dot_run", "bf16_dot_tile", "bf16_fma_run", "bf16_fma_tile", "bf16_pairs", "fma_faster",
     "fma_safe", "gemm_bf16", "pack_bf16_pairs", "values_range",
     "EMPTY_RANGE", "INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "int8_blocks_shape", "int8_dot_exact",
-    "int8_dot_into", "int8_pairs_into", "int8_pairs_tile",
+    "int8_dot_into", "int8_pairs_into", "int8_pairs_tile", "pairs_mix_tile",
     "int8_dot_tile", "int8_rows", "merge_ranges", "pack_int8_blocks",
     "F32Matrix", "linear_f32_ordered", "matmul_nn_f32_ordered",
     "E2M1_MAX", "E4M3_MAX", "ELEMENT_COST", "FP4_BLOCK", "FP8_BLOCK", "LATENT_BLOCK",

@@ -15,11 +15,11 @@ import llvmlite.ir as ir
 import numpy as np
 from numba.core import cgutils
 
-from .bf16_dot import DOT_LANES
+from .bf16_dot import DOT_LANES, DOT_ROWS
 from .folded_layouts import AMX_ROWS
 from .vector_ir import F32, I32, V16F, V16I, i64, key_vector, load_row, row_pointer, splat
 
-__all__ = ["MAX_BLOCK", "BitsMix", "ConvertedMix", "converted_mix_exact"]
+__all__ = ["MAX_BLOCK", "BitsMix", "ConvertedMix", "PlacedMix", "converted_mix_exact", "mix_tiles"]
 
 # Vectors of 16 keys in a key block.
 _HALVES = DOT_LANES // 16
@@ -37,6 +37,18 @@ def _bf16_round(builder, v, may_be_nan):
         quiet = builder.or_(builder.and_(bits, c(-(1 << 31))), c(0x7FC00000))
         rounded = builder.select(nan, quiet, rounded)
     return builder.bitcast(rounded, V16F)
+
+
+def _head_weight(builder, w):
+    """A head's weight (an f32 scalar) with a NaN made quiet with its sign and no payload, as
+    :func:`~ds41numba.indexer.blas_scores.mix_heads_by_head` takes it: a product with it is
+    then a NaN only as one with no payload (its, or the CPU's default NaN for 0 * inf), which
+    rounding on the bits leaves as it is, so the weighted term's rounding needs no NaN test."""
+    bits = builder.bitcast(w, I32)
+    nan = builder.icmp_unsigned(">", builder.and_(bits, ir.Constant(I32, 0x7FFFFFFF)),
+                                ir.Constant(I32, 0x7F800000))
+    quiet = builder.or_(builder.and_(bits, ir.Constant(I32, -(1 << 31))), ir.Constant(I32, 0x7FC00000))
+    return builder.bitcast(builder.select(nan, quiet, bits), F32)
 
 
 def _lanes(v):
@@ -58,32 +70,40 @@ class BitsMix:
     rounded again and added into the query's head sums, rows (heads) in order; lane j of the
     sums is key j."""
 
+    #: Rows of a row tile.
+    TILE = AMX_ROWS
+
     def __init__(self, builder, s_op, w_op, t_op, maxima):
         self.b, self.s_op, self.w_op = builder, s_op, w_op
         self.m_op, self.maxima = maxima
         zero = ir.Constant(V16F, [0.0] * 16)
         self.acc = [cgutils.alloca_once_value(builder, zero) for _ in range(_HALVES)]
-        self.sk = [key_vector(builder, t_op, i64(0), h, V16F) for h in range(_HALVES)]
+        self.sk = [key_vector(builder, t_op, i64(0), h, V16F) for h in range(_HALVES)] if t_op else None
 
-    def rows(self, src_at, rt, rows=range(AMX_ROWS)):
-        """Row tile ``rt``'s products (int32 ``[AMX_ROWS, DOT_LANES]`` at ``src_at``), its rows
-        ``rows`` (in order)."""
+    def rows(self, src_at, rt, rows=None):
+        """Row tile ``rt``'s products (``[TILE, DOT_LANES]`` at ``src_at``), its rows ``rows``
+        (in order; all by default)."""
         builder = self.b
         src = (src_at, i64(4 * DOT_LANES))
         zero = ir.Constant(V16F, [0.0] * 16)
-        for m in rows:
-            row = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(m))
-            sq = splat(builder, load_row(builder, self.s_op, row, i64(0), F32), V16F)
-            wr = splat(builder, load_row(builder, self.w_op, row, i64(0), F32), V16F)
-            for h in range(_HALVES):
-                total = load_row(builder, src, i64(m), i64(64 * h), V16I)
-                # The score is exact and finite (see amx_dot_tile): no NaN to keep. It is never
-                # -0 either (an integer zero times a scale).
-                v = _bf16_round(builder, builder.fmul(builder.sitofp(total, V16F),
-                                                      builder.fmul(sq, self.sk[h])), False)
+        for m in range(self.TILE) if rows is None else rows:
+            row = builder.add(builder.mul(rt, i64(self.TILE)), i64(m))
+            wr = splat(builder, _head_weight(builder, load_row(builder, self.w_op, row, i64(0), F32)), V16F)
+            for h, v in enumerate(self.scores(src, m, row)):
                 v = builder.select(builder.fcmp_ordered("<", v, zero), zero, v)
-                term = _bf16_round(builder, builder.fmul(v, wr), True)
+                term = _bf16_round(builder, builder.fmul(v, wr), False)
                 builder.store(builder.fadd(builder.load(self.acc[h]), term), self.acc[h])
+
+    def scores(self, src, m, row):
+        """Row ``m``'s scores, rounded to bf16: int32 integers scaled by the row's and the keys'
+        scales (row ``row`` of the operands)."""
+        builder = self.b
+        sq = splat(builder, load_row(builder, self.s_op, row, i64(0), F32), V16F)
+        # The score is exact and finite (see amx_dot_tile): no NaN to keep. It is never -0
+        # either (an integer zero times a scale).
+        return [_bf16_round(builder, builder.fmul(builder.sitofp(load_row(builder, src, i64(m), i64(64 * h), V16I), V16F),
+                                                  builder.fmul(sq, self.sk[h])), False)
+                for h in range(_HALVES)]
 
     def finish(self, o_op, q):
         """Query ``q``'s sums rounded into its row of ``out``, and the sums zeroed."""
@@ -107,6 +127,35 @@ class BitsMix:
             firsts = ir.Constant(ir.VectorType(I32, 4), [0, MAX_BLOCK, 16, 16 + MAX_BLOCK])
             ptr = row_pointer(builder, self.m_op, q, i64(0), ir.VectorType(F32, 4))
             builder.store(builder.shuffle_vector(sums[0], sums[1], firsts), ptr, align=4)
+
+
+class PlacedMix(BitsMix):
+    """:class:`BitsMix` of scores already placed in f32 (``[TILE, DOT_LANES]`` f32, rows of
+    ``DOT_ROWS``): the per-block layout's, each 32-value group placed by its own scales
+    (:func:`.int8_dot.add_group_term`). Exact and finite where the kernel's are, never -0."""
+
+    TILE = DOT_ROWS
+
+    def __init__(self, builder, w_op, maxima):
+        super().__init__(builder, None, w_op, None, maxima)
+
+    def scores(self, src, m, row):
+        return [_bf16_round(self.b, load_row(self.b, src, i64(m), i64(64 * h), V16F), False)
+                for h in range(_HALVES)]
+
+
+def mix_tiles(builder, mix, n_tiles, n_queries, o_op, fill):
+    """A mixing kernel's loop over its ``n_tiles`` row tiles (``n_queries`` queries' worth):
+    ``fill(rt)`` forms row tile ``rt``'s products in an L1 buffer and returns its address, ``mix``
+    adds them into the query's sums, each query's row of ``o_op`` written when its last tile is
+    in."""
+    tiles_per_query = builder.udiv(n_tiles, n_queries)
+    with cgutils.for_range(builder, n_tiles) as loop:
+        rt = loop.index
+        mix.rows(fill(rt), rt)
+        done = builder.add(rt, i64(1))
+        with builder.if_then(builder.icmp_unsigned("==", builder.urem(done, tiles_per_query), i64(0))):
+            mix.finish(o_op, builder.sub(builder.udiv(done, tiles_per_query), i64(1)))
 
 
 _V32H = ir.VectorType(ir.IntType(16), 32)
@@ -166,11 +215,11 @@ class ConvertedMix(BitsMix):
         sk = self.sk
         self.sk = [builder.shuffle_vector(sk[0], sk[1], ir.Constant(V16I, keys)) for keys in _FIRST]
 
-    def rows(self, src_at, rt, rows=range(AMX_ROWS)):
+    def rows(self, src_at, rt, rows=None):
         builder = self.b
         src = (src_at, i64(4 * DOT_LANES))
-        for m in rows:
-            row = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(m))
+        for m in range(self.TILE) if rows is None else rows:
+            row = builder.add(builder.mul(rt, i64(self.TILE)), i64(m))
             sq = load_row(builder, self.s_op, row, i64(0), F32)
             wq = splat(builder, builder.fmul(load_row(builder, self.w_op, row, i64(0), F32), sq), V16F)
             f = [builder.sitofp(load_row(builder, src, i64(m), i64(64 * h), V16I), V16F)

@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 
 from .bf16_dot import DOT_LANES, DOT_ROWS
 from .folded_layouts import AMX_ROWS
-from .head_mix import BitsMix, ConvertedMix
+from .head_mix import BitsMix, ConvertedMix, mix_tiles
 from .int8_layouts import INT8_MAX, MIN_EXP
 from .vector_ir import (F32, I32, I64, V16F, V16I, KeyQuarters, close_loop, extent, i64,
                         key_vector, load_row, open_loop, row_operands, row_pointer, splat)
@@ -178,7 +178,8 @@ def vnni_mix_tile(typingctx, a, a_corr, a_scale, w, b, b_scale, out, block_max, 
     :func:`.folded_layouts.folded_corrections`), ``a_scale`` (float32 ``[rows, 1]``), ``b``,
     ``b_scale`` one block of :func:`.folded_layouts.pack_offset_folded_blocks` (unsigned bytes
     ``n + 128``, one scale a key); ``w``, ``out``, ``block_max``, ``converts``, ``maxima`` as for
-    :func:`.amx_dot.amx_mix_tile`, ``rows`` a multiple of ``AMX_ROWS`` per query. Each row
+    :func:`.amx_dot.amx_mix_tile`; the rows mixed are ``w``'s, a multiple of ``AMX_ROWS`` a
+    query (the operands' rows after them, a layout's padding, are not read). Each row
     tile's integers (``a_corr`` plus the byte products, :func:`int8_dot_tile` in one group:
     eight rows and 32 keys a pass, two passes a tile) go through an L1 buffer into the mixer
     (:mod:`.head_mix`), never into a products array in memory. Exact where
@@ -189,7 +190,7 @@ def vnni_mix_tile(typingctx, a, a_corr, a_scale, w, b, b_scale, out, block_max, 
     def codegen(context, builder, signature, args):
         (a_op, c_op, s_op, w_op, b_op, t_op, o_op, m_op), arrays = row_operands(
             context, builder, signature, args[:8])
-        n_rows = extent(builder, arrays[0])
+        n_rows = extent(builder, arrays[3])     # w's rows: a's after them (padding) unread
         n_quads = extent(builder, arrays[4])
         n_queries = extent(builder, arrays[6])
         maxima_on = context.cast(builder, args[9], signature.args[9], types.boolean)
@@ -225,7 +226,7 @@ def vnni_mix_quarters(typingctx, a, a_corr, a_scale, w, b, b_scale, at, out, con
             lane4 = builder.mul(builder.urem(first, i64(DOT_LANES)), i64(4))
             for (base, stride), rows, got in ((b_op, b_rows, quads), (t_op, t_rows, scales)):
                 got.append((builder.add(base, builder.add(builder.mul(block, stride), lane4)), rows))
-        shape = (extent(builder, arrays[0]), extent(builder, arrays[4], 1), extent(builder, arrays[7]))
+        shape = (extent(builder, arrays[3]), extent(builder, arrays[4], 1), extent(builder, arrays[7]))
         ops = (a_op, c_op, s_op, w_op, KeyQuarters(quads), KeyQuarters(scales), o_op,
                (o_op, ir.Constant(ir.IntType(1), 0)))
         _mix_by_rounding(context, builder, (args[8], signature.args[8]), ops, shape)
@@ -258,22 +259,19 @@ def _vnni_rows(builder, a_op, c_op, b_op, n_quads, row0, dst):
 
 def _vnni_mix(builder, operands, shape, mixer):
     """:func:`vnni_mix_tile`'s loop: per row tile, two passes of :func:`_vnni_rows` into an L1
-    buffer, mixed (``mixer``'s rounding); each query's sums written out when its last tile is in."""
+    buffer, mixed (``mixer``'s rounding; :func:`.head_mix.mix_tiles`)."""
     a_op, c_op, s_op, w_op, b_op, t_op, o_op, maxima = operands
     n_rows, n_quads, n_queries = shape
-    n_tiles = builder.udiv(n_rows, i64(AMX_ROWS))
-    tiles_per_query = builder.udiv(n_tiles, n_queries)
     sums = cgutils.alloca_once(builder, ir.ArrayType(I32, AMX_ROWS * DOT_LANES))
     sums.align = 64
     sums_at = builder.ptrtoint(sums, I64)
-    mix = mixer(builder, s_op, w_op, t_op, maxima)
-    with cgutils.for_range(builder, n_tiles) as loop:
-        rt = loop.index
+
+    def fill(rt):
         for half in range(AMX_ROWS // DOT_ROWS):
             row0 = builder.add(builder.mul(rt, i64(AMX_ROWS)), i64(half * DOT_ROWS))
             _vnni_rows(builder, a_op, c_op, b_op, n_quads, row0,
                        builder.add(sums_at, i64(4 * half * DOT_ROWS * DOT_LANES)))
-        mix.rows(sums_at, rt)
-        done = builder.add(rt, i64(1))
-        with builder.if_then(builder.icmp_unsigned("==", builder.urem(done, tiles_per_query), i64(0))):
-            mix.finish(o_op, builder.sub(builder.udiv(done, tiles_per_query), i64(1)))
+        return sums_at
+
+    mix_tiles(builder, mixer(builder, s_op, w_op, t_op, maxima),
+              builder.udiv(n_rows, i64(AMX_ROWS)), n_queries, o_op, fill)
