@@ -47,6 +47,12 @@ import os as _os
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+# Before any kernel is defined: a cached kernel is kept only while the whole package's source is
+# unchanged (numba alone would keep one whose helpers in other modules changed).
+from . import kernel_cache as _kernel_cache
+
+_kernel_cache.install()
+
 from .numerics import (FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK, act_quant_fp8_inplace,
                        fp4_quant_e4m3_inplace, fp4_quant_e8m0_inplace, is_bf16_valued,
                        linear_bf16, linear_f32, pow2ceil, rms_norm, to_bf16_rne, to_e2m1_rne,
