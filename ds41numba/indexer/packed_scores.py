@@ -179,18 +179,23 @@ def _seen_whole(clen, width, lo, hi, need):
 
 
 @njit(cache=True)
+def _whole_target(out, block_max, b, maxima):
+    """Where a mixing kernel writes key block ``b``'s scores, seen whole by every query: its
+    columns of the score rows, and (with ``maxima``) of the block maxima."""
+    per = DOT_LANES // MAX_BLOCK if maxima else 0
+    return out[:, b * DOT_LANES:(b + 1) * DOT_LANES], block_max[:, b * per:(b + 1) * per]
+
+
+@njit(cache=True)
 def _vnni_whole(q, keys, w_rows, lo, hi, converts, out, maxima, block_max):
     """Key blocks ``lo .. hi - 1``, each seen whole by every query, on VNNI's folded rows: a
     :func:`~ds41numba.numerics.vnni_mix_tile` call a block straight into the score rows (and,
     with ``maxima``, the blocks' maxima), none of :func:`_vnni_run`'s bookkeeping of partly
     seen blocks (a quarter of a decode step's scores at 65,536 keys, measured)."""
-    quads, corr, scales = q
-    key_quads, key_scales = keys
-    per = DOT_LANES // MAX_BLOCK if maxima else 0
     for b in range(lo, hi):
-        vnni_mix_tile(quads, corr, scales, w_rows, key_quads[b], key_scales[b],
-                      out[:, b * DOT_LANES:(b + 1) * DOT_LANES],
-                      block_max[:, b * per:(b + 1) * per], converts, maxima)
+        got, got_max = _whole_target(out, block_max, b, maxima)
+        vnni_mix_tile(q[0], q[1], q[2], w_rows, keys[0][b], keys[1][b], got, got_max, converts,
+                      maxima)
 
 
 @njit(cache=True, nogil=True)
@@ -331,13 +336,9 @@ def _pairs_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, out, block, block
 @njit(cache=True)
 def _pairs_whole(q, keys, w_rows, lo, hi, out, maxima, block_max):
     """:func:`_vnni_whole` on AVX2: a :func:`~ds41numba.numerics.pairs_mix_tile` call a block."""
-    quads, corr, scales = q
-    key_quads, key_scales = keys
-    per = DOT_LANES // MAX_BLOCK if maxima else 0
     for b in range(lo, hi):
-        pairs_mix_tile(quads, corr, scales, w_rows, key_quads[b], key_scales[b],
-                       out[:, b * DOT_LANES:(b + 1) * DOT_LANES],
-                       block_max[:, b * per:(b + 1) * per], maxima)
+        got, got_max = _whole_target(out, block_max, b, maxima)
+        pairs_mix_tile(q[0], q[1], q[2], w_rows, keys[0][b], keys[1][b], got, got_max, maxima)
 
 
 @njit(cache=True, nogil=True)
