@@ -16,8 +16,8 @@ import pytest
 
 import naive
 from helpers import EPS, bf16, captured_steps, random_config, random_weights
-from numerics_helpers import (ALL_TIERS, TIERS, needs_amx, needs_avx2_int8, needs_bf16_dot,
-                              needs_int8_dot)
+from numerics_helpers import (ALL_TIERS, TIERS, fp4_rows, needs_amx, needs_avx2_int8,
+                              needs_bf16_dot, needs_int8_dot)
 from ds41numba import (AttentionStack, apply_rotary, fp4_quant_e8m0_inplace, linear_bf16,
                        select_candidate_blocks, to_bf16_rne)
 from ds41numba.attention import layer_rope_table
@@ -460,6 +460,28 @@ def test_integer_scores_write_no_row_past_their_queries(scores, T, ih):
     assert (out[T:] == 7.0).all() and (maxima[T:] == 7.0).all()
     for (s, j), v in _naive_visible_maxima(want, clen, block).items():
         assert maxima[s, j] == v, (s, j)
+
+
+@pytest.mark.parametrize("scores", [INTEGER_SCORES[0], INTEGER_SCORES[2]])
+def test_integer_scores_of_groups_scaled_apart_and_groups_of_zeros(scores):
+    """Query and key groups scaled apart (spreads of 3 + 4 and the values' own, within the
+    bound int8_dot_exact checks), rows scaled far from 1 (queries by 2^-20, keys by 2^20), and
+    groups and rows of zeros among them (scale 1 in the layout, far from their rows' other
+    groups): the per-block layout's scores (VNNI's, AVX2's mixed as formed; the folded rows do
+    not fold such spreads) are the naive ones."""
+    rng = np.random.default_rng(19)
+    T, ih, idim, n = 3, 16, 128, 100
+    iq = (fp4_rows(rng, T * ih, idim, 3) * np.float32(2.0 ** -20)).reshape(T, ih, idim)
+    keys = fp4_rows(rng, n, idim, 4) * np.float32(2.0 ** 20)
+    iq[:, ::3, 32:64] = 0
+    iq[1, 5] = 0
+    keys[::4, 64:96] = 0
+    keys[7] = 0
+    w = bf16(rng, (T, ih), 0.2)
+    clen = np.array([n, 60, n], np.int64)
+    got = scores(iq, w, keys, clen, n)
+    assert got is not None, "declined: the case's spreads are past the bound"
+    assert np.array_equal(got, naive.tile_scores(iq, w, keys, clen))
 
 
 @pytest.mark.parametrize("scores", INTEGER_SCORES)
