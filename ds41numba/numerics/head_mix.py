@@ -3,8 +3,10 @@ them: each row tile's exact integer scores scaled, rounded to bf16, ReLU'd, weig
 head, rounded again and summed over a query's heads in order, then rounded into the query's row
 of scores (the reference's ``mix_heads_by_head``, :mod:`ds41numba.indexer.blas_scores`).
 
-Both mixing kernels build on it: AMX's (:func:`.amx_dot.amx_mix_tile`) and the VNNI tier's on
-folded rows (:func:`.int8_dot.vnni_mix_tile`). Two mixers, one result: :class:`BitsMix`
+The mixing kernels build on it, each through :func:`mix_tiles`: AMX's
+(:func:`.amx_dot.amx_mix_tile`), the VNNI tier's on folded rows (:func:`.int8_dot.vnni_mix_tile`)
+and AVX2's on the per-block layout (:func:`.int8_pairs.pairs_mix_tile`, its scores already
+placed in f32: :class:`PlacedMix`). Two mixers, one result: :class:`BitsMix`
 rounds with integer arithmetic on the bits, :class:`ConvertedMix` with the CPU's conversion
 instruction where :func:`converted_mix_exact` says the two agree.
 """
@@ -101,8 +103,9 @@ class BitsMix:
         sq = splat(builder, load_row(builder, self.s_op, row, i64(0), F32), V16F)
         # The score is exact and finite (see amx_dot_tile): no NaN to keep. It is never -0
         # either (an integer zero times a scale).
-        return [_bf16_round(builder, builder.fmul(builder.sitofp(load_row(builder, src, i64(m), i64(64 * h), V16I), V16F),
-                                                  builder.fmul(sq, self.sk[h])), False)
+        ints = [builder.sitofp(load_row(builder, src, i64(m), i64(64 * h), V16I), V16F)
+                for h in range(_HALVES)]
+        return [_bf16_round(builder, builder.fmul(ints[h], builder.fmul(sq, self.sk[h])), False)
                 for h in range(_HALVES)]
 
     def finish(self, o_op, q):
