@@ -186,32 +186,40 @@ def _index_scores_case(path: str):
                       private="ds41numba.indexer.blas_scores.tile_scores", tier=tier or "")
 
 
-def _index_scores_row_case(positions=65536):
+def _index_scores_row_case(path="default", positions=65536):
     """A decode step's index scores: one query against ``positions`` keys (layer 20's step at
-    that context), with the candidate blocks' maxima of 8 the candidate source takes, on this
-    machine's default path. The step runs it on one core beside its weight reading; here it
-    runs on every thread."""
+    that context), with the candidate blocks' maxima of 8 the candidate source takes; ``path``
+    "default" on this machine's default path, "avx2int8" on AVX2's integer kernel (skipped on
+    CPUs without AVX2). The step runs it on one core beside its weight reading; here it runs on
+    every thread."""
     cfg = layer_config(positions)
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
     block = cfg.candidate_block_size
+    tier = {"avx2int8": "avx2int8"}.get(path, "")
 
     def build():
         from ds41numba.indexer import IndexKeyCache
-        from ds41numba.numerics import fp4_quant_e8m0_inplace
+        from ds41numba.numerics import backend, fp4_quant_e8m0_inplace, use_backend
 
         iq = fp4_quant_e8m0_inplace(normal_bf16((1, ih, idim), 19))
         w = normal_bf16((1, ih), 20) * np.float32(0.01)
-        return {"iq": iq, "w": _bf16(w), "keys": IndexKeyCache(index_keys(positions, idim, 16)),
-                "clen": np.full(1, positions, np.int64),
+        with use_backend(tier or backend()):
+            keys = IndexKeyCache(index_keys(positions, idim, 16))
+        return {"iq": iq, "w": _bf16(w), "keys": keys, "clen": np.full(1, positions, np.int64),
                 "maxima": np.empty((1, -(-positions // block)), np.float32)}
 
     def run(st):
-        st["keys"].scores(st["iq"], st["w"], st["clen"], positions, maxima=(block, st["maxima"]))
+        from ds41numba.numerics import backend, use_backend
 
-    return KernelCase("indexer_scores_row", f"indexer scoring, a decode step's row (1 query x "
-                      f"{positions} positions, block maxima)", f"iq 1x{ih}x{idim}, keys "
-                      f"{positions}x{idim}", build, run, flops=2 * ih * idim * positions,
-                      elements=positions)
+        with use_backend(tier or backend()):
+            st["keys"].scores(st["iq"], st["w"], st["clen"], positions,
+                              maxima=(block, st["maxima"]))
+
+    name = "indexer_scores_row" + (f"_{path}" if tier else "")
+    on = " on AVX2 integers" if tier else ""
+    return KernelCase(name, f"indexer scoring{on}, a decode step's row (1 query x {positions} "
+                      f"positions, block maxima)", f"iq 1x{ih}x{idim}, keys {positions}x{idim}",
+                      build, run, flops=2 * ih * idim * positions, elements=positions, tier=tier)
 
 
 def _projection_case(tokens=1024):
@@ -339,6 +347,7 @@ def kernel_cases() -> dict[str, KernelCase]:
         _index_scores_case("avx2int8"),
         _index_scores_case("f32"),
         _index_scores_row_case(),
+        _index_scores_row_case("avx2int8"),
         _compressor_case(),
         _pool_case(),
         _rope_case("rope_q_tile", "RoPE on a query tile (64 tokens x 64 heads)", (64, 64, 512),

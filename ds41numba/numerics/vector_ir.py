@@ -6,6 +6,8 @@ kernels address their 2-D operands by hand. Loops (:func:`open_loop` / :func:`cl
 
 from __future__ import annotations
 
+import functools
+
 import llvmlite.binding as llb
 import llvmlite.ir as ir
 import numba
@@ -32,10 +34,17 @@ def compiles_for(feature: str) -> bool:
     overridden = numba.config.CPU_FEATURES
     if overridden is not None and f"+{feature}" not in overridden.split(","):
         return False
-    if not llb.get_host_cpu_features().get(feature, False):
+    if not _host_features().get(feature, False):
         return False
     name = numba.config.CPU_NAME
     return name in (None, "host") or (feature == "avx2" and _named_cpu_has_avx2(name))
+
+
+@functools.cache
+def _host_features():
+    """The host CPU's LLVM features, asked once: each ask costs about 0.2 ms (llvmlite reads
+    them anew), and :func:`~.backend.use_backend` asks for up to five."""
+    return llb.get_host_cpu_features()
 
 
 def _named_cpu_has_avx2(name: str) -> bool:
