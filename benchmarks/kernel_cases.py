@@ -195,7 +195,7 @@ def _index_scores_row_case(path="default", positions=65536):
     cfg = layer_config(positions)
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
     block = cfg.candidate_block_size
-    tier = {"avx2int8": "avx2int8"}.get(path, "")
+    tier = "" if path == "default" else path
 
     def build():
         from ds41numba.indexer import IndexKeyCache

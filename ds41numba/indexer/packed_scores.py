@@ -170,10 +170,12 @@ def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, blo
 
 
 @njit(cache=True)
-def _seen_whole(clen, width, lo, hi, need):
+def _seen_whole(clen, width, lo, hi, need, block):
     """The end of the key blocks from ``lo`` (up to ``hi``) that every query sees whole and
-    needs: ``lo`` where ``need`` lists a consumer's blocks."""
-    if need.shape[1]:
+    needs, for a mixing kernel to score straight into the score rows: ``lo`` where ``need``
+    lists a consumer's blocks, or where maxima of ``block`` keys are asked that the kernel does
+    not take (only ``MAX_BLOCK``'s)."""
+    if need.shape[1] or (block != 0 and block != MAX_BLOCK):
         return lo
     return max(lo, min(hi, min(clen.min(), width) // DOT_LANES))
 
@@ -204,8 +206,8 @@ def _vnni_blocks(q, keys, w, clen, lo, hi, converts, out, block, block_max, need
     caller's buffers)."""
     T, ih = w.shape
     w_rows = w.reshape((T * ih, 1))
-    if _mixes_folded(q, ih) and (block == 0 or block == MAX_BLOCK):
-        whole = _seen_whole(clen, out.shape[1], lo, hi, need)
+    if _mixes_folded(q, ih):
+        whole = _seen_whole(clen, out.shape[1], lo, hi, need, block)
         _vnni_whole(q, keys, w_rows, lo, whole, converts, out, block == MAX_BLOCK, block_max)
         lo = whole
     for b in range(lo, hi):
@@ -347,8 +349,8 @@ def _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d, mixe
     caller's buffers)."""
     T, ih = w.shape
     w_rows = w.reshape((T * ih, 1))
-    if ih % DOT_ROWS == 0 and (block == 0 or block == MAX_BLOCK):
-        whole = _seen_whole(clen, out.shape[1], lo, hi, need)
+    if ih % DOT_ROWS == 0:
+        whole = _seen_whole(clen, out.shape[1], lo, hi, need, block)
         _pairs_whole(q, keys, w_rows, lo, whole, out, block == MAX_BLOCK, block_max)
         lo = whole
     for b in range(lo, hi):
