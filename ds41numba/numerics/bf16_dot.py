@@ -189,10 +189,6 @@ def bf16_fma_run(typingctx, a, b, out):
 
 #: Output blocks (each DOT_LANES wide) one :func:`bf16_matvec_tile` call advances together.
 MATVEC_BLOCKS = 4
-#: Pairs ahead (3 KB of each block's stream) :func:`bf16_matvec_tile` asks the cache for: the
-#: hardware's prefetchers alone, a pass over layer 20's weights took 1.15-1.23x as long
-#: (measured in one process; any distance from 16 to 48 pairs did as well).
-MATVEC_PREFETCH = 24
 
 
 @intrinsic
@@ -203,8 +199,11 @@ def bf16_matvec_tile(typingctx, x, b0, b1, b2, b3, out):
     The decode step's product (one row of x against every weight) reads each weight once and
     does two multiply-adds a weight: it is bound by reading memory, which needs many loads in
     flight and the sums in registers (numba's own loop keeps them in memory, its stores and
-    reloads holding up the loads), and each block's stream prefetched ``MATVEC_PREFETCH`` pairs
-    ahead. Each product is rounded, then each sum (no FMA): the
+    reloads holding up the loads). The four blocks' streams are left to the hardware's
+    prefetchers: with software prefetches 24 pairs ahead a pass over layer 20's weights took
+    0.83x as long on 2026-12-02 but 1.00-1.36x on 2026-12-07 (median 1.15, nine runs alternated
+    in one process; no other distance or hint did better than none), on the same Zen 4 kind.
+    Each product is rounded, then each sum (no FMA): the
     reference's order whatever the values. ``x`` float32 ``[1, 2P]``, each ``bq`` uint32 ``[P,
     DOT_LANES]`` (a block's pairs; a caller short of four blocks repeats one), ``out`` float32
     ``[MATVEC_BLOCKS, DOT_LANES]``. The caller checks the shapes; P >= 1.
@@ -227,11 +226,8 @@ def bf16_matvec_tile(typingctx, x, b0, b1, b2, b3, out):
         x_even, x_odd = (splat(builder, builder.load(row_pointer(builder, x_op, i64(0), at, F32),
                                                      align=4), V16F)
                          for at in (p8, builder.add(p8, i64(4))))
-        ahead = builder.add(p, i64(MATVEC_PREFETCH))
         new = []
         for q, b_op in enumerate(b_ops):
-            for v in range(nvec):
-                prefetch(builder, row_pointer(builder, b_op, ahead, i64(64 * v), F32))
             for v, w in enumerate(_b_rows(builder, b_op, p)):
                 hi = builder.bitcast(builder.and_(w, high), V16F)
                 lo = builder.bitcast(builder.shl(w, sixteen), V16F)
