@@ -16,7 +16,9 @@ scores alone >= 3.0, prefill >= 1.8 at 65,536, decode <= 1.1 / 1.2):
   parameter, read once at the bandwidth numpy's matvec pass reaches in the same process):
   target <= 1.15 at 4,096 and at 65,536 context
 
-The decode table also shows the step against numpy's own projection matvecs (f32 weights).
+The decode table also shows the step against numpy's own projection matvecs (f32 weights), and
+the rate at which our decode products alone read the layer's weights ("ours GB/s", timed in the
+same blocks): whether the products keep up with the floor's own yardstick.
 
 Kernels run in this process (each peak RSS reset through ``/proc/self/clear_refs``). Every layer
 measurement runs in a subprocess of its own, so its peak RSS is its own; that subprocess also
@@ -130,12 +132,13 @@ def run_worker(args) -> dict:
 
     if steps:
         pairs = common.matvec_set(cfg, layer, common.layer_weights(layer))
+        ours = common.products_set(stack, layer)
         inputs = common.decode_inputs(layer, tokens, steps + 1 + _BLOCKS)
         pos = tokens
         stack.forward(layer, inputs[0], pos)            # warm: bf16 weight bits packed, etc.
         reset = common.reset_peak_rss()
         prof = cProfile.Profile() if args.profile else None
-        dec, mv = [], []
+        dec, mv, prod = [], [], []
         # Decode steps and numpy's matvecs alternate in blocks, not step by step. Each block of
         # steps starts after a pause and one untimed step: right after a numpy pass OpenBLAS's
         # threads still spin for ~0.1-0.2 s (that slowed the next steps by up to 60% here), and
@@ -155,10 +158,13 @@ def run_worker(args) -> dict:
                 dec.append(time.perf_counter() - t0)
                 if prof is not None:
                     prof.disable()
+            # Our products alone, before numpy's pass (whose BLAS threads spin after it).
+            prod.extend(common.products_once(ours) for _ in block)
             mv.extend(common.matvec_once(pairs) for _ in block)
         out["decode"] = {
             "context": tokens, "step_seconds": dec, "matvec_seconds": mv,
             "matvec_bytes": int(sum(w.nbytes for _, w in pairs)),
+            "products_seconds": prod, "products_bytes": int(sum(w.nbytes for _, w in ours)),
             "weight_bytes": common.step_weight_bytes(cfg, layer),
             "matvec_flops": int(sum(2 * w.shape[0] * w.shape[1] for _, w in pairs)),
             "flops": common.layer_flops(cfg, layer, tokens + 1, 1),
@@ -336,9 +342,14 @@ def summarise(kernels, layer_runs, parent_mm) -> dict:
             # bandwidth numpy's own matvec pass reached in the same process.
             bandwidth = d["matvec_bytes"] / mv
             floor = d["weight_bytes"] / bandwidth if d.get("weight_bytes") else None
+            # Our decode products alone read the same weights at this rate (None in a record
+            # made before they were timed).
+            prod = _median(d["products_seconds"]) if d.get("products_seconds") else None
             drow = {"context": d["context"], "step_seconds": step, "samples": d["step_seconds"],
                     "matvec_seconds": mv, "matvec_samples": d["matvec_seconds"],
                     "ratio": step / mv, "matvec_gbytes_per_s": bandwidth / 1e9,
+                    "products_seconds": prod,
+                    "products_gbytes_per_s": prod and d["products_bytes"] / prod / 1e9,
                     "floor_seconds": floor, "floor_ratio": step / floor if floor else None,
                     "flops": d["flops"], "gflops": d["flops"]["total"] / step / 1e9,
                     "peak_rss": d["peak_rss"], "prefill_peak_rss": r["peak_rss"],
@@ -419,8 +430,10 @@ def print_text(s: dict, meta: dict):
     if s["decode"]:
         _table_head(w, f"Decode, one step of layer {common.DECODE_LAYER} (median of steps; numpy = "
                        "the layer's projection matvecs alone, f32 weights, in blocks alternating with "
-                       "the steps; the faster of numpy's default BLAS threads and one thread)",
+                       "the steps; the faster of numpy's default BLAS threads and one thread; ours = "
+                       "the step's bf16 products alone through the decode kernel, in the same blocks)",
                     f"{'context':>8} {'step ms':>9} {'numpy ms':>9} {'ratio':>6} {'numpy GB/s':>10} "
+                    f"{'ours GB/s':>9} "
                     f"{'floor ms':>8} {'/floor':>6} "
                     f"{'step GFLOP/s':>12} {'decode peak':>11} {'prefill peak':>12}")
         for d in s["decode"]:
@@ -429,6 +442,7 @@ def print_text(s: dict, meta: dict):
                 continue
             w(f"{d['context']:>8} {1e3 * d['step_seconds']:>9.2f} {1e3 * d['matvec_seconds']:>9.2f} "
               f"{d['ratio']:>6.3f} {d['matvec_gbytes_per_s']:>10.1f} "
+              f"{_f(d.get('products_gbytes_per_s'), '.1f'):>9} "
               f"{_f(d['floor_seconds'] and 1e3 * d['floor_seconds'], '.2f'):>8} "
               f"{_f(d['floor_ratio'], '.3f'):>6} {d['gflops']:>12.1f} "
               f"{_gb(d['peak_rss']):>11} {_gb(d['prefill_peak_rss']):>12}")
