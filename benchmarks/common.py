@@ -282,7 +282,6 @@ def matvec_once(pairs) -> float:
     return best
 
 
-
 def products_set(stack, layer: int) -> list:
     """``(x [1, in], W)`` pairs: every bf16 projection of one decode step of ``layer`` as
     ``stack`` holds it (:class:`~ds41numba.numerics.Bf16Matrix`, ``wo_a`` grouped), in the
@@ -315,6 +314,7 @@ def products_once(pairs) -> float:
     for x, w in pairs:
         linear_bf16(x, w, ref_rows=1)
     return time.perf_counter() - t0
+
 
 # ------------------------------------------------------------------------------ peak RSS
 
