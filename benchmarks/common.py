@@ -284,20 +284,14 @@ def matvec_once(pairs) -> float:
 
 def products_set(stack, layer: int) -> list:
     """``(x [1, in], W)`` pairs: every bf16 projection of one decode step of ``layer`` as
-    ``stack`` holds it (:class:`~ds41numba.numerics.Bf16Matrix`, ``wo_a`` grouped), in the
-    step's order, the weights of one input width given one row: those a step multiplies as one
-    call (:class:`~ds41numba.numerics.linear.SharedInput`) run as one here too."""
+    ``stack`` holds it (:class:`~ds41numba.numerics.Bf16Matrix`, ``wo_a`` grouped), the weights
+    of one input width given one row: those a step multiplies as one call
+    (:class:`~ds41numba.numerics.linear.SharedInput`) run as one here too."""
     from ds41numba.numerics import Bf16Matrix, to_bf16_rne
 
-    w = stack.weights[layer]
-    mats = [w.wkv, w.wq_a, w.wq_b, w.wo_a, w.wo_b]
-    if w.compressor is not None:
-        mats += [w.compressor.wkv, w.compressor.wgate]
-    if w.indexer is not None:
-        mats += [w.indexer.weights_proj, w.indexer.wq_b, w.indexer.wk]
     rng = np.random.default_rng(2)
     rows, pairs = {}, []
-    for m in mats:
+    for m in stack.weights[layer].parameters():
         if isinstance(m, Bf16Matrix):
             if m.in_features not in rows:
                 rows[m.in_features] = to_bf16_rne(rng.standard_normal((1, m.in_features), np.float32))

@@ -163,8 +163,9 @@ class AttnWeights:
                    wq_b=got["wq_b.weight"], wkv=got["wkv.weight"], kv_norm=got["kv_norm.weight"],
                    wo_a=got["wo_a.weight"], wo_b=got["wo_b.weight"], compressor=comp, indexer=idx)
 
-    def nbytes(self) -> int:
-        """Bytes this layer's parameters hold (see :meth:`AttentionStack.weight_bytes`)."""
+    def parameters(self) -> list:
+        """Every parameter this layer holds (arrays and projections), the compressor's and the
+        indexer's included."""
         parts = [self.attn_sink, self.wq_a, self.q_norm, self.wq_b, self.wkv, self.kv_norm,
                  self.wo_a, self.wo_b]
         if self.compressor is not None:
@@ -172,7 +173,11 @@ class AttnWeights:
         if self.indexer is not None:
             parts += [self.indexer.wq_b, self.indexer.weights_proj, self.indexer.wk,
                       self.indexer.k_norm]
-        return sum(int(p.nbytes) for p in parts if p is not None)
+        return [p for p in parts if p is not None]
+
+    def nbytes(self) -> int:
+        """Bytes this layer's parameters hold (see :meth:`AttentionStack.weight_bytes`)."""
+        return sum(int(p.nbytes) for p in self.parameters())
 
 
 @dataclass
