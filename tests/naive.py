@@ -647,18 +647,23 @@ def visible_lengths(start_pos, seqlen, r):
 def tile_scores(iq, w, keys, clen):
     """The indexer's scores (its ``tile_scores`` kernels): SPEC step 5 for queries ``iq [T, ih, id]`` with head weights ``w [T, ih]`` against
     ``keys [n, id]``: ``bf16(sum_h bf16(relu(bf16(iq[s,h] . keys[t])) * w[s,h]))``, the head sum
-    in f32 in head order; ``-inf`` for ``t >= clen[s]``. Returns ``[T, n]`` f32."""
+    in f32 in head order; ``-inf`` for ``t >= clen[s]``. Returns ``[T, n]`` f32.
+
+    A query's visible keys at once: every head's dot product with every key in float64 (as
+    ``_dot_f32``: exact products, rounded to f32 once), then each f32 step of the head sum as
+    an element-wise numpy operation, head after head."""
     T, ih, _ = iq.shape
     n = keys.shape[0]
     out = np.full((T, n), -np.inf, F32)
     for s in range(T):
-        for t in range(min(int(clen[s]), n)):
-            acc = F32(0.0)
-            for h in range(ih):
-                d = ds.to_bf16_rne(_dot_f32(iq[s, h], keys[t]))
-                r = d if (d > 0 or d != d) else F32(0.0)   # relu; NaN passes, as in torch
-                acc = F32(acc + ds.to_bf16_rne(F32(r * F32(w[s, h]))))
-            out[s, t] = ds.to_bf16_rne(acc)
+        c = max(0, min(int(clen[s]), n))
+        dots = ds.to_bf16_rne((np.asarray(iq[s], F64) @ np.asarray(keys[:c], F64).T).astype(F32))
+        acc = np.zeros(c, F32)
+        for h in range(ih):
+            d = dots[h]
+            r = np.where((d > 0) | np.isnan(d), d, F32(0.0))     # relu; NaN passes, as in torch
+            acc = acc + ds.to_bf16_rne(r * F32(w[s, h]))
+        out[s, :c] = ds.to_bf16_rne(acc)
     return out
 
 
