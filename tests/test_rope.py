@@ -223,6 +223,14 @@ def test_apply_rotary_validation():
     with pytest.raises(ValueError, match="one vector per row"):
         rope.apply_rotary(x, np.arange(3), table, coalesce_rows=True)
     assert rope.apply_rotary(np.zeros((0, 2, 16), F32), np.zeros(0, np.int64), table).shape == (0, 2, 16)
+    # No rows against an empty table: nothing to rotate and no position outside it (an
+    # IndexError until 2026-12-07, found by test_fuzz_rope with random examples).
+    empty = rope.yarn_freqs_cis(2, 0, 0, 10000.0, 1.0, 0, 0)
+    for shape in ((0, 2), (0, 3, 2)):
+        got = rope.apply_rotary(np.zeros(shape, F32), np.zeros(0, np.int64), empty)
+        assert got.shape == shape and got.dtype == F32
+    with pytest.raises(ValueError, match=r"position 0 is outside the table \(0 \.\. -1\)"):
+        rope.apply_rotary(np.zeros((1, 2), F32), np.zeros(1, np.int64), empty)
 
 
 # --------------------------------------------------------------------------------------- goldens
