@@ -217,7 +217,8 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None, inplace
     lo, hi = (pos[0], pos[0]) if pos.size == 1 else (pos.min(), pos.max()) if pos.size else (0, -1)
     if lo < 0 or hi >= cos.shape[0]:
         bad = pos[(pos < 0) | (pos >= cos.shape[0])][0]
-        raise ValueError(f"apply_rotary: position {bad} is outside the table (0 .. {cos.shape[0] - 1})")
+        span = f"0 .. {cos.shape[0] - 1}" if cos.shape[0] else "it is empty"
+        raise ValueError(f"apply_rotary: position {bad} is outside the table ({span})")
     pos = np.ascontiguousarray(pos, dtype=np.int64)
     n = arr.shape[0]
     heads = math.prod(arr.shape[1:-1])
