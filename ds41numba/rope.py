@@ -212,13 +212,14 @@ def apply_rotary(x, positions, table, inverse=False, coalesce_rows=None, inplace
             f"apply_rotary: positions must have shape ({arr.shape[0]},) to match x of shape {arr.shape}, "
             f"got {pos.shape}"
         )
-    # A decode step's one position is read as it is (min and max are reductions); no rows, no
-    # position to check (an empty table included).
-    lo, hi = (pos[0], pos[0]) if pos.size == 1 else (pos.min(), pos.max()) if pos.size else (0, -1)
-    if lo < 0 or hi >= cos.shape[0]:
-        bad = pos[(pos < 0) | (pos >= cos.shape[0])][0]
-        span = f"0 .. {cos.shape[0] - 1}" if cos.shape[0] else "it is empty"
-        raise ValueError(f"apply_rotary: position {bad} is outside the table ({span})")
+    # No rows have no position to check, whatever the table (an empty one too). A decode step's
+    # one position is read as it is (min and max are reductions).
+    if pos.size:
+        lo, hi = (pos[0], pos[0]) if pos.size == 1 else (pos.min(), pos.max())
+        if lo < 0 or hi >= cos.shape[0]:
+            bad = pos[(pos < 0) | (pos >= cos.shape[0])][0]
+            span = f"0 .. {cos.shape[0] - 1}" if cos.shape[0] else "it is empty"
+            raise ValueError(f"apply_rotary: position {bad} is outside the table ({span})")
     pos = np.ascontiguousarray(pos, dtype=np.int64)
     n = arr.shape[0]
     heads = math.prod(arr.shape[1:-1])
