@@ -24,7 +24,7 @@ Kernels run in this process (each peak RSS reset through ``/proc/self/clear_refs
 measurement runs in a subprocess of its own, so its peak RSS is its own; that subprocess also
 measures numpy's matmul rate (before and after the layer) and, for decode, interleaves blocks of
 numpy's matvec passes with blocks of decode steps, so each ratio compares numbers taken side by
-side (each block of steps after a pause and one untimed step: see ``SETTLE_SECONDS``).
+side (each block of timed steps after untimed ones: see ``SETTLE_SECONDS``).
 A decode at context C first prefills C tokens; when C is also a prefill size, one subprocess
 serves both.
 
@@ -64,8 +64,14 @@ TARGET_DECODE_FLOOR = {4096: 1.15, 65536: 1.15}
 TARGET_LONG_PEAK = 6 * 1024 ** 3
 TARGET_PREFILL_TOKENS = 4096
 TARGET_LONG_TOKENS = 65536
-#: Pause after numpy's threaded BLAS before timing decode steps (its idle threads spin meanwhile).
+#: How long OpenBLAS's threads may spin after a threaded BLAS call (~0.1-0.2 s measured; they
+#: slowed the next decode steps by up to 60%), taking a core from numba's threads. A kernel case
+#: pauses this long before its timed runs. A decode block runs untimed steps this long instead:
+#: a decode loop's steps run back to back, and after an idle pause the next steps ran up to 1.4x
+#: as long, for about 8 of them (the 2-core Zen 5, 2026-12-07: docs/speed-history.md).
 SETTLE_SECONDS = 0.3
+#: The most untimed steps a decode block runs (the stack's caches are sized for them).
+SETTLE_STEPS_MAX = 96
 #: Blocks the timed decode steps are split into, alternating with numpy's blocks.
 _BLOCKS = 2
 
@@ -96,6 +102,12 @@ def _profile_rows(prof: cProfile.Profile, top: int) -> list[dict]:
     return rows[:top]
 
 
+def _decode_positions(steps: int) -> int:
+    """Positions a decode measurement of ``steps`` timed steps may take: the first (untimed)
+    step, each block's untimed steps at most, the timed ones."""
+    return 1 + _BLOCKS * SETTLE_STEPS_MAX + steps
+
+
 def run_worker(args) -> dict:
     """One layer measurement in this (fresh) process; the result is printed as JSON."""
     layer, tokens = args.layer, args.prefill
@@ -105,7 +117,7 @@ def run_worker(args) -> dict:
     mm = [common.matmul_rate(reps=5)]
     _log(f"{tag} numpy matmul {mm[0]['gflops']:.1f} GFLOP/s; building weights and stack")
     t0 = time.perf_counter()
-    stack = common.build_stack(layer, tokens + (steps + 1 + _BLOCKS if steps else 0))
+    stack = common.build_stack(layer, tokens + (_decode_positions(steps) if steps else 0))
     cfg = stack.config
     out["setup_seconds"] = time.perf_counter() - t0
     common.warm_up(stack, layer, min(tokens, common.WARMUP_TOKENS))
@@ -133,22 +145,23 @@ def run_worker(args) -> dict:
     if steps:
         pairs = common.matvec_set(cfg, layer, common.layer_weights(layer))
         ours = common.products_set(stack, layer)
-        inputs = common.decode_inputs(layer, tokens, steps + 1 + _BLOCKS)
+        inputs = common.decode_inputs(layer, tokens, _decode_positions(steps))
         pos = tokens
         stack.forward(layer, inputs[0], pos)            # warm: bf16 weight bits packed, etc.
         reset = common.reset_peak_rss()
         prof = cProfile.Profile() if args.profile else None
-        dec, mv, prod = [], [], []
+        dec, mv, prod, settle = [], [], [], []
         # Decode steps and numpy's matvecs alternate in blocks, not step by step. Each block of
-        # steps starts after a pause and one untimed step: right after a numpy pass OpenBLAS's
-        # threads still spin for ~0.1-0.2 s (that slowed the next steps by up to 60% here), and
-        # the first step after a pause wakes sleeping threads. Back-to-back steps are what a
-        # decode loop runs.
+        # timed steps follows untimed ones (SETTLE_SECONDS) while OpenBLAS's threads go quiet.
         for block in np.array_split(np.arange(steps), _BLOCKS):
             common.matvec_once(pairs)
-            time.sleep(SETTLE_SECONDS)
-            pos += 1
-            stack.forward(layer, inputs[pos - tokens], pos)
+            settle_end = time.perf_counter() + SETTLE_SECONDS
+            for n in range(1, SETTLE_STEPS_MAX + 1):
+                pos += 1
+                stack.forward(layer, inputs[pos - tokens], pos)
+                if time.perf_counter() >= settle_end:
+                    break
+            settle.append(n)
             for _ in block:
                 pos += 1
                 if prof is not None:
@@ -169,6 +182,7 @@ def run_worker(args) -> dict:
             "matvec_flops": int(sum(2 * w.shape[0] * w.shape[1] for _, w in pairs)),
             "flops": common.layer_flops(cfg, layer, tokens + 1, 1),
             "peak_rss": common.peak_rss_bytes() if reset else None,
+            "settle_steps": settle,
         }
         if prof is not None:
             out["decode_profile"] = _profile_rows(prof, args.profile)
@@ -353,7 +367,7 @@ def summarise(kernels, layer_runs, parent_mm) -> dict:
                     "floor_seconds": floor, "floor_ratio": step / floor if floor else None,
                     "flops": d["flops"], "gflops": d["flops"]["total"] / step / 1e9,
                     "peak_rss": d["peak_rss"], "prefill_peak_rss": r["peak_rss"],
-                    "profile": r.get("decode_profile")}
+                    "settle_steps": d.get("settle_steps"), "profile": r.get("decode_profile")}
             decode.append(drow)
             tgt = TARGET_DECODE_FLOOR.get(d["context"])
             if tgt is not None and floor:
