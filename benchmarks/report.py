@@ -442,7 +442,8 @@ def print_text(s: dict, meta: dict):
             f"{p['flops']['attention'] / 1e12:.2f} / {p['flops']['indexer'] / 1e12:.2f} TFLOP"
             for p in s["prefill"] if "flops" in p))
     if s["decode"]:
-        _table_head(w, f"Decode, one step of layer {common.DECODE_LAYER} (median of steps; numpy = "
+        _table_head(w, f"Decode, one step of layer {common.DECODE_LAYER} (median of steps, each "
+                       f"block's timed after {SETTLE_SECONDS} s of untimed ones; numpy = "
                        "the layer's projection matvecs alone, f32 weights, in blocks alternating with "
                        "the steps; the faster of numpy's default BLAS threads and one thread; ours = "
                        "the step's bf16 products alone through the decode kernel, in the same blocks)",
