@@ -64,11 +64,7 @@ TARGET_DECODE_FLOOR = {4096: 1.15, 65536: 1.15}
 TARGET_LONG_PEAK = 6 * 1024 ** 3
 TARGET_PREFILL_TOKENS = 4096
 TARGET_LONG_TOKENS = 65536
-#: How long OpenBLAS's threads may spin after a threaded BLAS call (~0.1-0.2 s measured; they
-#: slowed the next decode steps by up to 60%), taking a core from numba's threads. A kernel case
-#: pauses this long before its timed runs. A decode block runs untimed steps this long instead:
-#: a decode loop's steps run back to back, and after an idle pause the next steps ran up to 1.4x
-#: as long, for about 8 of them (the 2-core Zen 5, 2026-12-07: docs/speed-history.md).
+#: How long a measurement runs its work untimed before timing it (:func:`_settle`).
 SETTLE_SECONDS = 0.3
 #: The most untimed steps a decode block runs (the stack's caches are sized for them).
 SETTLE_STEPS_MAX = 96
@@ -100,6 +96,22 @@ def _profile_rows(prof: cProfile.Profile, top: int) -> list[dict]:
                      "tottime": tt, "cumtime": ct, "share": tt / total})
     rows.sort(key=lambda r: -r["tottime"])
     return rows[:top]
+
+
+def _settle(run_once, most: int | None = None) -> int:
+    """``run_once()`` untimed for ``SETTLE_SECONDS`` (at least once, at most ``most`` times);
+    how many ran. OpenBLAS's threads spin for ~0.1-0.2 s after a threaded call (numpy's pass, a
+    case's set-up) and take a core from numba's meanwhile (they slowed the next decode steps by
+    up to 60%, and the AMX index scores 2x); after an idle pause instead, the machine itself is
+    slow for a while: on the 2-core Zen 5 (2026-12-07, docs/speed-history.md) the eight decode
+    steps after a 0.3 s pause took 1.2-1.7x as long as steps run back to back, as a decode loop
+    runs them."""
+    end = time.perf_counter() + SETTLE_SECONDS
+    n = 0
+    while n == 0 or (time.perf_counter() < end and (most is None or n < most)):
+        run_once()
+        n += 1
+    return n
 
 
 def _decode_positions(steps: int) -> int:
@@ -147,27 +159,26 @@ def run_worker(args) -> dict:
         ours = common.products_set(stack, layer)
         inputs = common.decode_inputs(layer, tokens, _decode_positions(steps))
         pos = tokens
+
+        def step():
+            nonlocal pos
+            pos += 1
+            stack.forward(layer, inputs[pos - tokens], pos)
+
         stack.forward(layer, inputs[0], pos)            # warm: bf16 weight bits packed, etc.
         reset = common.reset_peak_rss()
         prof = cProfile.Profile() if args.profile else None
         dec, mv, prod, settle = [], [], [], []
         # Decode steps and numpy's matvecs alternate in blocks, not step by step. Each block of
-        # timed steps follows untimed ones (SETTLE_SECONDS) while OpenBLAS's threads go quiet.
+        # timed steps follows untimed ones (_settle).
         for block in np.array_split(np.arange(steps), _BLOCKS):
             common.matvec_once(pairs)
-            settle_end = time.perf_counter() + SETTLE_SECONDS
-            for n in range(1, SETTLE_STEPS_MAX + 1):
-                pos += 1
-                stack.forward(layer, inputs[pos - tokens], pos)
-                if time.perf_counter() >= settle_end:
-                    break
-            settle.append(n)
+            settle.append(_settle(step, SETTLE_STEPS_MAX))
             for _ in block:
-                pos += 1
                 if prof is not None:
                     prof.enable()
                 t0 = time.perf_counter()
-                stack.forward(layer, inputs[pos - tokens], pos)
+                step()
                 dec.append(time.perf_counter() - t0)
                 if prof is not None:
                     prof.disable()
@@ -205,13 +216,13 @@ def run_kernels(quick: bool) -> list[dict]:
             results.append({"name": name, "label": case.label, "shape": case.shape, "skipped": why})
             continue
         st = case.build()
-        if case.prepare:
-            case.prepare(st)
-        case.run(st)                       # warm
-        # OpenBLAS's idle threads spin for ~0.1-0.2 s after a BLAS call (numpy's in a case's
-        # set-up, or the previous case's) and take the core from numba's threads meanwhile:
-        # measured here, the AMX index scores ran 2x slower right after numpy's matmul.
-        time.sleep(SETTLE_SECONDS)
+
+        def run_once():
+            if case.prepare:
+                case.prepare(st)
+            case.run(st)
+
+        _settle(run_once)
         times = []
         start = time.perf_counter()
         peak = None
