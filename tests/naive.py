@@ -323,6 +323,7 @@ def torch_sum_f32(row, lanes=8):
     return total
 
 
+@np.errstate(invalid="ignore", over="ignore")
 def rms_norm(x, w, eps):
     x = np.asarray(x, F32)
     sq = x * x
