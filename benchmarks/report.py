@@ -24,7 +24,7 @@ Kernels run in this process (each peak RSS reset through ``/proc/self/clear_refs
 measurement runs in a subprocess of its own, so its peak RSS is its own; that subprocess also
 measures numpy's matmul rate (before and after the layer) and, for decode, interleaves blocks of
 numpy's matvec passes with blocks of decode steps, so each ratio compares numbers taken side by
-side (each block of timed steps after untimed ones: see ``SETTLE_SECONDS``).
+side (each block of timed steps after untimed ones: see :func:`_settle`).
 A decode at context C first prefills C tokens; when C is also a prefill size, one subprocess
 serves both.
 
