@@ -19,7 +19,6 @@ used while loading (or compiling) the kernels in the warm-up: the peak is reset 
 import os
 import pickle
 import statistics
-import time
 
 from . import common
 
@@ -183,7 +182,7 @@ class DecodeProducts:
     def track_products_vs_numpy(self):
         ours, numpy = [], []
         for _ in range(self._BLOCKS):
-            time.sleep(0.2)                     # numpy's BLAS threads spin for a while after it
+            common.settle(lambda: common.products_once(self.ours))   # after numpy's pass
             ours += [common.products_once(self.ours) for _ in range(3)]
             numpy += [common.matvec_once(self.numpy) for _ in range(2)]
         ours_rate = sum(w.nbytes for _, w in self.ours) / statistics.median(ours)

@@ -266,6 +266,26 @@ def matvec_set(config, layer: int, weights: dict) -> list[tuple[np.ndarray, np.n
     return pairs
 
 
+#: How long a measurement runs its work untimed before timing it (:func:`settle`).
+SETTLE_SECONDS = 0.3
+
+
+def settle(run_once, most: int | None = None) -> int:
+    """``run_once()`` untimed for ``SETTLE_SECONDS`` (at least once, at most ``most`` times);
+    how many ran. OpenBLAS's threads spin for ~0.1-0.2 s after a threaded call (numpy's pass, a
+    case's set-up) and take a core from numba's meanwhile (they slowed the next decode steps by
+    up to 60%, and the AMX index scores 2x); after an idle pause instead, the machine itself is
+    slow for a while: on the 2-core Zen 5 (2026-12-07, docs/speed-history.md) the eight decode
+    steps after a 0.3 s pause took 1.2-1.7x as long as steps run back to back, as a decode loop
+    runs them."""
+    end = time.perf_counter() + SETTLE_SECONDS
+    n = 0
+    while n == 0 or (time.perf_counter() < end and (most is None or n < most)):
+        run_once()
+        n += 1
+    return n
+
+
 def matvec_once(pairs) -> float:
     """numpy's time for the products: the faster of its default BLAS threading and one thread.
 

@@ -24,7 +24,7 @@ Kernels run in this process (each peak RSS reset through ``/proc/self/clear_refs
 measurement runs in a subprocess of its own, so its peak RSS is its own; that subprocess also
 measures numpy's matmul rate (before and after the layer) and, for decode, interleaves blocks of
 numpy's matvec passes with blocks of decode steps, so each ratio compares numbers taken side by
-side (each block of timed steps after untimed ones: see :func:`_settle`).
+side (each block of timed steps after untimed ones: see :func:`~benchmarks.common.settle`).
 A decode at context C first prefills C tokens; when C is also a prefill size, one subprocess
 serves both.
 
@@ -64,8 +64,6 @@ TARGET_DECODE_FLOOR = {4096: 1.15, 65536: 1.15}
 TARGET_LONG_PEAK = 6 * 1024 ** 3
 TARGET_PREFILL_TOKENS = 4096
 TARGET_LONG_TOKENS = 65536
-#: How long a measurement runs its work untimed before timing it (:func:`_settle`).
-SETTLE_SECONDS = 0.3
 #: The most untimed steps a decode block runs (the stack's caches are sized for them).
 SETTLE_STEPS_MAX = 96
 #: Blocks the timed decode steps are split into, alternating with numpy's blocks.
@@ -96,22 +94,6 @@ def _profile_rows(prof: cProfile.Profile, top: int) -> list[dict]:
                      "tottime": tt, "cumtime": ct, "share": tt / total})
     rows.sort(key=lambda r: -r["tottime"])
     return rows[:top]
-
-
-def _settle(run_once, most: int | None = None) -> int:
-    """``run_once()`` untimed for ``SETTLE_SECONDS`` (at least once, at most ``most`` times);
-    how many ran. OpenBLAS's threads spin for ~0.1-0.2 s after a threaded call (numpy's pass, a
-    case's set-up) and take a core from numba's meanwhile (they slowed the next decode steps by
-    up to 60%, and the AMX index scores 2x); after an idle pause instead, the machine itself is
-    slow for a while: on the 2-core Zen 5 (2026-12-07, docs/speed-history.md) the eight decode
-    steps after a 0.3 s pause took 1.2-1.7x as long as steps run back to back, as a decode loop
-    runs them."""
-    end = time.perf_counter() + SETTLE_SECONDS
-    n = 0
-    while n == 0 or (time.perf_counter() < end and (most is None or n < most)):
-        run_once()
-        n += 1
-    return n
 
 
 def _decode_positions(steps: int) -> int:
@@ -170,10 +152,10 @@ def run_worker(args) -> dict:
         prof = cProfile.Profile() if args.profile else None
         dec, mv, prod, settle = [], [], [], []
         # Decode steps and numpy's matvecs alternate in blocks, not step by step. Each block of
-        # timed steps follows untimed ones (_settle).
+        # timed steps follows untimed ones (common.settle).
         for block in np.array_split(np.arange(steps), _BLOCKS):
             common.matvec_once(pairs)
-            settle.append(_settle(step, SETTLE_STEPS_MAX))
+            settle.append(common.settle(step, SETTLE_STEPS_MAX))
             for _ in block:
                 if prof is not None:
                     prof.enable()
@@ -222,7 +204,7 @@ def run_kernels(quick: bool) -> list[dict]:
                 case.prepare(st)
             case.run(st)
 
-        _settle(run_once)
+        common.settle(run_once)
         times = []
         start = time.perf_counter()
         peak = None
@@ -454,7 +436,7 @@ def print_text(s: dict, meta: dict):
             for p in s["prefill"] if "flops" in p))
     if s["decode"]:
         _table_head(w, f"Decode, one step of layer {common.DECODE_LAYER} (median of steps, each "
-                       f"block's timed after {SETTLE_SECONDS} s of untimed ones; numpy = "
+                       f"block's timed after {common.SETTLE_SECONDS} s of untimed ones; numpy = "
                        "the layer's projection matvecs alone, f32 weights, in blocks alternating with "
                        "the steps; the faster of numpy's default BLAS threads and one thread; ours = "
                        "the step's bf16 products alone through the decode kernel, in the same blocks)",
