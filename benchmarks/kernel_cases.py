@@ -223,8 +223,10 @@ def _index_scores_row_case(path="default", positions=65536):
 
 
 def _projection_case(tokens=1024):
-    """One prefill tile's query up-projection (``wq_b``, the layer's largest) as a bf16 linear:
-    on AVX512-BF16 where the CPU has it, else numpy's f32 BLAS."""
+    """A prefill's query up-projection (``wq_b``, the layer's largest) as a bf16 linear on
+    1,024 rows (four of a prefill's attention tiles, which were 1,024 rows until 2026-12-07; the
+    case keeps its shape, so its history stays comparable): on AVX512-BF16 where the CPU has
+    it, else numpy's f32 BLAS."""
     cfg = layer_config(tokens)
     n_out, k_in = cfg.n_heads * cfg.head_dim, cfg.q_lora_rank
 
@@ -240,7 +242,7 @@ def _projection_case(tokens=1024):
 
         linear_bf16(st["x"], st["w"], out=st["out"])
 
-    return KernelCase("linear_bf16_tile", f"bf16 linear, a prefill tile's wq_b ({tokens} rows)",
+    return KernelCase("linear_bf16_tile", f"bf16 linear, a prefill's wq_b ({tokens} rows)",
                       f"x {tokens}x{k_in}, w {n_out}x{k_in}", build, run,
                       flops=2 * tokens * k_in * n_out, elements=tokens * n_out)
 
