@@ -42,6 +42,7 @@ extra (``pip install 'ds41numba[dask]'``): nothing else in the package imports i
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import operator
 import os
 import threading
@@ -90,6 +91,8 @@ class RunStats:
 
 #: The dask setting a local cluster's workers start without (see :meth:`Cluster._start`).
 _TRIM = "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"
+#: How a local cluster's workers are started: forked from one process (see :func:`_forkserver`).
+_METHOD = "distributed.worker.multiprocessing-method"
 #: A local cluster's housekeeping made rare: at Dask's defaults each worker's event loop wakes
 #: every 10 to 100 ms (the loop's tick, the memory monitor, the statistical profiler, the
 #: system monitor) and took 0.7 s of a worker's CPU, and the driver's loop 0.9 s, in a
@@ -155,7 +158,7 @@ class Cluster:
             # Dask starts its workers with MALLOC_TRIM_THRESHOLD_ set, which fixes glibc's
             # threshold for mapping a block: a tile's every large temporary is then mapped and
             # faulted in anew (5 times the page faults of a worker without it).
-            with dask.config.set({_TRIM: None, **_QUIET}):
+            with dask.config.set({_TRIM: None, **_forkserver(), **_QUIET}):
                 self._local = distributed.LocalCluster(
                     n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                     dashboard_address=":0", silence_logs=logging.ERROR)   # any free port
@@ -341,6 +344,23 @@ class InProcess:
 
     def drive(self, plan, stack, ckpt, out, x_of, write, progress, chunk, observer) -> None:
         drive_tiles(self, plan, stack, ckpt, out, x_of, write, progress, chunk, observer)
+
+
+def _forkserver() -> dict:
+    """The dask setting that forks a local cluster's workers from one process which imported
+    what a tile runs and loaded its kernels (:mod:`.worker_start`), where this platform has
+    multiprocessing's forkserver (else none: each worker starts its own interpreter). The
+    server starts with the first worker and serves this process's later clusters too."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return {}
+    import dask
+    from distributed.utils import get_mp_context
+    setting = {_METHOD: "forkserver"}
+    with dask.config.set(setting):
+        # Dask names the modules the server imports on its first call (its own and every
+        # package's it knows); ours replace them. A server already running keeps its own.
+        get_mp_context().set_forkserver_preload(["distributed", f"{__package__}.worker_start"])
+    return setting
 
 
 def _probe() -> dict:
