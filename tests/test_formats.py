@@ -108,6 +108,26 @@ def test_round_bf16_inplace_and_is_bf16_valued():
         nm.is_bf16_valued(np.zeros(3))
 
 
+@pytest.mark.parametrize("copies", [1, 64])      # 65,536 values, then 4.2 million: parallel
+def test_bf16_halves_is_ml_dtypes_cast_of_every_bf16_value(copies):
+    """Every bf16 pattern but the NaNs, as an f32, gives ml_dtypes' cast's bits (zeros,
+    subnormals, infinities included); one NaN anywhere, or one value with a low bit set, and
+    the answer is None (the caller's cast then decides)."""
+    every = (np.arange(1 << 16, dtype=U32) << U32(16)).view(F32)
+    values = np.tile(every[~np.isnan(every)], copies)
+    got = nm.bf16_halves(values.reshape(copies, -1))
+    assert got.dtype == np.uint16 and got.shape == (copies, values.size // copies)
+    np.testing.assert_array_equal(got.reshape(-1), values.astype(ml_dtypes.bfloat16).view(np.uint16))
+    for at in (0, values.size // 2, values.size - 1):
+        for bad in (np.uint32(0x7FC00000), np.uint32(0xFF800001), values[at:at + 1].view(U32)[0] | 1):
+            spoilt = values.copy()
+            spoilt.view(U32)[at] = bad
+            assert nm.bf16_halves(spoilt) is None
+    assert nm.bf16_halves(np.zeros(0, F32)).shape == (0,)
+    with pytest.raises(TypeError, match="float32"):
+        nm.bf16_halves(np.zeros(3))
+
+
 def test_conversions_accept_any_shape_and_layout():
     rng = np.random.default_rng(1)
     base = rng.standard_normal((6, 8, 10)).astype(F32)

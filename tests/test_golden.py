@@ -173,6 +173,12 @@ def test_storage_kinds_and_checks():
         golden.to_storage("step0.layers.0.out", np.array([1.0001], np.float32), "BF16")
     a = golden.to_storage("step0.layers.0.out", np.array([1.5, -np.inf], np.float32), "BF16")
     assert a.dtype == ml_dtypes.bfloat16
+    # bf16 values alone are their f32 patterns' high halves; with a NaN, ml_dtypes' cast's bits.
+    for values in ([[1.5, -0.0], [3e38, 1e-40]], [[1.5, np.nan], [-np.nan, 2.0]]):
+        x = np.array(values, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+        a = golden.to_storage("step0.layers.0.out", x, "BF16")
+        assert a.dtype == ml_dtypes.bfloat16 and a.shape == (2, 2)
+        np.testing.assert_array_equal(a.view(np.uint16), x.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def test_write_is_atomic_and_refuses_to_overwrite(tmp_path):

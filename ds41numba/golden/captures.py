@@ -31,7 +31,7 @@ from numba import njit, prange
 from ..attention import index_rows
 from ..config import AttnConfig
 from ..indexer import visible_lengths
-from ..numerics import serial_twin, sized_call
+from ..numerics import bf16_halves, serial_twin, sized_call
 from ..step import Step
 from ..topk import SCAN_RUN, ListedSpans, before, hints_pass, run_passes
 
@@ -459,7 +459,10 @@ def to_storage(name: str, array, kind: str) -> np.ndarray:
     a = np.asarray(a, dtype=np.float32)
     if kind == "F32":
         return np.array(a, copy=True)
-    out = a.astype(BF16)
+    bits = bf16_halves(a)
+    if bits is not None:
+        return bits.view(BF16)
+    out = a.astype(BF16)        # a NaN (or a value bf16 does not hold): ml_dtypes' cast, checked
     if not _bf16_exact(a, out):
         raise ValueError(f"{name}: holds values that are not bf16 (it would be rounded on storage)")
     return out

@@ -48,7 +48,7 @@ from .int8_layouts import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_b
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
 from .fma_choice import fma_faster, fma_safe, values_range
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
-                      aligned_empty, as_f32_array, bf16_scalar, bf16_scalar_no_payload, check_inplace, is_int, e2m1_scalar, e4m3_scalar, fma_f32,
+                      aligned_empty, as_f32_array, bf16_halves, bf16_scalar, bf16_scalar_no_payload, check_inplace, is_int, e2m1_scalar, e4m3_scalar, fma_f32,
                       is_bf16_valued, nan_max, output_buffer, pow2ceil, pow2ceil_scalar,
                       round_bf16_inplace, to_bf16_rne, to_e2m1_rne, to_e4m3_rne)
 from .linear import (BESIDE_MIN_BYTES, MATVEC_MAX_ROWS, TINY_BF16_LINEAR, Bf16Matrix, SharedInput,
@@ -76,7 +76,7 @@ __all__ = [
     "F32Matrix", "linear_f32_ordered", "matmul_nn_f32_ordered",
     "E2M1_MAX", "E4M3_MAX", "ELEMENT_COST", "FP4_BLOCK", "FP8_BLOCK", "LATENT_BLOCK",
     "aligned_empty", "as_f32_array", "bf16_scalar", "bf16_scalar_no_payload", "check_inplace", "is_int", "e2m1_scalar", "e4m3_scalar", "fma_f32",
-    "is_bf16_valued", "nan_max", "output_buffer", "pow2ceil", "pow2ceil_scalar",
+    "is_bf16_valued", "bf16_halves", "nan_max", "output_buffer", "pow2ceil", "pow2ceil_scalar",
     "round_bf16_inplace", "to_bf16_rne", "to_e2m1_rne", "to_e4m3_rne",
     "BESIDE_MIN_BYTES", "MATVEC_MAX_ROWS", "TINY_BF16_LINEAR", "Bf16Matrix", "SharedInput",
     "bf16_k_block", "linear_bf16", "linear_bf16_beside", "linear_f32", "MATVEC_MEMBERS",
