@@ -348,9 +348,10 @@ class InProcess:
 
 def _forkserver() -> dict:
     """The dask setting that forks a local cluster's workers from one process which imported
-    what a tile runs and loaded its kernels (:mod:`.worker_start`), where this platform has
-    multiprocessing's forkserver (else none: each worker starts its own interpreter). The
-    server starts with the first worker and serves this process's later clusters too."""
+    Dask and what a tile runs (:mod:`.worker_start`; each worker then loads its kernels), where
+    this platform has multiprocessing's forkserver (else none: each worker starts its own
+    interpreter). The server starts with the first worker and serves this process's later
+    clusters too; a worker Dask starts again (one that died) starts its own interpreter."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return {}
     import dask
