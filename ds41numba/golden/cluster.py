@@ -45,6 +45,7 @@ import logging
 import multiprocessing
 import operator
 import os
+import sys
 import threading
 import time
 import types
@@ -348,11 +349,12 @@ class InProcess:
 
 def _forkserver() -> dict:
     """The dask setting that forks a local cluster's workers from one process which imported
-    Dask and what a tile runs (:mod:`.worker_start`; each worker then loads its kernels), where
-    this platform has multiprocessing's forkserver (else none: each worker starts its own
-    interpreter). The server starts with the first worker and serves this process's later
-    clusters too; a worker Dask starts again (one that died) starts its own interpreter."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    Dask and what a tile runs (:mod:`.worker_start`; each worker then loads its kernels), on
+    Linux (elsewhere none: each worker starts its own interpreter, as macOS's system libraries
+    are not safe to use in a forked child). The server starts with the first worker and serves
+    this process's later clusters too; a worker Dask starts again (one that died) starts its
+    own interpreter."""
+    if sys.platform != "linux" or "forkserver" not in multiprocessing.get_all_start_methods():
         return {}
     import dask
     from distributed.utils import get_mp_context
