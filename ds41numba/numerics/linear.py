@@ -16,8 +16,8 @@ from .bf16_dot import DOT_LANES, DOT_ROWS, gemm_bf16_sized
 from .bf16_layouts import bf16_pairs
 from .fma_choice import fma_faster, fma_safe, values_range
 from .f32_products import F32Matrix, linear_f32_ordered
-from .formats import (ELEMENT_COST, as_f32_array, is_bf16_valued, is_int, output_buffer,
-                      round_bf16_inplace)
+from .formats import (ELEMENT_COST, as_f32_array, bf16_halves, is_bf16_valued, is_int,
+                      output_buffer, round_bf16_inplace)
 from .matvec import MATVEC_MEMBERS, matvec_beside, matvec_into, pair_hi, pair_lo
 from .workers import can_work_beside, serial_twin, sized_call
 
@@ -525,6 +525,9 @@ def _bf16_bits(rows):
     """bf16-valued rows (float32 or ``ml_dtypes.bfloat16``) as their bf16 bit patterns (uint16)."""
     if rows.dtype.name == "bfloat16":
         return np.ascontiguousarray(rows).view(np.uint16)
-    if not is_bf16_valued(rows):
+    bits = bf16_halves(rows)
+    if bits is not None:
+        return bits
+    if not is_bf16_valued(rows):        # a NaN is kept: its pattern's high half
         raise ValueError("Bf16Matrix: w must hold bf16 values (round it to bfloat16 first)")
     return (np.ascontiguousarray(rows).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
