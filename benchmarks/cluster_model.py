@@ -122,8 +122,15 @@ def project(terms: dict, threads: int, tokens: int, machines: int, cores: int, h
 
 
 def measure(plan, args) -> list[dict]:
-    """``--pairs`` A B pairs, one process then the cluster, each pair's files compared."""
-    directory = args.dir or tempfile.mkdtemp(prefix="ds41-cluster-")
+    """``--pairs`` A B pairs, one process then the cluster, each pair's files compared (in
+    ``--dir``, else in a temporary directory removed at the end)."""
+    if args.dir is not None:
+        return _pairs(plan, args, args.dir)
+    with tempfile.TemporaryDirectory(prefix="ds41-cluster-") as directory:
+        return _pairs(plan, args, directory)
+
+
+def _pairs(plan, args, directory: str) -> list[dict]:
     pairs = []
     for k in range(args.pairs):
         one, two = (os.path.join(directory, f"{w}.safetensors") for w in ("one", "cluster"))
