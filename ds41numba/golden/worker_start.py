@@ -1,5 +1,5 @@
 """What a local cluster's workers start from (``--workers N``): imported once by the process
-they are forked from (:func:`~.cluster.Cluster`'s forkserver), never by a worker itself.
+they are forked from (the forkserver of :func:`~.cluster._forkserver`), never by a worker itself.
 
 Started Dask's default way, each worker is a new interpreter that imports Dask, numba and
 ds41numba (1.1 CPU-seconds a worker on a 2-core Zen 5, taken from the driver's key side running
