@@ -637,6 +637,33 @@ def test_folded_scores_fall_back_to_the_per_block_layout_where_rows_do_not_fold(
         assert np.array_equal(later.scores(iq, w, clen, n), naive.tile_scores(iq, w, all_keys, clen))
 
 
+@pytest.mark.parametrize("tier", [pytest.param("avx2int8", marks=needs_avx2_int8),
+                                  pytest.param("avx512vnni", marks=needs_int8_dot),
+                                  pytest.param("amx", marks=needs_amx)])
+@pytest.mark.parametrize("idim", [32, 128])
+def test_a_key_owners_cache_lays_down_only_the_blocks_a_run_reaches(tier, idim):
+    """A key owner's cache is sized for the model's whole context, and a run reaches its first
+    rows only: the integer layouts' blocks past them are never laid down (hundreds of MB a
+    layer at V4.1's sizes, touched for nothing), while the rows reached score as the naive
+    scores say, those not written yet as keys of zeros (what a fresh cache held everywhere)."""
+    rng = np.random.default_rng(19)
+    T, ih, written, width, capacity = 3, 8, DOT_LANES + 5, 3 * DOT_LANES - 7, 64 * DOT_LANES
+    iq, w, keys = _index_inputs(rng, T, ih, idim, written)
+    clen = np.array([width, written - 2, 1])
+    with use_backend(tier):
+        cache = indexer_mod.IndexKeyCache.empty(capacity, idim)
+        cache.write(0, keys[:20])
+        assert cache._blank == -(-20 // DOT_LANES)
+        cache.write(20, keys[20:])
+        got = cache.scores(iq, w, clen, width)
+        assert cache._blank == -(-width // DOT_LANES) < capacity // DOT_LANES
+        assert np.array_equal(got, naive.tile_scores(iq, w, cache.keys[:width], clen))
+        # A layout packed later (keys that do not fold) starts at the same mark.
+        cache.write(written, _spread(keys[:3, None], 0, [idim // 32 - 1], 2.0 ** 5)[:, 0])
+        assert np.array_equal(cache.scores(iq, w, clen, width),
+                              naive.tile_scores(iq, w, cache.keys[:width], clen))
+
+
 def test_a_tiles_scores_stay_within_budget_at_a_million_positions():
     """At 1,048,576 positions a tile's [tile, width] f32 scores (the indexer's largest buffer
     per tile) still fit in _TILE_ELEMS (64 MB); so do the packed queries beside them."""

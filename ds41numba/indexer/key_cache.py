@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..numerics import (DOT_LANES, EMPTY_RANGE, FOLDED_KEY_OFFSET, KEY_OFFSET, empty_folded_blocks,
-                        foldable, int8_blocks_shape, merge_ranges, pack_bf16_pairs,
+from ..numerics import (DOT_LANES, EMPTY_RANGE, FOLDED_KEY_OFFSET, KEY_OFFSET, aligned_empty,
+                        folded_blocks_shape, foldable, int8_blocks_shape, merge_ranges, pack_bf16_pairs,
                         pack_folded_blocks, pack_int8_blocks, pack_offset_folded_blocks,
                         tier_at_least)
 from .blas_scores import tile_scores
@@ -42,13 +42,18 @@ class IndexKeyCache:
     """
 
     __slots__ = ("keys", "blocks", "int8", "int8_range", "folded", "folded_range", "vnni_folded",
-                 "vnni_folded_range")
+                 "vnni_folded_range", "_blank")
+
+    #: The byte of a key 0 in each integer layout: what a row not written yet holds there (a
+    #: row of zeros of scale 1).
+    _ZERO_BYTE = {"folded": 0, "vnni_folded": FOLDED_KEY_OFFSET, "int8": KEY_OFFSET}
 
     def __init__(self, keys: np.ndarray, packed_rows: int | None = None):
         """Wrap ``keys`` (kept as given, not copied); its first ``packed_rows`` rows (all by
         default) hold keys already and are packed."""
         self.keys = keys
         self.blocks = self.int8 = self.folded = self.vnni_folded = None
+        self._blank = 0
         self.int8_range = self.folded_range = self.vnni_folded_range = EMPTY_RANGE
         rows = keys.shape[0] if packed_rows is None else packed_rows
         if amx_scored(keys.shape[1]):
@@ -76,23 +81,45 @@ class IndexKeyCache:
         return ((self.folded is not None and foldable(self.folded_range, EMPTY_RANGE))
                 or (self.vnni_folded is not None and foldable(self.vnni_folded_range, EMPTY_RANGE)))
 
+    def _layout(self, name: str, shapes: tuple) -> tuple:
+        """A new integer layout ``(quads, scales)`` of ``shapes``, its blocks below the others'
+        blank mark blank (:meth:`_blank_to`), the rest not yet laid down."""
+        quads, scales = aligned_empty(shapes[0], np.uint32), np.ones(shapes[1], np.float32)
+        quads[:self._blank] = np.uint32(self._ZERO_BYTE[name] * 0x01010101)
+        return quads, scales
+
+    def _blank_to(self, rows: int) -> None:
+        """Every integer layout's blocks up to row ``rows`` laid down as rows not written (then
+        packed over as rows are written). A key owner's cache is sized for the model's whole
+        context (hundreds of MB a layout at V4.1's), while a run reads the blocks of the
+        positions it reached: the rest is never touched, in memory or in time."""
+        top = min(-(-rows // DOT_LANES), -(-self.keys.shape[0] // DOT_LANES))
+        if top <= self._blank:
+            return
+        for name, byte in self._ZERO_BYTE.items():
+            layout = getattr(self, name)
+            if layout is not None:
+                layout[0][self._blank:top] = np.uint32(byte * 0x01010101)
+        self._blank = top
+
     def _pack_vnni_folded(self, rows: int) -> None:
-        self.vnni_folded = empty_folded_blocks(*self.keys.shape, FOLDED_KEY_OFFSET)
+        self.vnni_folded = self._layout("vnni_folded", folded_blocks_shape(*self.keys.shape))
         self.vnni_folded_range = EMPTY_RANGE
+        self._blank_to(rows)
         if rows:
             self.vnni_folded_range = pack_offset_folded_blocks(self.keys[:rows], self.vnni_folded, 0)[2]
 
     def _pack_folded(self, rows: int) -> None:
-        self.folded = empty_folded_blocks(*self.keys.shape)
+        self.folded = self._layout("folded", folded_blocks_shape(*self.keys.shape))
         self.folded_range = EMPTY_RANGE
+        self._blank_to(rows)
         if rows:
             self.folded_range = pack_folded_blocks(self.keys[:rows], self.folded, 0)[2]
 
     def _pack_int8(self, rows: int) -> None:
-        quads, scales = int8_blocks_shape(*self.keys.shape)
-        # The rows not written yet: zeros (bytes 0 + KEY_OFFSET) of scale 1.
-        self.int8 = (np.full(quads, np.uint32(KEY_OFFSET * 0x01010101)), np.ones(scales, np.float32))
+        self.int8 = self._layout("int8", int8_blocks_shape(*self.keys.shape))
         self.int8_range = EMPTY_RANGE
+        self._blank_to(rows)
         if rows:
             self.int8_range = pack_int8_blocks(self.keys[:rows], self.int8, 0)[2]
 
@@ -104,6 +131,7 @@ class IndexKeyCache:
         self.keys[first_row:first_row + len(keys)] = keys
         if not len(keys):
             return
+        self._blank_to(first_row + len(keys))
         rows = self.keys[first_row:first_row + len(keys)]
         if self.blocks is not None:
             pack_bf16_pairs(rows, self.blocks, first_row)
@@ -151,6 +179,7 @@ class IndexKeyCache:
                 raise ValueError(f"IndexKeyCache.scores: block maxima of {block} positions need a "
                                  f"float32 [{len(clen)}, {-(-width // max(block, 1))}] buffer, got "
                                  f"{block_max.dtype} {block_max.shape}")
+        self._blank_to(width)
         # The integer tiers, highest first; each declines (None) where it is not exact.
         for scored, layout, pack, tier_scores in (
                 (amx_scored, "folded", self._pack_folded, tile_scores_amx),
