@@ -16,13 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from ml_dtypes import bfloat16 as BF16
 
 from .attention import CompAttnRun, attention_any
 from .batch import SINGLE, BatchRow, checked_batch
 from .compressor import CompressorState, CompressorWeights
 from .config import FALLBACK_KEY_OWNER, AttnConfig
 from .indexer import IndexerWeights, IndexKeyCache, candidate_mask
-from .numerics import Bf16Matrix, F32Matrix, SharedInput, is_bf16_valued, is_int
+from .numerics import Bf16Matrix, F32Matrix, SharedInput, bf16_halves, is_bf16_valued, is_int
 from .step_order import StepOrder
 
 __all__ = ["AttnWeights", "LayerAttnState", "SharedRuntime", "AttentionStack", "StepOrder",
@@ -94,6 +95,11 @@ def _checked_weight(name: str, array, shape: tuple[int, ...], kind: str, groups:
     if kind == "bf16" and a.ndim == 2 and bf16:     # bf16 already: nothing to check or widen
         return Bf16Matrix(a, groups=groups)
     a = np.ascontiguousarray(a, dtype=np.float32)
+    # A projection's check and its bit patterns in one pass on every core; a NaN (or a value
+    # that is not bf16, for the error below) takes the slower way.
+    bits = bf16_halves(a) if kind == "bf16" and a.ndim == 2 else None
+    if bits is not None:
+        return Bf16Matrix(bits.view(BF16), groups=groups)
     if kind == "bf16" and not is_bf16_valued(a):
         raise ValueError(f"weights: {name} must hold bf16 values (round it to bfloat16 first)")
     if a.ndim == 1:

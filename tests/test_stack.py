@@ -509,6 +509,26 @@ def test_x_layouts_and_bf16_dtype_give_the_same_bits(tiny_weights):
         assert np.array_equal(got, want)
 
 
+def test_weights_as_float32_or_bfloat16_give_the_same_bits(tiny_weights):
+    """A projection given as float32 bf16 values (checked and taken apart in one pass) or as
+    ``ml_dtypes.bfloat16`` is held alike; a NaN in one is kept (the slower way), and a value
+    that is not bf16 is refused by the weight's name."""
+    kinds = {n: k for i in range(TINY.n_layers) for n, (_, k) in weight_specs(TINY, i).items()}
+    as_bf16 = {n: a.astype(ml_dtypes.bfloat16) if kinds[n] == "bf16" and a.ndim == 2 else a
+               for n, a in tiny_weights.items()}
+    x = xs(6)
+    want = AttentionStack(TINY, tiny_weights).forward(2, x, 0).out
+    assert np.array_equal(AttentionStack(TINY, as_bf16).forward(2, x, 0).out, want)
+    name = "layers.2.attn.wo_b.weight"
+    with_nan = dict(tiny_weights, **{name: tiny_weights[name].copy()})
+    with_nan[name][1, 3] = np.nan
+    got = AttentionStack(TINY, with_nan).forward(2, x, 0).out
+    assert np.isnan(got[:, 1]).all() and np.array_equal(np.delete(got, 1, 1), np.delete(want, 1, 1))
+    off = dict(tiny_weights, **{name: tiny_weights[name].copy()})
+    off[name][0, 0] = np.float32(1 + 2 ** -10)
+    refused(lambda: AttentionStack(TINY, off), ValueError, name, "bf16 values")
+
+
 @pytest.mark.parametrize("call, exc, words", [
     (lambda st: st.forward(6, xs(2), 0), ValueError, ["layer 6 is not in this stack"]),
     (lambda st: st.forward(-1, xs(2), 0), ValueError, ["layer -1"]),
