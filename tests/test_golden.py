@@ -52,12 +52,14 @@ def _spec_value(seed: int, name: str, n: int, center: float, scale: float, bf16:
 
 
 @pytest.mark.parametrize("seed", [0, 7, 2 ** 64 - 1])
-@pytest.mark.parametrize("bf16", [True, False])
-def test_generator_matches_its_documented_algorithm(seed, bf16):
+@pytest.mark.parametrize("bf16, bfloat16", [(True, False), (False, False), (True, True)])
+def test_generator_matches_its_documented_algorithm(seed, bf16, bfloat16):
     name, center, scale = "layers.3.attn.wq_a.weight", 0.0, math.sqrt(3 / 64)
-    got = golden.make_tensor(name, (5, 7), seed, center, scale, bf16=bf16).reshape(-1)
+    got = golden.make_tensor(name, (5, 7), seed, center, scale, bf16=bf16,
+                             bfloat16=bfloat16).reshape(-1)
     want = [_spec_value(seed, name, n, center, scale, bf16) for n in range(35)]
-    assert got.tolist() == want
+    assert got.dtype.name == ("bfloat16" if bfloat16 else "float32")
+    assert got.astype(np.float32).tolist() == want
 
 
 def test_generator_is_independent_of_chunking_and_threads():
@@ -69,6 +71,8 @@ def test_generator_is_independent_of_chunking_and_threads():
     pieces = [golden.make_tensor(name, (hi - lo,), 11, 0.0, math.sqrt(3.0), start=lo)
               for lo, hi in zip(cuts, cuts[1:])]
     assert np.array_equal(np.concatenate(pieces).view(np.uint32), flat.view(np.uint32))
+    halves = golden.make_tensor(name, shape, 11, 0.0, math.sqrt(3.0), bfloat16=True)
+    assert np.array_equal(halves.view(np.uint16), (flat.view(np.uint32) >> 16).reshape(shape))
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)

@@ -59,6 +59,7 @@ import hashlib
 import math
 
 import numpy as np
+from ml_dtypes import bfloat16 as BF16
 from numba import njit, prange
 
 from ..config import AttnConfig
@@ -120,7 +121,8 @@ def stream_key(seed: int, name: str) -> int:
 
 @njit(cache=True)
 def _fill_block(out_bits, key, start, center, scale, to_bf16, lo, hi):
-    """Elements ``start + lo .. start + hi - 1`` of the stream ``key`` into ``out_bits[lo:hi]``."""
+    """Elements ``start + lo .. start + hi - 1`` of the stream ``key`` into ``out_bits[lo:hi]``:
+    their f32 bit patterns (uint32 ``out_bits``) or, bf16 values, their bf16 ones (uint16)."""
     buf = np.empty(hi - lo, np.float32)
     for j in range(lo, hi):
         z = key + np.uint64(start + j + 1) * _GAMMA
@@ -131,11 +133,12 @@ def _fill_block(out_bits, key, start, center, scale, to_bf16, lo, hi):
         t = np.float64(2 * m + 1 - 16777216) * (1.0 / 16777216.0)
         buf[j - lo] = np.float32(center + scale * t)
     bits = buf.view(np.uint32)
+    drop = np.uint32(32 - 8 * out_bits.itemsize)       # a uint16 output keeps the high half
     for j in range(lo, hi):
         v = bits[j - lo]
         if to_bf16:   # RNE to bf16 on the bit pattern; values are finite by construction
             v = (v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        out_bits[j] = v
+        out_bits[j] = v >> drop
 
 
 @njit(parallel=True, cache=True)
@@ -154,8 +157,10 @@ _PARALLEL_FROM = 1 << 16  # elements
 
 
 def make_tensor(name: str, shape, seed: int, center: float, scale: float, bf16: bool = True,
-                start: int = 0) -> np.ndarray:
-    """The generator's tensor ``name``: float32 ``shape`` (bf16 values when ``bf16``).
+                start: int = 0, bfloat16: bool = False) -> np.ndarray:
+    """The generator's tensor ``name``: float32 ``shape`` (bf16 values when ``bf16``), or with
+    ``bf16`` and ``bfloat16`` the same values as an ``ml_dtypes.bfloat16`` array (half the bytes,
+    none of them made twice).
 
     ``start`` offsets the element counter, so a tensor can be made in pieces: the piece
     ``make_tensor(name, (k,), ..., start=n)`` equals elements ``n .. n+k-1`` of the whole.
@@ -166,11 +171,12 @@ def make_tensor(name: str, shape, seed: int, center: float, scale: float, bf16: 
         raise ValueError(f"make_tensor: negative dimension in shape {shape}")
     if not (math.isfinite(center) and math.isfinite(scale)):
         raise ValueError(f"make_tensor: center and scale must be finite, got {center}, {scale}")
-    out = np.empty(shape, np.float32)
-    fill = _fill_bits_kernel if out.size >= _PARALLEL_FROM else _fill_bits_kernel_serial
-    fill(out.reshape(-1).view(np.uint32), np.uint64(stream_key(seed, name)), int(start),
-         float(center), float(scale), bool(bf16))
-    return out
+    halves = bool(bf16 and bfloat16)
+    bits = np.empty(shape, np.uint16 if halves else np.uint32)
+    fill = _fill_bits_kernel if bits.size >= _PARALLEL_FROM else _fill_bits_kernel_serial
+    fill(bits.reshape(-1), np.uint64(stream_key(seed, name)), int(start), float(center),
+         float(scale), bool(bf16))
+    return bits.view(BF16 if halves else np.float32)
 
 
 def weight_distribution(name: str, shape) -> tuple[float, float]:
@@ -216,11 +222,12 @@ def make_weights(config: AttnConfig, layers=None, seed: int = 0,
 
 
 def make_weight(config: AttnConfig, name: str, shape, kind: str, seed: int = 0,
-                profile: str = "default") -> np.ndarray:
+                profile: str = "default", bfloat16: bool = False) -> np.ndarray:
     """One parameter (``kind`` "bf16" or "f32", as :func:`weight_specs` gives it), exactly as
-    :func:`make_weights` makes it."""
+    :func:`make_weights` makes it; with ``bfloat16`` a bf16 one as an ``ml_dtypes.bfloat16``
+    array (:func:`make_tensor`)."""
     center, scale = weight_distribution(name, shape)
-    w = make_tensor(name, shape, seed, center, scale, bf16=(kind == "bf16"))
+    w = make_tensor(name, shape, seed, center, scale, bf16=(kind == "bf16"), bfloat16=bfloat16)
     if checked_profile(profile) == "ties":
         _tie_weight(config, name, w)
     return w
@@ -265,7 +272,9 @@ class GeneratedWeights(LazyWeights):
     A stack built from it holds its weights only in the forms it computes with, never a second
     dict of every layer's float32 arrays (at v41-flash a layer's weights are hundreds of MB).
     ``made(name, array, kind)``, if given, sees each tensor as it is made (a streamed golden
-    writes it into the file). Nothing is kept: asking twice makes the tensor twice.
+    writes it into the file). Nothing is kept: asking twice makes the tensor twice. The bf16
+    parameters come as ``ml_dtypes.bfloat16`` arrays (the values :func:`make_weights` gives as
+    float32): the file stores and the stack packs their bit patterns as they are.
     """
 
     def __init__(self, config: AttnConfig, layers, seed: int = 0, profile: str = "default",
@@ -275,7 +284,7 @@ class GeneratedWeights(LazyWeights):
         self.made = made
 
     def make(self, name: str, shape, kind: str) -> np.ndarray:
-        return make_weight(self.config, name, shape, kind, self.seed, self.profile)
+        return make_weight(self.config, name, shape, kind, self.seed, self.profile, bfloat16=True)
 
 
 def _tie_weight(config: AttnConfig, name: str, w: np.ndarray):
