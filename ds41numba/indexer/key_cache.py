@@ -82,11 +82,14 @@ class IndexKeyCache:
                 or (self.vnni_folded is not None and foldable(self.vnni_folded_range, EMPTY_RANGE)))
 
     def _layout(self, name: str, shapes: tuple) -> tuple:
-        """A new integer layout ``(quads, scales)`` of ``shapes``, its blocks below the others'
-        blank mark blank (:meth:`_blank_to`), the rest not yet laid down."""
+        """A new integer layout ``(quads, scales)`` of ``shapes``, blank as far as the others
+        (:meth:`_blank_to`), the rest not yet laid down."""
         quads, scales = aligned_empty(shapes[0], np.uint32), np.ones(shapes[1], np.float32)
-        quads[:self._blank] = np.uint32(self._ZERO_BYTE[name] * 0x01010101)
+        self._lay_blank(name, quads, 0, self._blank)
         return quads, scales
+
+    def _lay_blank(self, name: str, quads: np.ndarray, lo: int, hi: int) -> None:
+        quads[lo:hi] = np.uint32(self._ZERO_BYTE[name] * 0x01010101)
 
     def _blank_to(self, rows: int) -> None:
         """Every integer layout's blocks up to row ``rows`` laid down as rows not written (then
@@ -96,10 +99,9 @@ class IndexKeyCache:
         top = min(-(-rows // DOT_LANES), -(-self.keys.shape[0] // DOT_LANES))
         if top <= self._blank:
             return
-        for name, byte in self._ZERO_BYTE.items():
-            layout = getattr(self, name)
-            if layout is not None:
-                layout[0][self._blank:top] = np.uint32(byte * 0x01010101)
+        for name in self._ZERO_BYTE:
+            if getattr(self, name) is not None:
+                self._lay_blank(name, getattr(self, name)[0], self._blank, top)
         self._blank = top
 
     def _pack_vnni_folded(self, rows: int) -> None:
