@@ -65,8 +65,8 @@ from .config import PRESETS, AttnConfig, preset
 CompAttnCfg = AttnConfig
 from .compressor import CompressorState, CompressorWeights, compressor
 from .indexer import IndexerCfg, IndexerWeights, IndexKeyCache, indexer, select_candidate_blocks
-from .attention import (CompAttnRun, attention_any, attention_rows, output_projection, sparse_attn,
-                        window_index_rows)
+from .attention import (CompAttnRun, KvPairs, attention_any, attention_rows, kv_pairs,
+                        output_projection, sparse_attn, window_index_rows)
 from .stack import AttentionStack, AttnWeights, LayerAttnState, SharedRuntime, weight_specs
 from .batch import BatchRow
 from .batched import BatchedStack

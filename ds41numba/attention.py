@@ -26,11 +26,11 @@ from .indexer import IndexerCfg, index_keys, indexer
 from .numerics import (MATVEC_MAX_ROWS, act_quant_fp8_inplace, fp4_quant_e4m3_inplace, is_int,
                        linear_bf16, linear_bf16_beside, rms_norm, single_threaded_blas)
 from .rope import apply_rotary, yarn_freqs_cis
-from .sparse_attention import sparse_attn
+from .sparse_attention import KvPairs, kv_pairs, sparse_attn
 from .step import Step
 
-__all__ = ["CompAttnRun", "attention_any", "attention_rows", "sparse_attn", "window_index_rows",
-           "index_rows", "output_projection", "layer_rope_table"]
+__all__ = ["CompAttnRun", "attention_any", "attention_rows", "KvPairs", "kv_pairs", "sparse_attn",
+           "window_index_rows", "index_rows", "output_projection", "layer_rope_table"]
 
 #: Queries a prefill answers per tile (``_default_tile``). Each fresh page a tile's buffers take
 #: costs its first write (on the project's KVM hosts about 2.6 s a GB, the host backing it
@@ -355,6 +355,8 @@ def _answer_queries(c, layer_id, weights, shared, x, step, window, table, captur
     out = np.empty((seqlen, c.dim), np.float32)
     q_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
     o_cap = np.empty((seqlen, H, hd), np.float32) if capture else None
+    # q.k's operand for every tile at once, where it pays (sparse_attention.kv_pairs).
+    pairs = kv_pairs(kv_rows, seqlen * attend.shape[1])
     step = tile or _default_tile(seqlen)
     # One set of tile buffers for every tile (fresh arrays this size cost page faults each time).
     q_buf = np.empty((min(step, seqlen), H, hd), np.float32)
@@ -366,7 +368,8 @@ def _answer_queries(c, layer_id, weights, shared, x, step, window, table, captur
         q = (q_read[s0:s1] if q_read is not None else
              linear_bf16(qr[s0:s1], weights.wq_b, out=q_buf[:n], ref_rows=ref_rows)).reshape(n, H, hd)
         q = apply_rotary(q, positions[s0:s1], table, inplace=True)
-        o = sparse_attn(q, kv_rows, attend[s0:s1], weights.attn_sink, hd ** -0.5, out=o_buf[:n])
+        o = sparse_attn(q, kv_rows, attend[s0:s1], weights.attn_sink, hd ** -0.5, out=o_buf[:n],
+                        pairs=pairs)
         if capture:
             q_cap[s0:s1] = q
             o_cap[s0:s1] = o

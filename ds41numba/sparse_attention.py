@@ -9,21 +9,26 @@ softmax, :mod:`.numerics.softmax`), so the output is the reference's bit for bit
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from .numerics import SOFTMAX_LANES, bf16_scalar, output_buffer, serial_twin, sized_call, softmax_rows
+from .numerics import (SOFTMAX_LANES, bf16_pairs, bf16_scalar, fma_faster, output_buffer, serial_twin,
+                       sized_call, softmax_rows, tier_at_least, values_range)
+from .numerics.bf16_dot import dot_sums
 from .numerics.f32_products import KC, blocked_rows
 from .numerics.f32_tiles import fma_sums
+from .numerics.fma_choice import row_range, safe_partner
 from .numerics.vector_ir import (F32, I32, I64, V16F, extent, i64, lane_masks, load_row,
                                  row_operands, row_pointer, wide_registers)
 from .numerics.vector_ir import prefetch as prefetch_line
 
-__all__ = ["sparse_attn"]
+__all__ = ["sparse_attn", "kv_pairs", "KvPairs"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -56,6 +61,15 @@ __all__ = ["sparse_attn"]
 # MKL's block (KC), its row-blocking rule (blocked_rows) and its FMA chain inside a block
 # (fma_sums) are the ones the f32 products use (:mod:`.numerics.f32_products`,
 # :mod:`.numerics.f32_tiles`): one model of its order.
+#
+# q.k as bf16 pairs: the model's q and KV rows are bf16 values, whose products are exact in
+# f32, so the blocked kernel's FMA chain over hd is a chain of rounded additions of exact
+# products; ``vdpbf16ps`` adds two such products a lane, the pair's high half first, at the
+# FMA's rate on a Zen 4 (twice the work an instruction). With each pair's first value in its
+# high half (``bf16_pairs(in_order=True)``) the chains are the same, where no product or sum
+# can be denormal (``vdpbf16ps`` flushes them; :func:`.numerics.fma_safe`): checked for the
+# rows once (:func:`kv_pairs`) and for each query's q as it is laid out, which otherwise
+# takes the f32 FMAs. P @ rows multiplies f32 probabilities: FMAs always.
 
 # The tiles' sums stay in registers: AVX-512 has 32 of 16 floats, AVX2 16 of 8
 # (:func:`~.numerics.vector_ir.wide_registers`), where the AVX-512 tiles spilled at every step
@@ -139,11 +153,12 @@ def _tile_operands(builder, ops, arrays, rows, nvec, by_address, prefetch, maske
     return extent(builder, arrays[0]), load_a, load_b, o_op, accumulate
 
 
-def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
+def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False, sums=fma_sums):
     """An intrinsic running MKL's blocked kernel inside one block on a tile of accumulators:
     for ``i < rows`` and the ``16 * nvec`` lanes ``c``, the FMA chain ``acc = fma(a[k, i],
     b[k, c], acc)`` over ``k = 0 .. K-1`` from +0, then ``out[i, c] = acc`` or, if
-    ``accumulate``, ``out[i, c] + acc`` (this block added to the earlier ones).
+    ``accumulate``, ``out[i, c] + acc`` (this block added to the earlier ones). With ``sums =
+    dot_sums``, the same chains on in-order bf16 pairs (a step a pair, ``a`` and ``b`` uint32).
 
     The listed KV rows are read where they lie, through a table of their addresses (int64),
     as one operand, so they are never copied:
@@ -166,7 +181,7 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
         ops, arrays = row_operands(context, builder, signature, values)
         n_k, load_a, load_b, o_op, accumulate = _tile_operands(builder, ops, arrays, rows, nvec,
                                                                by_address, prefetch, masked)
-        acc = fma_sums(builder, n_k, rows, nvec, load_a, load_b, unrolled=False)
+        acc = sums(builder, n_k, rows, nvec, load_a, load_b, unrolled=False)
         add = builder.icmp_signed("!=", accumulate, ir.Constant(accumulate.type, 0))
         for i in range(rows):
             for v in range(nvec):
@@ -186,13 +201,33 @@ def _fma_tile(rows, nvec, by_address, prefetch=0, masked=False):
     return tile
 
 
-# q.k tiles for 16, 32, 48 and 64 heads; the P @ rows tile.
-_qk_tile1 = _fma_tile(_QK_ROWS, 1, "a", _QK_ROWS)
-_qk_tile2 = _fma_tile(_QK_ROWS, 2, "a", _QK_ROWS)
-_qk_tile3 = _fma_tile(_QK_ROWS, 3, "a", _QK_ROWS)
-_qk_tile4 = _fma_tile(_QK_ROWS, _QK_HEADS // 16, "a", _QK_ROWS)
+# q.k tiles for 16, 32, 48 and 64 heads, on f32 values and on pairs; the P @ rows tile.
+_QK_TILES = {sums: tuple(_fma_tile(_QK_ROWS, min(nv, _QK_HEADS // 16), "a", _QK_ROWS, sums=sums)
+                         for nv in (1, 2, 3, 4))
+             for sums in (fma_sums, dot_sums)}
 _pv_tile = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH)
 _pv_tile_masked = _fma_tile(_PV_HEADS, _PV_COLS // 16, "b", _PV_PREFETCH, masked=True)
+
+
+def _qk_tile(a, first, b, t, accumulate, nv):
+    """The q.k tile of ``nv`` vectors of heads for ``b``'s layout: f32 values (float32) or pairs
+    (uint32)."""
+
+
+@overload(_qk_tile)
+def _qk_tile_impl(a, first, b, t, accumulate, nv):
+    tile1, tile2, tile3, tile4 = _QK_TILES[dot_sums if b.dtype == types.uint32 else fma_sums]
+
+    def impl(a, first, b, t, accumulate, nv):
+        if nv == 4:
+            tile4(a, first, b, t, accumulate)
+        elif nv == 3:
+            tile3(a, first, b, t, accumulate)
+        elif nv == 2:
+            tile2(a, first, b, t, accumulate)
+        else:
+            tile1(a, first, b, t, accumulate)
+    return impl
 
 
 @njit(cache=True, nogil=True)
@@ -245,26 +280,19 @@ def _row(parts, src, zero_row, c):
 
 
 @njit(cache=True, nogil=True)
-def _qk_blocked(qT, addr, n, x, lo, hi):
+def _qk_blocked(qT, addr, n, x, lo, hi, kc):
     """``x[c, h] = q_h . row_c`` for ``c < n`` and the heads ``lo .. hi - 1`` (``lo`` a multiple
     of 16; up to a multiple of 16 are computed: qT's extra columns are zero), MKL's blocked
-    order over hd."""
-    hd = qT.shape[0]
-    for d0 in range(0, hd, KC):
+    order over hd: ``qT [hd, hq]`` f32 values and ``addr`` the rows' (``kc = KC``), or ``qT
+    [hd / 2, hq]`` in-order pairs and ``addr`` the pair rows' (``kc = KC // 2``)."""
+    K = qT.shape[0]
+    for d0 in range(0, K, kc):
         for h0 in range(lo, hi, _QK_HEADS):
             nv = min(_QK_HEADS // 16, (hi - h0 + 15) // 16)
-            b = qT[d0:min(hd, d0 + KC), h0:h0 + 16 * nv]
+            b = qT[d0:min(K, d0 + kc), h0:h0 + 16 * nv]
             for c0 in range(0, n, _QK_ROWS):
-                a = addr[c0:c0 + 2 * _QK_ROWS]
-                t = x[c0:c0 + _QK_ROWS, h0:h0 + 16 * nv]
-                if nv == 4:
-                    _qk_tile4(a, d0, b, t, d0 > 0)
-                elif nv == 3:
-                    _qk_tile3(a, d0, b, t, d0 > 0)
-                elif nv == 2:
-                    _qk_tile2(a, d0, b, t, d0 > 0)
-                else:
-                    _qk_tile1(a, d0, b, t, d0 > 0)
+                _qk_tile(addr[c0:c0 + 2 * _QK_ROWS], d0, b, x[c0:c0 + _QK_ROWS, h0:h0 + 16 * nv],
+                         d0 > 0, nv)
 
 
 @njit(cache=True, nogil=True)
@@ -333,6 +361,47 @@ def _pv_small(p, parts, src, zero_row, n, out, lo, hi, hd):
                 acc[d] += w * row[d]
 
 
+@njit(cache=True, nogil=True)
+def _pair_rows(pairs, src, zero_row, paddr, n):
+    """``paddr``: the addresses of the compacted list's rows (see _list_rows) in the pair rows
+    ``pairs`` (:func:`kv_pairs`); the zero row's past them, as ``addr``'s."""
+    zero_addr = zero_row.ctypes.data
+    for c in range(n):
+        p = src[c, 0]
+        paddr[c] = zero_addr if p < 0 else pairs[p].ctypes.data + src[c, 1] * pairs[p].strides[0]
+    paddr[n:] = zero_addr
+
+
+def _q_pairs(qs, qP, lo, hi, bounds):
+    """Heads ``lo .. hi - 1`` of one query's ``qs [H, hd]`` as in-order pairs, ``qP[p, h]``,
+    if their values are bf16 values within ``bounds`` (the biased exponents the rows allow:
+    :func:`.numerics.fma_choice.safe_partner`; none if ``lowest > highest``); returns whether
+    they were. Always False where ``qP`` is not uint32 (no pairs: the rows' f32 values serve)."""
+
+
+@overload(_q_pairs)
+def _q_pairs_impl(qs, qP, lo, hi, bounds):
+    if qP.dtype != types.uint32:
+        return lambda qs, qP, lo, hi, bounds: False
+
+    def impl(qs, qP, lo, hi, bounds):
+        bits = qs.view(np.uint32)
+        ok, lowest, highest = True, np.int64(255), np.int64(0)
+        for h in range(lo, hi):
+            row_ok, row_lo, row_hi = row_range(bits[h], False)
+            ok, lowest, highest = ok and row_ok, min(lowest, row_lo), max(highest, row_hi)
+        if not ok or bounds[0] > bounds[1]:
+            return False
+        if lowest <= highest and not bounds[0] <= lowest <= highest <= bounds[1]:
+            return False
+        for h in range(lo, hi):
+            row = bits[h]
+            for p in range(qP.shape[0]):
+                qP[p, h] = (row[2 * p] & np.uint32(0xFFFF0000)) | (row[2 * p + 1] >> np.uint32(16))
+        return True
+    return impl
+
+
 def _head_groups(S: int, H: int, workers: int) -> int:
     """Into how many groups of heads each query's work splits: one, unless there are fewer
     queries than workers (a decode step), then as many as keep the workers busy, each a multiple
@@ -344,11 +413,12 @@ def _head_groups(S: int, H: int, workers: int) -> int:
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
+def _sparse_attn_kernel(q, parts, pairs, bounds, starts, idx, sink, scale, o, workers, groups):
     """:func:`sparse_attn` into ``o``: the work items are the queries, or with fewer queries than
     workers each query's ``groups`` groups of heads (:func:`_head_groups`); worker w takes the
     items w, w + workers, ..., each whole (its arithmetic does not depend on which worker runs it), in
-    buffers of its own."""
+    buffers of its own. ``pairs``: the rows as in-order pairs, q.k's operand for a query whose
+    q lies within ``bounds`` (:func:`_q_pairs`); or ``parts`` again (f32 q.k throughout)."""
     S, H, hd = q.shape
     W = idx.shape[1]
     blocked = blocked_rows(H)
@@ -368,6 +438,8 @@ def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
         listed = np.zeros(cap, np.bool_)
         edges = np.zeros(n_blocks + 1, np.int64)
         qT = np.zeros((hd, hq), np.float32)
+        qP = np.zeros((hd // 2, hq), pairs[0].dtype)
+        paddr = np.zeros(cap, np.int64)
         x = np.zeros((cap, hp), np.float32)
         acc = np.zeros((hp, hd_pad), np.float32)
         lanes = np.zeros((SOFTMAX_LANES, hp), np.float32)
@@ -379,10 +451,14 @@ def _sparse_attn_kernel(q, parts, starts, idx, sink, scale, o, workers, groups):
                 o[s, lo:hi] = 0
                 continue
             qs = q[s]
-            for h in range(lo, hi):
-                for d in range(hd):
-                    qT[d, h] = qs[h, d]
-            _qk_blocked(qT, addr, n, x, lo, min(hi, blocked))
+            if _q_pairs(qs, qP, lo, hi, bounds):
+                _pair_rows(pairs, src, zero_row, paddr, n)
+                _qk_blocked(qP, paddr, n, x, lo, min(hi, blocked), KC // 2)
+            else:
+                for h in range(lo, hi):
+                    for d in range(hd):
+                        qT[d, h] = qs[h, d]
+                _qk_blocked(qT, addr, n, x, lo, min(hi, blocked), KC)
             _qk_small(qs, parts, src, zero_row, listed, n, x, max(lo, blocked), hi)
             softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes)
             _pv_blocked(x, addr, edges, acc, lo, min(hi, blocked), hd)
@@ -417,8 +493,55 @@ def _check_sparse_attn(q, kv, idx, attn_sink):
         raise ValueError(f"sparse_attn: attn_sink must be [{H}], got {list(np.shape(attn_sink))}")
 
 
+#: Bounds no q meets (:func:`_q_pairs`): q.k on the f32 values.
+_NO_Q = (1, 0)
+
+
+def _row_parts(kv) -> tuple:
+    """The KV rows as the kernel takes them: two contiguous row blocks. numba compiles each
+    tuple length anew (~10 s), so one block takes an empty second and more than two are joined
+    after the first."""
+    parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
+    if len(parts) == 1:
+        return parts + (np.empty((0, parts[0].shape[1]), parts[0].dtype),)
+    if len(parts) > 2:
+        return (parts[0], np.concatenate(parts[1:]))
+    return parts
+
+
+class KvPairs(NamedTuple):
+    """KV rows as q.k's bf16 pairs (:func:`kv_pairs`): ``parts``, uint32 ``[rows, hd / 2]`` for
+    each of the kernel's two row blocks, and ``range``, :func:`.numerics.values_range` of them
+    all."""
+    parts: tuple
+    range: tuple
+
+
+def kv_pairs(kv, listed: int | None = None) -> KvPairs | None:
+    """The KV rows ``kv`` (as :func:`sparse_attn` takes them) laid out for q.k on AVX512-BF16,
+    for one or many calls on the same rows (a layer's query tiles): None where they cannot
+    serve (no such tier, an odd hd, values that are not bf16 values, a denormal, inf or NaN),
+    and, given ``listed`` (the list entries the calls read), where they would not pay for
+    themselves: ``vdpbf16ps`` not the faster (:func:`.numerics.fma_faster`), or fewer entries
+    read than rows laid out (a decode step over a long cache)."""
+    parts = _row_parts(kv)
+    hd, rows = parts[0].shape[1], sum(len(p) for p in parts)
+    if not tier_at_least("avx512bf16") or hd % 2:
+        return None
+    if listed is not None and (fma_faster() or listed < rows):
+        return None
+    try:
+        pairs = tuple(bf16_pairs(p, in_order=True) for p in parts)
+    except ValueError:      # not bf16 values: q.k on the f32 values
+        return None
+    ranges = [values_range(p) for p in pairs]
+    whole = (all(r[0] for r in ranges), min(r[1] for r in ranges), max(r[2] for r in ranges))
+    return KvPairs(pairs, whole) if whole[0] else None
+
+
 def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.ndarray,
-                softmax_scale: float, out: np.ndarray | None = None) -> np.ndarray:
+                softmax_scale: float, out: np.ndarray | None = None,
+                pairs: KvPairs | None = None) -> np.ndarray:
     """Attention of each query over its listed KV rows, with a sink logit per head.
 
     ``q [S, H, hd]``, ``kv [rows, hd]`` (shared by all heads; or a tuple of row blocks that
@@ -426,33 +549,43 @@ def sparse_attn(q: np.ndarray, kv: np.ndarray, idx: np.ndarray, attn_sink: np.nd
     together; a third and more are joined to the second), ``idx [S, W]`` (-1 = skip),
     ``attn_sink [H]``. Softmax in f32 over the listed scores plus the sink, which joins only
     the denominator. A query with no listed row outputs zeros. Result rounded to bf16, written
-    into ``out`` (a C-contiguous float32 buffer) if given.
+    into ``out`` (a C-contiguous float32 buffer) if given. ``pairs``: :func:`kv_pairs` of
+    these rows, made once for many calls (by default made here where they pay; unused on a
+    tier below ``avx512bf16``).
 
     Every f32 operation is the reference's, in its order (see the notes above
     ``_fma_tile``): the last bit of a score, a probability or an output is what the reference
     computes, including NaN and inf propagation. Queries are spread over
     ``numba.get_num_threads()`` workers, each query (with fewer queries than workers, each
     group of a query's heads) computed whole by one of them, so the result does not depend on
-    the thread count.
+    the thread count, nor on whether q.k runs on pairs.
     """
     _check_sparse_attn(q, kv, idx, attn_sink)
     S, H, hd = q.shape
+    W = idx.shape[1]
     scale = np.float32(softmax_scale)
     sink = np.ascontiguousarray(attn_sink, dtype=np.float32)
-    parts = tuple(np.ascontiguousarray(p) for p in (kv if isinstance(kv, (tuple, list)) else (kv,)))
-    # One compiled kernel, for two blocks (numba compiles each tuple length anew: ~10 s): one
-    # block takes an empty second, more than two are joined after the first.
-    if len(parts) == 1:
-        parts += (np.empty((0, hd), np.float32),)
-    elif len(parts) > 2:
-        parts = (parts[0], np.concatenate(parts[1:]))
+    parts = _row_parts(kv)
+    if pairs is None and S:
+        pairs = kv_pairs(parts, S * W)
+    if pairs is not None and (not isinstance(pairs, KvPairs) or len(pairs.parts) != 2 or any(
+            a.shape != (len(p), hd // 2) for a, p in zip(pairs.parts, parts))):
+        raise ValueError("sparse_attn: pairs must be kv_pairs() of these kv rows")
+    # One compiled kernel a tier: with AVX512-BF16 it takes pairs always, none (and bounds no q
+    # meets) where there are none; below it, the f32 rows again.
+    if not tier_at_least("avx512bf16"):
+        pair_parts, bounds = parts, _NO_Q
+    elif pairs is None:
+        pair_parts, bounds = tuple(np.empty((0, hd // 2), np.uint32) for _ in parts), _NO_Q
+    else:
+        pair_parts, bounds = pairs.parts, safe_partner(pairs.range, hd)
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
     o = output_buffer(out, (S, H, hd), "sparse_attn")       # every query's row is written below
     if S:
         threads = numba.get_num_threads()
         groups = _head_groups(S, H, threads)
-        W = idx.shape[1]
         sized_call(_sparse_attn_kernel, S * groups, 2 * H // groups * W * hd,
-                   np.ascontiguousarray(q), parts, starts, np.ascontiguousarray(idx, dtype=np.int64),
-                   sink, scale, o, max(1, min(S * groups, threads)), groups)
+                   np.ascontiguousarray(q), parts, pair_parts, bounds, starts,
+                   np.ascontiguousarray(idx, dtype=np.int64), sink, scale, o,
+                   max(1, min(S * groups, threads)), groups)
     return o

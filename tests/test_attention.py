@@ -24,7 +24,9 @@ from ds41numba import (AttentionStack, act_quant_fp8_inplace, apply_rotary, fp4_
 from ds41numba.attention import layer_rope_table
 from ds41numba.numerics import Bf16Matrix, expf_u10
 from ds41numba import sparse_attention as sa_mod
-from ds41numba.sparse_attention import _head_groups
+from ds41numba.numerics import fma_choice, use_backend
+from ds41numba.sparse_attention import _head_groups, kv_pairs
+from numerics_helpers import needs_bf16_dot
 
 
 # =============================================================================== window
@@ -299,6 +301,60 @@ def test_sparse_attn_does_not_depend_on_the_thread_count():
     finally:
         numba.set_num_threads(before)
     assert np.array_equal(one.view(np.uint32), two.view(np.uint32))
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("H", [64, 7, 4])
+def test_sparse_attn_q_k_on_bf16_pairs_is_the_reference_order(H):
+    """q.k on in-order bf16 pairs (vdpbf16ps, :func:`kv_pairs`) against the reference's order
+    (naive.sparse_attn_ordered) and the f32 FMAs (a tier without AVX512-BF16), every bit: hd
+    512 (product blocks of 96, 96 and 64 pairs), 96 and 64, -1 entries, a query listing nothing,
+    one with a value too small for the rows' smallest (its q.k on FMAs), the rows in two
+    blocks. A query holding a bf16 denormal, which vdpbf16ps reads as zero, takes the FMAs:
+    against a row of 2^126 it moves a score by 2^-4."""
+    rng = np.random.default_rng(500 + H)
+    for hd, n, W in [(512, 700, 640), (96, 400, 250), (64, 300, 200)]:
+        q, kv, idx, sink = _attn_case(rng, S=5, H=H, hd=hd, n=n, W=W)
+        q[4, 0, 5] = 2.0 ** -100
+        pairs = kv_pairs(kv)
+        assert pairs is not None and pairs.range[0] and kv_pairs(kv, listed=n - 1) is None
+        want = naive.sparse_attn_ordered(q, kv, idx, sink, 0.1)
+        got = sparse_attn(q, (kv[:n // 3], kv[n // 3:]), idx, sink, 0.1,
+                          pairs=kv_pairs((kv[:n // 3], kv[n // 3:])))
+        with use_backend("avx2int8"):
+            assert kv_pairs(kv) is None
+            f32 = sparse_attn(q, kv, idx, sink, 0.1, pairs=pairs)       # unused on this tier
+        assert _bits_equal(got, want) and np.array_equal(got.view(np.uint32), f32.view(np.uint32))
+    q = np.zeros((1, H, 32), np.float32)
+    q[0, :, :2] = [2.0 ** -130, 2.0 ** -20]
+    kv = np.zeros((2, 32), np.float32)
+    kv[0, :2], kv[1, 1] = [2.0 ** 126, 1.0], 1.0
+    args = (q, kv, np.array([[0, 1]]), np.zeros(H, np.float32), 1.0)
+    got = sparse_attn(*args, pairs=kv_pairs(kv))
+    assert _bits_equal(got, naive.sparse_attn_ordered(*args))
+    flushed = q.copy()
+    flushed[0, :, 0] = 0
+    assert not np.array_equal(got, sparse_attn(flushed, *args[1:]))
+
+
+@needs_bf16_dot
+def test_kv_pairs_only_where_they_serve_and_pay(monkeypatch):
+    """No pairs for rows with a denormal, an inf, a NaN or a value that is not bf16, nor for an
+    odd hd; none where they would not pay: fewer list entries than rows, or vdpbf16ps not the
+    faster on this CPU. Pairs of other rows are refused."""
+    rng = np.random.default_rng(8)
+    q, kv, idx, sink = _attn_case(rng, S=4, H=4, hd=64, n=40, W=20)
+    assert kv_pairs(kv).parts[0].shape == (40, 32) and kv_pairs(kv).parts[1].shape == (0, 32)
+    for bad in (2.0 ** -130, np.inf, np.nan, 1.0 + 2.0 ** -10):
+        worse = kv.copy()
+        worse[7, 3] = bad
+        assert kv_pairs(worse) is None, bad
+    assert kv_pairs(bf16(rng, (40, 33))) is None
+    assert kv_pairs(kv, listed=40) is not None and kv_pairs(kv, listed=39) is None
+    monkeypatch.setattr(fma_choice, "_fma_choice", [True])
+    assert kv_pairs(kv, listed=40) is None and kv_pairs(kv) is not None
+    with pytest.raises(ValueError, match="kv_pairs"):
+        sparse_attn(q, kv, idx, sink, 0.1, pairs=kv_pairs(kv[:30]))
 
 
 @pytest.mark.parametrize("H", [64, 32, 96, 48, 7])

@@ -57,6 +57,8 @@ def test_bf16_pair_layouts():
     hi = (x.view(np.uint32) >> 16).astype(np.uint32)
     pairs = hi[:, 0::2] | (hi[:, 1::2] << 16)
     assert np.array_equal(nm.bf16_pairs(x), pairs)
+    # In order: value 2p in the high half, which vdpbf16ps adds first.
+    assert np.array_equal(nm.bf16_pairs(x, in_order=True), hi[:, 1::2] | (hi[:, 0::2] << 16))
     packed = nm.pack_bf16_pairs(x)
     assert packed.shape == (2, 3, nm.DOT_LANES) and packed.dtype == np.uint32
     want = np.zeros((2 * nm.DOT_LANES, 3), np.uint32)

@@ -147,6 +147,12 @@ def test_bf16_fma_tile_is_vdpbf16ps_where_fma_safe_says_so():
     assert not nm.fma_safe((True, 127, 190), (True, 127, 180), 512)
     assert nm.fma_safe((True, 127, 190), (True, 127, 179), 512)
     assert nm.fma_safe((True, 255, 0), (True, 1, 254), d)          # a side of zeros
+    # safe_partner: the bounds fma_safe holds a second operand to, checked on its own.
+    for a in [(True, 71, 127), (True, 127, 190), (True, 100, 129), (True, 255, 0)]:
+        lo, hi = nm.safe_partner(a, d)
+        for b in [(True, e, f) for e in (1, lo - 1, lo, lo + 1) for f in (hi - 1, hi, hi + 1, 254)
+                  if 1 <= e <= f <= 254]:
+            assert nm.fma_safe(a, b, d) == (lo <= b[1] and b[2] <= hi), (a, b)
     for bad in (2.0 ** -130, np.inf, np.nan, 1.0 + 2.0 ** -10):
         y = x.copy()
         y[3, 7] = F32(bad)

@@ -46,7 +46,7 @@ from .int8_pairs import int8_pairs_into, int8_pairs_tile, pairs_mix_tile
 from .int8_layouts import (EMPTY_RANGE, INT8_GROUP, INT8_MAX, KEY_OFFSET, int8_blocks_shape,
                            int8_rows, merge_ranges, pack_int8_blocks)
 from .f32_products import F32Matrix, linear_f32_ordered, matmul_nn_f32_ordered
-from .fma_choice import fma_faster, fma_safe, values_range
+from .fma_choice import fma_faster, fma_safe, safe_partner, values_range
 from .formats import (E2M1_MAX, E4M3_MAX, ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK,
                       aligned_empty, as_f32_array, bf16_halves, bf16_scalar, bf16_scalar_no_payload, check_inplace, is_int, e2m1_scalar, e4m3_scalar, fma_f32,
                       is_bf16_valued, nan_max, output_buffer, pow2ceil, pow2ceil_scalar,
@@ -69,7 +69,7 @@ __all__ = [
     "FOLDED_KEY_OFFSET", "folded_corrections", "pack_offset_folded_blocks",
     "BACKENDS", "backend", "tier_at_least", "use_backend",
     "DOT_LANES", "DOT_ROWS", "bf16_dot_run", "bf16_dot_tile", "bf16_fma_run", "bf16_fma_tile", "bf16_pairs", "fma_faster",
-    "fma_safe", "gemm_bf16", "pack_bf16_pairs", "values_range",
+    "fma_safe", "gemm_bf16", "pack_bf16_pairs", "safe_partner", "values_range",
     "EMPTY_RANGE", "INT8_GROUP", "INT8_MAX", "KEY_OFFSET", "int8_blocks_shape", "int8_dot_exact",
     "int8_dot_into", "int8_pairs_into", "int8_pairs_tile", "pairs_mix_tile",
     "int8_dot_tile", "int8_rows", "merge_ranges", "pack_int8_blocks",

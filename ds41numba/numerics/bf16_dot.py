@@ -13,12 +13,12 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .vector_ir import (F32, I32, V16F, V16I, close_loop, extent, i64, open_loop, prefetch, row_operands,
-                        row_pointer, splat, wide_registers)
+from .vector_ir import (F32, I32, V16F, V16I, broadcast_tile, close_loop, extent, i64, open_loop, prefetch,
+                        row_operands, row_pointer, splat, wide_registers)
 from .workers import serial_twin, sized_call
 
 __all__ = ["DOT_ROWS", "DOT_LANES", "MATVEC_BLOCKS", "bf16_dot_tile", "bf16_dot_run", "bf16_fma_tile",
-           "bf16_fma_run", "bf16_matvec_tile", "gemm_bf16", "gemm_bf16_sized"]
+           "bf16_fma_run", "bf16_matvec_tile", "dot_sums", "gemm_bf16", "gemm_bf16_sized"]
 
 
 # The reference's products are of bf16 values summed in f32: the bf16 linears, and the indexer's
@@ -85,12 +85,32 @@ def _pairs_loop(builder, o_op, n_pairs, name, step, fresh):
             builder.store(total, ptr, align=4)
 
 
-def _dot_step(builder, a_op, b_op):
-    """One pair of every row against the B block: ``vdpbf16ps``."""
+def _dpbf16ps(builder):
+    """``update(a, b, acc)``: ``vdpbf16ps``, ``acc`` plus the products of the pairs ``a`` and
+    ``b`` (16-lane vectors of their bits, as integers or floats), the high halves' first."""
     # The bf16 pairs as <16 x i32>: the intrinsic's original type, which LLVMs that have
     # since typed it <32 x bfloat> upgrade as they read the IR (llvmlite has no bfloat type).
     dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I, V16I]),
                                          "llvm.x86.avx512bf16.dpbf16ps.512")
+
+    def pairs(x):
+        return x if x.type == V16I else builder.bitcast(x, V16I)
+    return lambda a, b, acc: builder.call(dot, [acc, pairs(b), pairs(a)])
+
+
+def dot_sums(builder, n_pairs, rows, nvec, load_a, load_b, name="dottile", unrolled=True):
+    """:func:`~.f32_tiles.fma_sums` on pairs: for ``i < rows`` and the ``16 * nvec`` lanes,
+    ``acc = vdpbf16ps(acc, a[p, i], b[p])`` over ``p = 0 .. n_pairs - 1`` from +0, ``load_a``
+    giving a pair's bits as one float and ``load_b`` ``nvec`` vectors of pairs' bits. With
+    each pair's first value in its high half, these are MKL's FMA chains over the values in
+    order, where no product or sum is denormal (a product of bf16 values is exact in f32):
+    :func:`.fma_choice.fma_safe`."""
+    return broadcast_tile(builder, n_pairs, rows, nvec, load_a, load_b, _dpbf16ps(builder), name, unrolled)
+
+
+def _dot_step(builder, a_op, b_op):
+    """One pair of every row against the B block: ``vdpbf16ps``."""
+    dot = _dpbf16ps(builder)
 
     def step(p, acc, rows, vecs):
         ahead = builder.add(p, i64(GEMM_PREFETCH))
@@ -102,7 +122,7 @@ def _dot_step(builder, a_op, b_op):
             pair = builder.load(row_pointer(builder, a_op, i64(m), builder.mul(p, i64(4)), I32), align=4)
             pairs = splat(builder, pair, V16I)
             for v in vecs:
-                new[m, v] = builder.call(dot, [acc[m, v], bv[v], pairs])
+                new[m, v] = dot(pairs, bv[v], acc[m, v])
         return new
 
     return step

@@ -27,16 +27,18 @@ def _n_not_bf16(lo, hi):
 
 
 @njit(parallel=True, cache=True)
-def _pairs_kernel(bits, out):
-    """A operand: ``out[i, p]`` = the pair (``bits[i, 2p]``, ``bits[i, 2p + 1]``); returns how many
-    values were not bf16 values."""
+def _pairs_kernel(bits, out, in_order):
+    """A operand: ``out[i, p]`` = the pair (``bits[i, 2p]``, ``bits[i, 2p + 1]``), or with
+    ``in_order`` (``bits[i, 2p + 1]``, ``bits[i, 2p]``); returns how many values were not bf16
+    values."""
     bad = 0
     for i in prange(bits.shape[0]):
         row, dst = bits[i], out[i]
         miss = 0
         for p in range(dst.shape[0]):
-            miss += _n_not_bf16(row[2 * p], row[2 * p + 1])
-            dst[p] = _bf16_pair(row[2 * p], row[2 * p + 1])
+            lo, hi = (row[2 * p + 1], row[2 * p]) if in_order else (row[2 * p], row[2 * p + 1])
+            miss += _n_not_bf16(lo, hi)
+            dst[p] = _bf16_pair(lo, hi)
         bad += miss
     return bad
 
@@ -66,13 +68,14 @@ def _pair_bits(x, name):
     return x.view(np.uint32)
 
 
-def bf16_pairs(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def bf16_pairs(x: np.ndarray, out: np.ndarray | None = None, in_order: bool = False) -> np.ndarray:
     """bf16-valued rows ``x [n, d]`` (d even) as the A operand of the AVX512-BF16 micro-kernel:
     uint32 ``[n, d / 2]``, values ``2p`` and ``2p + 1`` of a row in element p (into ``out``
-    when given)."""
+    when given), value ``2p`` in the low half; ``in_order``: in the high half, which
+    ``vdpbf16ps`` adds first, so that a row's products are summed in the values' order."""
     bits = _pair_bits(x, "bf16_pairs")
     out = output_buffer(out, (bits.shape[0], bits.shape[1] // 2), "bf16_pairs", np.uint32)
-    if _pairs_kernel(bits, out):
+    if _pairs_kernel(bits, out, in_order):
         raise ValueError("bf16_pairs: x must hold bf16 values (round it to bfloat16 first)")
     return out
 

@@ -18,7 +18,7 @@ from .bf16_layouts import bf16_pairs
 from .formats import ELEMENT_COST
 from .workers import serial_twin, sized_call
 
-__all__ = ["values_range", "fma_safe", "fma_faster"]
+__all__ = ["values_range", "row_range", "fma_safe", "safe_partner", "fma_faster"]
 
 # An input range: (ok, lowest, highest biased exponent of the non-zero values); ok is False for
 # a denormal, an inf or NaN, or a value that is not a bf16 value.
@@ -39,7 +39,7 @@ def _magnitudes_range(low_bits, smallest_less_one, largest, shift):
 
 
 @njit(cache=True)
-def _row_range(row, pairs):
+def row_range(row, pairs):
     """The range of one row of bits: f32 values, or (``pairs``) pairs of bf16 values. One pass
     of unsigned minima, maxima and ors over the magnitudes' bits: an inf or NaN is a largest
     magnitude, a denormal a smallest one. Every step is kept to uint32 and the loop indexes the
@@ -68,7 +68,7 @@ def _bits_range(bits, pairs):
     los = np.empty(n, np.int64)
     his = np.empty(n, np.int64)
     for i in prange(n):
-        oks[i], los[i], his[i] = _row_range(bits[i], pairs)
+        oks[i], los[i], his[i] = row_range(bits[i], pairs)
     ok, lo, hi = _NO_VALUES
     for i in range(n):
         ok, lo, hi = ok and oks[i], min(lo, los[i]), max(hi, his[i])
@@ -99,10 +99,20 @@ def fma_safe(a_range: tuple, b_range: tuple, k: int) -> bool:
     """
     if not (a_range[0] and b_range[0]):
         return False
-    if a_range[1] > a_range[2] or b_range[1] > b_range[2]:
+    if b_range[1] > b_range[2]:
         return True         # a side of zeros
-    return (a_range[1] + b_range[1] >= 142
-            and a_range[2] + b_range[2] <= 379 - int(k).bit_length())
+    lowest, highest = safe_partner(a_range, k)
+    return lowest <= b_range[1] and b_range[2] <= highest
+
+
+def safe_partner(a_range: tuple, k: int) -> tuple:
+    """The biased exponents ``(lowest, highest)`` the non-zero values of an operand must keep
+    for :func:`fma_safe` to hold against an operand of ``a_range`` (whose ``ok`` the caller has
+    checked), as an operand checked piece by piece asks: any normal value against a side of
+    zeros."""
+    if a_range[1] > a_range[2]:
+        return 1, 254
+    return 142 - a_range[1], 379 - int(k).bit_length() - a_range[2]
 
 
 _fma_choice: list = []
