@@ -23,7 +23,7 @@ from .numerics import (SOFTMAX_LANES, bf16_pairs, bf16_scalar, fma_faster, outpu
 from .numerics.bf16_dot import dot_sums
 from .numerics.f32_products import KC, blocked_rows
 from .numerics.f32_tiles import fma_sums
-from .numerics.fma_choice import row_range, safe_partner
+from .numerics.fma_choice import magnitudes_range, safe_partner
 from .numerics.vector_ir import (F32, I32, I64, V16F, extent, i64, lane_masks, load_row,
                                  row_operands, row_pointer, wide_registers)
 from .numerics.vector_ir import prefetch as prefetch_line
@@ -373,32 +373,38 @@ def _pair_rows(pairs, src, zero_row, paddr, n):
 
 
 def _q_pairs(qs, qP, lo, hi, bounds):
-    """Heads ``lo .. hi - 1`` of one query's ``qs [H, hd]`` as in-order pairs, ``qP[p, h]``,
-    if their values are bf16 values within ``bounds`` (the biased exponents the rows allow:
-    :func:`.numerics.fma_choice.safe_partner`; none if ``lowest > highest``); returns whether
-    they were. Always False where ``qP`` is not uint32 (no pairs: the rows' f32 values serve)."""
+    """Heads ``lo .. hi - 1`` of one query's ``qs [H, hd]`` as in-order pairs, ``qP[p, h]``;
+    returns whether their values are bf16 values within ``bounds`` (the biased exponents the
+    rows allow: :func:`.numerics.fma_choice.safe_partner`; none if ``lowest > highest``), the
+    pairs to be used only then. Always False where ``qP`` is not uint32 (no pairs: the rows'
+    f32 values serve)."""
 
 
 @overload(_q_pairs)
 def _q_pairs_impl(qs, qP, lo, hi, bounds):
     if qP.dtype != types.uint32:
         return lambda qs, qP, lo, hi, bounds: False
+    u32 = np.uint32
 
+    # The range in the same pass as the pairs, as values_range takes it (magnitudes' minima
+    # and maxima): calling values_range's row kernel here instead made this kernel's compile
+    # 2 s longer (measured).
     def impl(qs, qP, lo, hi, bounds):
-        bits = qs.view(np.uint32)
-        ok, lowest, highest = True, np.int64(255), np.int64(0)
-        for h in range(lo, hi):
-            row_ok, row_lo, row_hi = row_range(bits[h], False)
-            ok, lowest, highest = ok and row_ok, min(lowest, row_lo), max(highest, row_hi)
-        if not ok or bounds[0] > bounds[1]:
-            return False
-        if lowest <= highest and not bounds[0] <= lowest <= highest <= bounds[1]:
-            return False
+        bits = qs.view(u32)
+        low_bits, largest, smallest_less_one = u32(0), u32(0), u32(0xFFFFFFFF)
         for h in range(lo, hi):
             row = bits[h]
             for p in range(qP.shape[0]):
-                qP[p, h] = (row[2 * p] & np.uint32(0xFFFF0000)) | (row[2 * p + 1] >> np.uint32(16))
-        return True
+                a, b = row[2 * p], row[2 * p + 1]
+                ma, mb = a & u32(0x7FFFFFFF), b & u32(0x7FFFFFFF)
+                low_bits |= (a | b) & u32(0xFFFF)
+                largest = max(largest, max(ma, mb))
+                smallest_less_one = min(smallest_less_one, min(u32(ma - u32(1)), u32(mb - u32(1))))
+                qP[p, h] = (a & u32(0xFFFF0000)) | (b >> u32(16))
+        ok, lowest, highest = magnitudes_range(low_bits, smallest_less_one, largest, u32(23))
+        if not ok or bounds[0] > bounds[1]:
+            return False
+        return highest < lowest or bounds[0] <= lowest <= highest <= bounds[1]
     return impl
 
 

@@ -18,7 +18,7 @@ from .bf16_layouts import bf16_pairs
 from .formats import ELEMENT_COST
 from .workers import serial_twin, sized_call
 
-__all__ = ["values_range", "row_range", "fma_safe", "safe_partner", "fma_faster"]
+__all__ = ["values_range", "magnitudes_range", "fma_safe", "safe_partner", "fma_faster"]
 
 # An input range: (ok, lowest, highest biased exponent of the non-zero values); ok is False for
 # a denormal, an inf or NaN, or a value that is not a bf16 value.
@@ -27,7 +27,7 @@ _U32 = np.uint32
 
 
 @njit(cache=True)
-def _magnitudes_range(low_bits, smallest_less_one, largest, shift):
+def magnitudes_range(low_bits, smallest_less_one, largest, shift):
     """A range from magnitude bits: the smallest non-zero magnitude (less one: a zero's wraps
     to the top) and the largest, their exponent above bit ``shift`` (255: inf or NaN), and
     ``low_bits``, what a bf16 value leaves zero."""
@@ -39,7 +39,7 @@ def _magnitudes_range(low_bits, smallest_less_one, largest, shift):
 
 
 @njit(cache=True)
-def row_range(row, pairs):
+def _row_range(row, pairs):
     """The range of one row of bits: f32 values, or (``pairs``) pairs of bf16 values. One pass
     of unsigned minima, maxima and ors over the magnitudes' bits: an inf or NaN is a largest
     magnitude, a denormal a smallest one. Every step is kept to uint32 and the loop indexes the
@@ -50,13 +50,13 @@ def row_range(row, pairs):
             a, b = _U32(row[i] & _U32(0x7FFF)), _U32((row[i] >> _U32(16)) & _U32(0x7FFF))
             largest = max(largest, max(a, b))
             smallest = min(smallest, min(_U32(a - _U32(1)), _U32(b - _U32(1))))
-        return _magnitudes_range(low_bits, smallest, largest, _U32(7))
+        return magnitudes_range(low_bits, smallest, largest, _U32(7))
     for i in range(row.shape[0]):
         m = _U32(row[i] & _U32(0x7FFFFFFF))
         low_bits = _U32(low_bits | (row[i] & _U32(0xFFFF)))
         largest = max(largest, m)
         smallest = min(smallest, _U32(m - _U32(1)))
-    return _magnitudes_range(low_bits, smallest, largest, _U32(23))
+    return magnitudes_range(low_bits, smallest, largest, _U32(23))
 
 
 @njit(parallel=True, cache=True)
@@ -68,7 +68,7 @@ def _bits_range(bits, pairs):
     los = np.empty(n, np.int64)
     his = np.empty(n, np.int64)
     for i in prange(n):
-        oks[i], los[i], his[i] = row_range(bits[i], pairs)
+        oks[i], los[i], his[i] = _row_range(bits[i], pairs)
     ok, lo, hi = _NO_VALUES
     for i in range(n):
         ok, lo, hi = ok and oks[i], min(lo, los[i]), max(hi, his[i])
