@@ -305,13 +305,13 @@ def test_sparse_attn_does_not_depend_on_the_thread_count():
 
 @needs_bf16_dot
 @pytest.mark.parametrize("H", [64, 7, 4])
-def test_sparse_attn_q_k_on_bf16_pairs_is_the_reference_order(H):
+def test_sparse_attn_q_k_on_bf16_pairs_is_the_reference_order(H, monkeypatch):
     """q.k on in-order bf16 pairs (vdpbf16ps, :func:`kv_pairs`) against the reference's order
-    (naive.sparse_attn_ordered) and the f32 FMAs (a tier without AVX512-BF16), every bit: hd
-    512 (product blocks of 96, 96 and 64 pairs), 96 and 64, -1 entries, a query listing nothing,
-    one with a value too small for the rows' smallest (its q.k on FMAs), the rows in two
-    blocks. A query holding a bf16 denormal, which vdpbf16ps reads as zero, takes the FMAs:
-    against a row of 2^126 it moves a score by 2^-4."""
+    (naive.sparse_attn_ordered) and the f32 FMAs (no pairs where vdpbf16ps is the slower, none on
+    a tier without AVX512-BF16), every bit: hd 512 (product blocks of 96, 96 and 64 pairs), 96
+    and 64, -1 entries, a query listing nothing, one with a value too small for the rows'
+    smallest (its q.k on FMAs), the rows in two blocks. A query holding a bf16 denormal, which
+    vdpbf16ps reads as zero, takes the FMAs: against a row of 2^126 it moves a score by 2^-4."""
     rng = np.random.default_rng(500 + H)
     for hd, n, W in [(512, 700, 640), (96, 400, 250), (64, 300, 200)]:
         q, kv, idx, sink = _attn_case(rng, S=5, H=H, hd=hd, n=n, W=W)
@@ -321,10 +321,15 @@ def test_sparse_attn_q_k_on_bf16_pairs_is_the_reference_order(H):
         want = naive.sparse_attn_ordered(q, kv, idx, sink, 0.1)
         got = sparse_attn(q, (kv[:n // 3], kv[n // 3:]), idx, sink, 0.1,
                           pairs=kv_pairs((kv[:n // 3], kv[n // 3:])))
-        with use_backend("avx2int8"):
-            assert kv_pairs(kv) is None
-            f32 = sparse_attn(q, kv, idx, sink, 0.1, pairs=pairs)       # unused on this tier
-        assert _bits_equal(got, want) and np.array_equal(got.view(np.uint32), f32.view(np.uint32))
+        with monkeypatch.context() as m:
+            m.setattr(fma_choice, "_fma_choice", [True])
+            assert kv_pairs(kv, listed=5 * W) is None
+            fma = sparse_attn(q, kv, idx, sink, 0.1)
+        assert _bits_equal(got, want) and np.array_equal(got.view(np.uint32), fma.view(np.uint32))
+    with use_backend("avx2int8"):       # one small query: the kernel the golden's list compiles
+        assert kv_pairs(kv) is None
+        below = sparse_attn(q[:1], kv, idx[:1], sink, 0.1, pairs=pairs)
+    assert np.array_equal(below.view(np.uint32), got[:1].view(np.uint32))
     q = np.zeros((1, H, 32), np.float32)
     q[0, :, :2] = [2.0 ** -130, 2.0 ** -20]
     kv = np.zeros((2, 32), np.float32)
