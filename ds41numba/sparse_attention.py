@@ -233,14 +233,12 @@ def _qk_tile_impl(a, first, b, t, accumulate, nv):
 @njit(cache=True, nogil=True)
 def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
     """One query's list, compacted: its listed rows in list order and one zero row (``listed``
-    False) for each run of -1 entries inside a product block (see above). For each: ``addr``
-    the row's address, ``src`` the row (``zero_row`` for a run), ``pos`` its list position;
-    ``edges[b]`` the first of product block b. ``addr`` is filled with the zero row's address
-    past the end (the last q.k tile reads up to 11 more: its rows, then those it prefetches).
+    False) for each run of -1 entries inside a product block (see above). For each: ``src``
+    the row (block and row in it; ``-1`` for ``zero_row``), ``pos`` its list position, ``addr``
+    its address (:func:`_row_addresses`); ``edges[b]`` the first of product block b.
     ``parts`` are row blocks that stack to the KV rows, ``starts`` their first row ids.
     Returns ``(n, number listed)``."""
     W = row_idx.shape[0]
-    zero_addr = zero_row.ctypes.data
     n = 0
     n_listed = 0
     for b in range(len(edges) - 1):
@@ -252,8 +250,6 @@ def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
                 p = len(starts) - 1
                 while starts[p] > r:
                     p -= 1
-                part = parts[p]
-                addr[n] = part.ctypes.data + (r - starts[p]) * part.strides[0]
                 src[n, 0] = p
                 src[n, 1] = r - starts[p]
                 listed[n] = True
@@ -261,15 +257,27 @@ def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
             elif in_gap:
                 continue
             else:
-                addr[n] = zero_addr
                 src[n, 0] = -1
                 listed[n] = False
             in_gap = r < 0
             pos[n] = j
             n += 1
     edges[len(edges) - 1] = n
-    addr[n:] = zero_addr
+    _row_addresses(parts, src, zero_row, addr, n)
     return n, n_listed
+
+
+@njit(cache=True, nogil=True)
+def _row_addresses(parts, src, zero_row, addr, n):
+    """``addr``: the address of each of the compacted list's ``n`` rows (``src``, see
+    _list_rows) in the row blocks ``parts`` (the f32 rows, or their pairs: :func:`kv_pairs`),
+    and ``zero_row``'s past them (the last q.k tile reads up to 11 more: its rows, then those it
+    prefetches)."""
+    zero_addr = zero_row.ctypes.data
+    for c in range(n):
+        p = src[c, 0]
+        addr[c] = zero_addr if p < 0 else parts[p].ctypes.data + src[c, 1] * parts[p].strides[0]
+    addr[n:] = zero_addr
 
 
 @njit(cache=True, nogil=True)
@@ -361,17 +369,6 @@ def _pv_small(p, parts, src, zero_row, n, out, lo, hi, hd):
                 acc[d] += w * row[d]
 
 
-@njit(cache=True, nogil=True)
-def _pair_rows(pairs, src, zero_row, paddr, n):
-    """``paddr``: the addresses of the compacted list's rows (see _list_rows) in the pair rows
-    ``pairs`` (:func:`kv_pairs`); the zero row's past them, as ``addr``'s."""
-    zero_addr = zero_row.ctypes.data
-    for c in range(n):
-        p = src[c, 0]
-        paddr[c] = zero_addr if p < 0 else pairs[p].ctypes.data + src[c, 1] * pairs[p].strides[0]
-    paddr[n:] = zero_addr
-
-
 def _q_pairs(qs, qP, lo, hi, bounds):
     """Heads ``lo .. hi - 1`` of one query's ``qs [H, hd]`` as in-order pairs, ``qP[p, h]``;
     returns whether their values are bf16 values within ``bounds`` (the biased exponents the
@@ -458,7 +455,7 @@ def _sparse_attn_kernel(q, parts, pairs, bounds, starts, idx, sink, scale, o, wo
                 continue
             qs = q[s]
             if _q_pairs(qs, qP, lo, hi, bounds):
-                _pair_rows(pairs, src, zero_row, paddr, n)
+                _row_addresses(pairs, src, zero_row, paddr, n)
                 _qk_blocked(qP, paddr, n, x, lo, min(hi, blocked), KC // 2)
             else:
                 for h in range(lo, hi):
