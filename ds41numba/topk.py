@@ -33,9 +33,10 @@ from .numerics import is_int
 #: specialised on the constant (seconds of a cold start; the hot loops gain nothing from it).
 _ZERO = np.int64(0)
 
-__all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "partial_sort_set_into",
-           "partial_sort_set_hinted", "partial_sort_set_listed", "topk_scratch_len", "before",
-           "pair_key", "hints_pass", "run_passes", "SCAN_RUN", "ListedSpans"]
+__all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "nth_element_set_into",
+           "partial_sort_set_into", "partial_sort_set_hinted", "partial_sort_set_listed",
+           "topk_scratch_len", "before", "pair_key", "hints_pass", "run_passes", "SCAN_RUN",
+           "ListedSpans"]
 
 
 # --------------------------------------------------------------------------- comparator
@@ -412,22 +413,31 @@ def topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     if scratch_vals.shape[0] < need or scratch_idx.shape[0] < need:
         raise ValueError("topk_set_into: scratch shorter than topk_scratch_len(n, k)")
     if k * 64 > n:
-        for j in range(n):
-            scratch_idx[j] = pair(row_vals[j], j)
-        _nth_element(scratch_idx, n, k - 1)
-        # k > n / 64 here, so listing the set in index order by marking it in the value
-        # scratch costs O(n), no more than the selection itself.
-        for j in range(n):
-            scratch_vals[j] = 0.0
-        for j in range(k):
-            scratch_vals[_index(scratch_idx[j])] = 1.0
-        m = 0
-        for j in range(n):
-            if scratch_vals[j] != 0.0:
-                out_idx[m] = j
-                m += 1
+        nth_element_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx)
     else:
         partial_sort_set_into(row_vals, k, out_idx, scratch_idx)
+
+
+@njit(cache=True)
+def nth_element_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
+    """The ``k * 64 > n`` branch of :func:`topk_set_into` (``std::nth_element``), whatever n
+    is, for ``1 <= k <= n`` and scratch of n entries each (unchecked). A kernel whose rows all
+    take this branch calls it alone: none of the heap branch's code is compiled with it."""
+    n = row_vals.shape[0]
+    for j in range(n):
+        scratch_idx[j] = pair(row_vals[j], j)
+    _nth_element(scratch_idx, n, k - 1)
+    # k > n / 64 here, so listing the set in index order by marking it in the value
+    # scratch costs O(n), no more than the selection itself.
+    for j in range(n):
+        scratch_vals[j] = 0.0
+    for j in range(k):
+        scratch_vals[_index(scratch_idx[j])] = 1.0
+    m = 0
+    for j in range(n):
+        if scratch_vals[j] != 0.0:
+            out_idx[m] = j
+            m += 1
 
 
 @njit(cache=True)

@@ -59,23 +59,27 @@ def test_shares_keep_a_kernel_whole_and_balance_the_seconds():
 
 
 def test_kernels_that_compile_mostly_the_same_helpers_are_one_family_in_one_share():
-    """The indexer's two top-k kernels call most of the same heap helpers (compiled once in one
-    process, not in each of two); sparse attention calls none of them."""
-    names = {"top_k_sets_serial", "top_k_sets_listed_serial", "_sparse_attn_kernel_serial"}
+    """The golden's two runners-up kernels call most of the same helpers (compiled once in one
+    process, not in each of two); sparse attention and the top-k of whole rows call none of
+    theirs, nor each other's."""
+    names = {"_runners_up_serial", "_runners_up_listed_serial", "_sparse_attn_kernel_serial",
+             "_whole_row_sets_serial"}
     kernels = [k for k in ahead.read_kernels() if k.name.split(":")[1] in names]
     seconds = {}            # a kernel's seconds over its lines (a line a tier where they differ)
     for k in kernels:
         seconds[k.name.split(":")[1]] = seconds.get(k.name.split(":")[1], 0.0) + k.seconds
     families = sorted((sorted(n.split(":")[1] for n in f), s) for f, s in ahead._families(kernels))
     assert families == [
+        (["_runners_up_listed_serial", "_runners_up_serial"],
+         seconds["_runners_up_serial"] + seconds["_runners_up_listed_serial"]),
         (["_sparse_attn_kernel_serial"], seconds["_sparse_attn_kernel_serial"]),
-        (["top_k_sets_listed_serial", "top_k_sets_serial"],
-         seconds["top_k_sets_serial"] + seconds["top_k_sets_listed_serial"])]
-    top_k = next(k for k in kernels if k.name.endswith(":top_k_sets_serial"))
+        (["_whole_row_sets_serial"], seconds["_whole_row_sets_serial"])]
+    top_k = next(k for k in kernels if k.name.endswith(":_whole_row_sets_serial"))
     assert "_adjust_heap" in {d.py_func.__qualname__ for d in ahead._helpers(top_k.dispatcher())}
-    assert sorted(sorted(set(s)) for s in ahead._shares(kernels, 2)) == sorted([
-        sorted({k.name for k in kernels if "top_k" in k.name}),
-        sorted({k.name for k in kernels if "sparse" in k.name})])
+    shares = sorted(sorted(set(s)) for s in ahead._shares(kernels, 3))
+    assert shares == sorted([sorted({k.name for k in kernels if "runners" in k.name}),
+                             sorted({k.name for k in kernels if "sparse" in k.name}),
+                             sorted({k.name for k in kernels if "sets" in k.name})])
 
 
 @pytest.mark.parametrize("path", [ahead.KERNELS, kernel_list.SUITE_KERNELS], ids=["golden", "suite"])

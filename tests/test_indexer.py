@@ -34,6 +34,50 @@ query_layouts = importlib.import_module("ds41numba.indexer.query_layouts")
 tier_scores = importlib.import_module("ds41numba.indexer.tier_scores")
 
 
+# =============================================================================== selection
+
+
+@pytest.mark.parametrize("k, width", [(4, 255), (4, 256), (4, 257), (8, 511), (8, 512), (3, 40)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_top_k_sets_takes_torchs_branch_for_the_width(k, width, rows):
+    """Each row's set is torch's (naive, its libstdc++ transcription) on both sides of the
+    branch edge (``k * 64 <= width``: the heap's kernel, else the whole row's ``nth_element``):
+    rows -inf past ``clen`` and full of ties, one row (the serial twin) and several; in the heap
+    branch also skipped by block maxima and visited by listed spans."""
+    from ds41numba.indexer.candidate_scores import candidate_quarters
+    from ds41numba.indexer.selection import top_k_sets
+    from ds41numba.topk import ListedSpans
+
+    rng = np.random.default_rng(k * width + rows)
+    scores = _tie_heavy_scores(rng, rows, width)
+    clen = rng.integers(k, width + 1, rows).astype(np.int64)
+    clen[0] = width
+    for s in range(rows):
+        scores[s, clen[s]:] = -np.inf
+    want = np.stack([naive.torch_cpu_topk_set(r, k) for r in scores])
+    got = np.full((rows, k), -7, np.int64)
+    top_k_sets(scores, clen, k, got)
+    assert np.array_equal(got, want)
+    if k * 64 > width:
+        return
+    block = 8
+    padded = np.full((rows, -(-width // block) * block), -np.inf, np.float32)
+    padded[:, :width] = scores
+    maxima = np.ascontiguousarray(padded.reshape(rows, -1, block).max(axis=2))
+    got[:] = -7
+    top_k_sets(scores, clen, k, got, hints=maxima, block=block)
+    assert np.array_equal(got, want)
+    # Listed spans: rows -inf outside a few candidate blocks of 8 (every other block past 0).
+    cand = np.zeros((rows, -(-width // block)), bool)
+    cand[:, ::2] = True
+    masked = np.where(np.repeat(cand, block, axis=1)[:, :width], scores, -np.inf).astype(np.float32)
+    offsets, firsts = candidate_quarters(np.packbits(cand, axis=1), clen, block)
+    want = np.stack([naive.torch_cpu_topk_set(r, k) for r in masked])
+    got[:] = -7
+    top_k_sets(masked, clen, k, got, listed=ListedSpans(offsets, firsts, 8))
+    assert np.array_equal(got, want)
+
+
 # =============================================================================== candidate blocks
 
 

@@ -551,3 +551,13 @@ def test_the_decode_kernel_splits_its_items_whole_whatever_the_workers(workers):
                                 workers)
     for got, expected in zip(outs, want(x)):
         assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("ends", [[], [4], [4, 5, 9, 13], [1, 2, 3, 4, 5, 6, 7, 8], [4, 8, 8, 12]])
+def test_items_up_to_counts_the_items_ending_by_a_share_of_blocks(ends):
+    """A worker's first and last item: numpy's ``searchsorted(side="right")``, at every share."""
+    from ds41numba.numerics import matvec as matvec_mod
+
+    ends = np.array(ends, np.int64)
+    for blocks in range(-1, (ends[-1] if len(ends) else 0) + 2):
+        assert matvec_mod._items_up_to(ends, blocks) == np.searchsorted(ends, blocks, side="right")

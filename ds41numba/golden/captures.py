@@ -207,9 +207,15 @@ def _left_out(topk_row, offset):
     m = 0
     for j in range(topk_row.shape[0]):
         if topk_row[j] >= 0:
-            sel[m] = topk_row[j] - offset
+            # An insertion sort, not np.sort (whose quicksort took a second of a cold start's
+            # compiling): top_k_sets' rows are ascending, so it is one pass over the row.
+            t = m
+            while t > 0 and sel[t - 1] > topk_row[j] - offset:
+                sel[t] = sel[t - 1]
+                t -= 1
+            sel[t] = topk_row[j] - offset
             m += 1
-    return np.sort(sel[:m])
+    return sel[:m]
 
 
 @njit(cache=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..numerics import is_int, sized_call
+from ..numerics import is_int
 from .block_maxima import visible_block_maxima
 from .selection import top_k_sets
 
@@ -68,8 +68,7 @@ def _candidate_picks(scores: np.ndarray, clen: np.ndarray, topk_blocks: int, blo
                        k if heap else nb, block_max)
     seen = (clen + block - 1) // block if masked else np.full(len(clen), nb, np.int64)
     picked = np.empty((scores.shape[0], k), np.int64)
-    sized_call(top_k_sets, len(seen), block_scores.shape[1], block_scores, seen, k, picked,
-               block_scores, 0)
+    top_k_sets(block_scores, seen, k, picked)
     return block_scores, picked
 
 

@@ -116,6 +116,20 @@ def _item_ends(pairs, groups):
     return ends
 
 
+@njit(cache=True)
+def _items_up_to(ends, blocks):
+    """How many items end at or before ``blocks`` blocks (``ends`` ascending): a binary search
+    (numba's ``np.searchsorted`` compiles for most of a second of a cold start)."""
+    lo, hi = 0, len(ends)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ends[mid] <= blocks:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 @njit(cache=True, nogil=True)
 def _run_items(x, pairs, outs, groups, k_in, block, lo, hi):
     """Work items ``lo .. hi - 1`` of the call's one list."""
@@ -139,8 +153,8 @@ def _matvec_kernel(x, pairs, outs, groups, k_in, block, workers):
     ends = _item_ends(pairs, groups)
     total = ends[-1] if len(ends) else 0
     for w in prange(workers):
-        lo = np.searchsorted(ends, total * w // workers, side="right")
-        hi = np.searchsorted(ends, total * (w + 1) // workers, side="right")
+        lo = _items_up_to(ends, total * w // workers)
+        hi = _items_up_to(ends, total * (w + 1) // workers)
         if w == workers - 1:
             hi = len(ends)
         _run_items(x, pairs, outs, groups, k_in, block, lo, hi)
