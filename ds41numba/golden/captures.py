@@ -209,11 +209,12 @@ def _left_out(topk_row, offset):
         if topk_row[j] >= 0:
             # An insertion sort, not np.sort (whose quicksort took a second of a cold start's
             # compiling): top_k_sets' rows are ascending, so it is one pass over the row.
+            p = topk_row[j] - offset
             t = m
-            while t > 0 and sel[t - 1] > topk_row[j] - offset:
+            while t > 0 and sel[t - 1] > p:
                 sel[t] = sel[t - 1]
                 t -= 1
-            sel[t] = topk_row[j] - offset
+            sel[t] = p
             m += 1
     return sel[:m]
 
