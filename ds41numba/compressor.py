@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from ml_dtypes import bfloat16 as BF16
-from numba import njit, prange
+from numba import prange
 
+from .jit import njit
 from .batch import SINGLE, BatchRow, checked_batch
 from .numerics import (is_int, linear_bf16, linear_f32, rms_norm, serial_twin, sized_call,
                        to_bf16_rne)
@@ -65,7 +66,7 @@ def latent_positions(start_pos: int, seqlen: int, ratio: int, prefill: bool | No
     return np.zeros(0, dtype=np.int64)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _pool_groups(kv, score, ratio):
     """Softmax over each group's r scores, per feature, then the weighted sum of kv, in f32.
 

@@ -12,8 +12,9 @@ import math
 import numbers
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from .jit import njit
 from .numerics import bf16_scalar, fma_f32, is_int, worth_parallel
 
 __all__ = ["yarn_freqs_cis", "apply_rotary", "fma_f32"]
@@ -66,7 +67,7 @@ def _inv_freqs(dim, original_seq_len, base, factor, beta_fast, beta_slow):
     return freqs.astype(f32)
 
 
-@njit(cache=True)
+@njit
 def _table_rows(freqs, cos, sin, lo, hi):
     for p in range(lo, hi):
         fp = np.float32(p)
@@ -79,7 +80,7 @@ def _table_rows(freqs, cos, sin, lo, hi):
             sin[p, k] = math.sin(a)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _table_kernel(freqs, cos, sin, chunk):
     n = cos.shape[0]
     for c in prange((n + chunk - 1) // chunk):
@@ -115,7 +116,7 @@ def yarn_freqs_cis(dim, seqlen, original_seq_len, base, factor, beta_fast, beta_
     return cos, sin
 
 
-@njit(cache=True)
+@njit
 def _rotate_pairs(v, cos_p, sin_p, negate, split):
     """One vector's rotary pairs ``(v[2k], v[2k + 1])`` turned by ``(cos_p[k], sin_p[k])`` (the
     conjugate when ``negate``, for the inverse rotation), rounded to bf16. Pairs before ``split``
@@ -138,7 +139,7 @@ def _rotate_pairs(v, cos_p, sin_p, negate, split):
         v[2 * k + 1] = bf16_scalar(fma_f32(a, s, b * c))
 
 
-@njit(cache=True)
+@njit
 def _rotate_rows(y, pos, cos, sin, negate, coalesce, lo, hi):
     w = cos.shape[1]
     off = y.shape[2] - 2 * w
@@ -153,7 +154,7 @@ def _rotate_rows(y, pos, cos, sin, negate, coalesce, lo, hi):
             _rotate_pairs(y[i, h, off:], cos[p], sin[p], negate, split)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _rotate_kernel(y, pos, cos, sin, negate, coalesce):
     for i in prange(y.shape[0]):
         _rotate_rows(y, pos, cos, sin, negate, coalesce, i, i + 1)

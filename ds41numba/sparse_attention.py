@@ -14,10 +14,11 @@ from typing import NamedTuple
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .jit import njit
 from .numerics import (SOFTMAX_LANES, bf16_pairs, bf16_scalar, fma_faster, output_buffer, serial_twin,
                        sized_call, softmax_rows, tier_at_least, values_range)
 from .numerics.bf16_dot import dot_sums
@@ -230,7 +231,7 @@ def _qk_tile_impl(a, first, b, t, accumulate, nv):
     return impl
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
     """One query's list, compacted: its listed rows in list order and one zero row (``listed``
     False) for each run of -1 entries inside a product block (see above). For each: ``src``
@@ -267,7 +268,7 @@ def _list_rows(parts, starts, row_idx, zero_row, addr, src, pos, listed, edges):
     return n, n_listed
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _row_addresses(parts, src, zero_row, addr, n):
     """``addr``: the address of each of the compacted list's ``n`` rows (``src``, see
     _list_rows) in the row blocks ``parts`` (the f32 rows, or their pairs: :func:`kv_pairs`),
@@ -280,14 +281,14 @@ def _row_addresses(parts, src, zero_row, addr, n):
     addr[n:] = zero_addr
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _row(parts, src, zero_row, c):
     """Row c of the compacted list (see _list_rows)."""
     p = src[c, 0]
     return zero_row if p < 0 else parts[p][src[c, 1]]
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _qk_blocked(qT, addr, n, x, lo, hi, kc):
     """``x[c, h] = q_h . row_c`` for ``c < n`` and the heads ``lo .. hi - 1`` (``lo`` a multiple
     of 16; up to a multiple of 16 are computed: qT's extra columns are zero), MKL's blocked
@@ -303,7 +304,7 @@ def _qk_blocked(qT, addr, n, x, lo, hi, kc):
                          d0 > 0, nv)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _dot_no_fma(qh, row, hd, peel):
     """MKL's small/gemv dot (no FMA): ``peel`` products summed first, then 4 lane sums (lane l
     takes k = peel + 4i + l, lane 0 continuing the peel's sum) reduced ``(l0 + l2) + (l1 + l3)``,
@@ -326,7 +327,7 @@ def _dot_no_fma(qh, row, hd, peel):
     return r
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _qk_small(qs, parts, src, zero_row, listed, n, x, lo, hi):
     """Heads ``lo .. hi - 1`` by the reference's 1-3 row kernels: one head alone the gemv dot, whose
     peel follows the rows' alignment (64-byte aligned, ``hd`` apart); otherwise the small dot,
@@ -339,7 +340,7 @@ def _qk_small(qs, parts, src, zero_row, listed, n, x, lo, hi):
                 x[c, h] = _dot_no_fma(qs[h], _row(parts, src, zero_row, c), hd, peel)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _pv_blocked(p, addr, edges, out, h_lo, h_hi, hd):
     """``out[h] = sum_c p[c, h] row_c`` for the heads ``h_lo .. h_hi - 1`` (whole tiles of
     _PV_HEADS heads from ``h_lo`` are computed), MKL's blocked order over the list: one FMA
@@ -355,7 +356,7 @@ def _pv_blocked(p, addr, edges, out, h_lo, h_hi, hd):
                     _pv_tile_masked(pt, addr[lo:hi], d0, hd - d0, o, b > 0)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _pv_small(p, parts, src, zero_row, n, out, lo, hi, hd):
     """Heads ``lo .. hi - 1``: the reference's 1-3 row NN kernel, one chain over the whole list
     without FMA (each product rounded, then added)."""
@@ -415,7 +416,7 @@ def _head_groups(S: int, H: int, workers: int) -> int:
     return groups
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, nogil=True)
 def _sparse_attn_kernel(q, parts, pairs, bounds, starts, idx, sink, scale, o, workers, groups):
     """:func:`sparse_attn` into ``o``: the work items are the queries, or with fewer queries than
     workers each query's ``groups`` groups of heads (:func:`_head_groups`); worker w takes the

@@ -25,8 +25,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from .jit import njit
 from .numerics import is_int
 
 #: 0 as an int64, where a literal 0 would make numba compile the called helper a second time,
@@ -42,7 +43,7 @@ __all__ = ["torch_cpu_topk_set", "torch_cpu_topk_rows", "topk_set_into", "nth_el
 # --------------------------------------------------------------------------- comparator
 
 
-@njit(cache=True)
+@njit
 def before(a, b):
     """torch's ``largest=True`` comparator: NaN first, then larger values; never looks at the index."""
     # & and | rather than `and` / `or`: no branches, so a scan's test compiles to selects.
@@ -61,7 +62,7 @@ _MAGNITUDE_BITS = 0x7FFFFFFF      # an f32's bits below its sign
 _NAN_KEY = _MAGNITUDE_BITS        # above every number's key (+inf's 0x7F800000)
 
 
-@njit(cache=True)
+@njit
 def pair_key(x):
     """An f32 as an integer in ``before``'s order: ``before(a, b) == (pair_key(a) >
     pair_key(b))`` for every two f32 values. A float's bits below the sign order its magnitude,
@@ -73,19 +74,19 @@ def pair_key(x):
     return -(bits & np.int64(_MAGNITUDE_BITS)) if bits < 0 else bits
 
 
-@njit(cache=True)
+@njit
 def pair(x, i):
     """The pair ``(x, i)`` as one int64 (``i`` below 2**32): it comes before another exactly
     when ``before(x, y)`` (:func:`_key`)."""
     return (pair_key(x) << _KEY_SHIFT) | i
 
 
-@njit(cache=True)
+@njit
 def _key(p):
     return p >> _KEY_SHIFT
 
 
-@njit(cache=True)
+@njit
 def _index(p):
     return p & _INDEX_BITS
 
@@ -97,7 +98,7 @@ def _index(p):
 _U0, _U1, _U2 = np.uint64(0), np.uint64(1), np.uint64(2)
 
 
-@njit(cache=True)
+@njit
 def _adjust_heap(heap, hole, item):
     """libstdc++ ``__adjust_heap`` + ``__push_heap`` on the pairs ``heap``, ``hole`` a uint64.
 
@@ -129,7 +130,7 @@ def _adjust_heap(heap, hole, item):
     heap[hole] = item
 
 
-@njit(cache=True)
+@njit
 def _make_heap(heap):
     """libstdc++ ``__make_heap``: re-seat the parents from ``(len - 2) / 2`` down to 0."""
     length = heap.shape[0]
@@ -143,7 +144,7 @@ def _make_heap(heap):
         parent -= 1
 
 
-@njit(cache=True)
+@njit
 def _heap_select(pairs, first, middle, last):
     """libstdc++ ``__heap_select`` on ``pairs[first:last]`` in place (introselect at depth 0)."""
     heap = pairs[first:middle]
@@ -155,7 +156,7 @@ def _heap_select(pairs, first, middle, last):
             _adjust_heap(heap, _U0, item)
 
 
-@njit(cache=True)
+@njit
 def _heap_select_row(row, heap, hint, block):
     """``std::partial_sort``'s set: heap-select the first ``k = len(heap)`` pairs of ``row``
     into ``heap``.
@@ -183,7 +184,7 @@ def _heap_select_row(row, heap, hint, block):
         i += SCAN_RUN
 
 
-@njit(cache=True)
+@njit
 def _heap_of_first(row, heap):
     """The heap select's start: the pairs of ``row``'s first ``len(heap)`` values made a heap
     in ``heap``; returns its top's value."""
@@ -193,7 +194,7 @@ def _heap_of_first(row, heap):
     return row[_index(heap[0])]
 
 
-@njit(cache=True)
+@njit
 def _heap_push_run(row, j0, j1, heap, top):
     """The heap select's step over ``row[j0:j1]``: each value that comes before the heap's
     ``top`` (its value) replaces it; returns the new top's value."""
@@ -218,7 +219,7 @@ class ListedSpans(NamedTuple):
     span: int
 
 
-@njit(cache=True)
+@njit
 def _heap_select_listed(row, heap, firsts, span):
     """:func:`_heap_select_row` of a row that is -inf outside the spans of ``span`` positions at
     ``firsts`` (ascending): the first k pairs fill the heap as they are, then only the spans'
@@ -236,7 +237,7 @@ def _heap_select_listed(row, heap, firsts, span):
 SCAN_RUN = 32
 
 
-@njit(cache=True)
+@njit
 def _passes_any(row, i, top):
     """Whether any of ``row[i : i + SCAN_RUN]`` comes before ``top`` (larger, or a NaN): no
     early exit, so the loop vectorises."""
@@ -247,7 +248,7 @@ def _passes_any(row, i, top):
     return hit != 0
 
 
-@njit(cache=True)
+@njit
 def hints_pass(hint, b0, b1, top):
     """Whether a value of the blocks ``b0 .. b1`` may come before ``top``, by their hints (each
     at least its block's max, NaN where one of its values is): no early exit, so the loop
@@ -260,7 +261,7 @@ def hints_pass(hint, b0, b1, top):
     return hit != 0
 
 
-@njit(cache=True)
+@njit
 def run_passes(row, i, top, hint, block):
     """Whether a value of the run ``row[i : i + SCAN_RUN]`` may come before ``top``: read from
     the row (:func:`_passes_any`), or with ``block`` > 0 from the block hints ``hint`` of its
@@ -273,7 +274,7 @@ def run_passes(row, i, top, hint, block):
 # --------------------------------------------------------------------------- introselect
 
 
-@njit(cache=True)
+@njit
 def _move_median_to_first(pairs, result, a, b, c):
     """libstdc++ ``__move_median_to_first``: swap the median of a, b, c (by ``before``) into result."""
     ka, kb, kc = _key(pairs[a]), _key(pairs[b]), _key(pairs[c])
@@ -293,14 +294,14 @@ def _move_median_to_first(pairs, result, a, b, c):
     _swap(pairs, result, pick)
 
 
-@njit(cache=True)
+@njit
 def _swap(pairs, i, j):
     t = pairs[i]
     pairs[i] = pairs[j]
     pairs[j] = t
 
 
-@njit(cache=True)
+@njit
 def _unguarded_partition(pairs, first, last, pivot):
     """libstdc++ ``__unguarded_partition``: Hoare partition around ``pairs[pivot]``; returns
     the cut."""
@@ -317,7 +318,7 @@ def _unguarded_partition(pairs, first, last, pivot):
         first += 1
 
 
-@njit(cache=True)
+@njit
 def _insertion_sort(pairs, first, last):
     """libstdc++ ``__insertion_sort`` (stable): straight to the front, else an unguarded walk back."""
     if first == last:
@@ -337,7 +338,7 @@ def _insertion_sort(pairs, first, last):
         pairs[j] = item
 
 
-@njit(cache=True)
+@njit
 def _floor_log2(n):
     r = 0
     while n > 1:
@@ -346,7 +347,7 @@ def _floor_log2(n):
     return r
 
 
-@njit(cache=True)
+@njit
 def _nth_element(pairs, n, nth):
     """libstdc++ ``std::nth_element(pairs, pairs + nth, pairs + n, before)``
     (``__introselect``) in place."""
@@ -376,7 +377,7 @@ def _nth_element(pairs, n, nth):
 # --------------------------------------------------------------------------- njit core
 
 
-@njit(cache=True)
+@njit
 def topk_scratch_len(n, k):
     """Scratch entries ``topk_set_into`` needs for a row of n values: n when ``k * 64 > n``, else k."""
     if k * 64 > n:
@@ -384,7 +385,7 @@ def topk_scratch_len(n, k):
     return k
 
 
-@njit(cache=True)
+@njit
 def topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     """Write torch's CPU ``topk(row_vals, k)`` index set, sorted ascending, into ``out_idx[:k]``.
 
@@ -418,7 +419,7 @@ def topk_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
         partial_sort_set_into(row_vals, k, out_idx, scratch_idx)
 
 
-@njit(cache=True)
+@njit
 def nth_element_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
     """The ``k * 64 > n`` branch of :func:`topk_set_into` (``std::nth_element``), whatever n
     is, for ``1 <= k <= n`` and scratch of n entries each (unchecked). A kernel whose rows all
@@ -440,7 +441,7 @@ def nth_element_set_into(row_vals, k, out_idx, scratch_vals, scratch_idx):
             m += 1
 
 
-@njit(cache=True)
+@njit
 def partial_sort_set_into(row_vals, k, out_idx, heap):
     """The ``k * 64 <= n`` branch of ``topk_set_into`` (``std::partial_sort``), whatever n is.
 
@@ -451,7 +452,7 @@ def partial_sort_set_into(row_vals, k, out_idx, heap):
     partial_sort_set_hinted(row_vals, k, out_idx, heap, row_vals, _ZERO)
 
 
-@njit(cache=True)
+@njit
 def partial_sort_set_hinted(row_vals, k, out_idx, heap, hint, block):
     """:func:`partial_sort_set_into` with the row's block maxima ``hint`` (or upper bounds of
     them; see :func:`_heap_select_row`), which only decide what is skipped: the set is the same."""
@@ -460,7 +461,7 @@ def partial_sort_set_hinted(row_vals, k, out_idx, heap, hint, block):
     _heap_set_out(row_vals.shape[0], k, heap, out_idx)
 
 
-@njit(cache=True)
+@njit
 def partial_sort_set_listed(row_vals, k, out_idx, heap, firsts, span):
     """:func:`partial_sort_set_into` of a row that is -inf outside the spans of ``span``
     positions at ``firsts`` (ascending; :class:`ListedSpans`): the same set, visiting only
@@ -470,7 +471,7 @@ def partial_sort_set_listed(row_vals, k, out_idx, heap, firsts, span):
     _heap_set_out(row_vals.shape[0], k, heap, out_idx)
 
 
-@njit(cache=True)
+@njit
 def _heap_set_out(n, k, heap, out_idx):
     """The heap's k indices, ascending, into ``out_idx`` (a row of only k: all of them)."""
     for j in range(k):
@@ -481,7 +482,7 @@ def _heap_set_out(n, k, heap, out_idx):
 # --------------------------------------------------------------------------- batched kernel
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _topk_rows_kernel(vals, ks, out):
     """One ``topk_set_into`` per row in parallel; each row allocates its own scratch.
 

@@ -26,8 +26,9 @@ import re
 
 import ml_dtypes
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from ..attention import index_rows
 from ..config import AttnConfig
 from ..indexer import visible_lengths
@@ -181,7 +182,7 @@ def cache_layout(c: AttnConfig, i: int, prefill: int) -> list:
     return out
 
 
-@njit(cache=True)
+@njit
 def _keep_if_better(vals, ids, cnt, v, i):
     """Score ``v`` of index ``i`` into the sorted list ``vals / ids`` of ``cnt`` (at most its
     length, R) if it holds fewer than R or ``v`` comes before its last; returns its new count.
@@ -199,7 +200,7 @@ def _keep_if_better(vals, ids, cnt, v, i):
     return cnt + 1 if cnt < R else cnt
 
 
-@njit(cache=True)
+@njit
 def _left_out(topk_row, offset):
     """The positions a row's selection ``topk_row`` (``position + offset``, -1 for none) took,
     ascending."""
@@ -219,7 +220,7 @@ def _left_out(topk_row, offset):
     return sel[:m]
 
 
-@njit(cache=True)
+@njit
 def _keep_run(row, t0, t1, sel, p, vals, ids, cnt, offset):
     """:func:`_keep_if_better` over ``row[t0:t1]`` but the selected positions (``sel`` from
     ``p``, ascending); returns ``(cnt, p)``."""
@@ -231,7 +232,7 @@ def _keep_run(row, t0, t1, sel, p, vals, ids, cnt, offset):
     return cnt, p
 
 
-@njit(cache=True)
+@njit
 def _row_runners_up(row, n, sel, offset, vals, ids, hint, block):
     """One row's runners-up (see :func:`_runners_up`) among its first ``n`` scores; returns
     how many it found."""
@@ -252,14 +253,14 @@ def _row_runners_up(row, n, sel, offset, vals, ids, hint, block):
     return cnt
 
 
-@njit(cache=True)
+@njit
 def _finish_runners_up(vals, ids, cnt):
     for j in range(cnt, vals.shape[0]):
         ids[j] = -1
         vals[j] = -np.inf
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _runners_up(scores, clen, topk, offset, out_idx, out_val, hints, block):
     """Per row, the best ``R`` visible positions the selection ``topk`` left out, best first in
     torch's order (NaN first, then larger; equal scores by position), as ``position + offset``
@@ -282,7 +283,7 @@ def _runners_up(scores, clen, topk, offset, out_idx, out_val, hints, block):
 _runners_up_serial = serial_twin(_runners_up)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _runners_up_listed(scores, clen, topk, offset, out_idx, out_val, offsets, firsts, span):
     """:func:`_runners_up` of rows that are -inf outside the spans of ``span`` positions at
     ``firsts[offsets[s]:offsets[s + 1]]`` (:class:`~ds41numba.topk.ListedSpans`): the spans

@@ -60,8 +60,9 @@ import math
 
 import numpy as np
 from ml_dtypes import bfloat16 as BF16
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from ..config import AttnConfig
 from ..numerics import is_int, serial_twin
 from ..stack import weight_specs
@@ -119,7 +120,7 @@ def stream_key(seed: int, name: str) -> int:
     return _mix64(seed) ^ _name_hash(name)
 
 
-@njit(cache=True)
+@njit
 def _fill_block(out_bits, key, start, center, scale, to_bf16, lo, hi):
     """Elements ``start + lo .. start + hi - 1`` of the stream ``key`` into ``out_bits[lo:hi]``:
     their f32 bit patterns (uint32 ``out_bits``) or, bf16 values, their bf16 ones (uint16)."""
@@ -141,7 +142,7 @@ def _fill_block(out_bits, key, start, center, scale, to_bf16, lo, hi):
         out_bits[j] = v >> drop
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _fill_bits_kernel(out_bits, key, start, center, scale, to_bf16):
     """Blocks in parallel. Each element depends only on its own index, so the result is the
     same for any thread count and any split of a tensor into calls."""

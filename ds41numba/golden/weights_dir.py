@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from ml_dtypes import bfloat16, float8_e4m3fn
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from ..config import AttnConfig
 from ..numerics import FP8_BLOCK, is_bf16_valued
 from ..numerics.formats import bf16_scalar
@@ -63,7 +64,7 @@ _E4M3 = np.arange(256, dtype=np.uint8).view(float8_e4m3fn).astype(np.float32)
 _E8M0 = np.array([2.0 ** (e - 127) for e in range(255)] + [np.nan], np.float32)   # exact
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _dequantize_blocks(q, scale, lut, out_bits, block):
     """``out_bits[r, c]``: the bf16 pattern of ``lut[q[r, c]] * scale[r // block, c // block]``
     (a float32 product, then RNE). Each block rounds its 256 possible products once, into a

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit
 
+from ..jit import njit
 from ..numerics import bf16_scalar, bf16_scalar_no_payload, in_workers, split_range, worth_parallel
 from .visibility import masked_buffer
 
@@ -24,13 +24,13 @@ _MIX_GROUP = 8
 _HEAD_MAJOR_MIN = 1024
 
 
-@njit(cache=True)
+@njit
 def _head_weight(w):
     """A head's weight as :func:`_relu_weighted` takes it: a NaN made quiet with no payload."""
     return bf16_scalar(w) if w != w else w
 
 
-@njit(cache=True)
+@njit
 def _relu_weighted(d, w, finite=False):
     """``bf16(relu(bf16(d)) * w)``; a NaN passes relu, as torch's does. ``w`` as
     :func:`_head_weight` leaves it; ``finite``: ``d`` is no NaN (an integer kernel's exact dot
@@ -43,7 +43,7 @@ def _relu_weighted(d, w, finite=False):
     return bf16_scalar_no_payload(v * w)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True)
 def _mix_heads(d, w, clen, t0, out):
     """``out[s, t0 + t] = bf16(sum_h bf16(relu(bf16(d[t, s * ih + h])) * w[s, h]))`` for visible t.
 
@@ -81,7 +81,7 @@ def _mix_heads(d, w, clen, t0, out):
                 o[j] = bf16_scalar(acc[j])
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True)
 def mix_heads_by_head(d, w, clen, t0, out, finite=False):
     """:func:`_mix_heads` for dot products held head-major (``[T * ih, chunk]``, many queries):
     each head's row adds into the positions' sums at once, still in head order. ``finite``: the

@@ -7,14 +7,15 @@ after them does (:func:`visible_block_maxima`)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from ..numerics import DOT_LANES, nan_max
 
 __all__ = ["row_block_maxima", "key_block_maxima", "visible_block_maxima"]
 
 
-@njit(cache=True)
+@njit
 def row_block_maxima(row, n, block, out):
     """``out[b]``: the max (NaN wins) of ``row[b * block : (b + 1) * block]`` within its first
     ``n`` values, for every block holding one of them."""
@@ -25,7 +26,7 @@ def row_block_maxima(row, n, block, out):
         out[b] = best
 
 
-@njit(cache=True)
+@njit
 def key_block_maxima(out, clen, t0, s_lo, block, block_max):
     """Rows ``s_lo ..`` of ``block_max``: the maxima of the blocks of ``block`` positions (a
     divisor of DOT_LANES) in the key block at ``t0``, over the positions each row sees (NaN
@@ -35,7 +36,7 @@ def key_block_maxima(out, clen, t0, s_lo, block, block_max):
         row_block_maxima(out[s, t0:t0 + n], n, block, block_max[s, t0 // block:])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def visible_block_maxima(scores, clen, block, out):
     """Per row, the max (NaN wins) over each block of ``block`` positions it sees: ``out[s, j]``
     for the blocks ``j`` holding positions below ``clen[s]``, over those positions only."""

@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from ..numerics import DOT_LANES, QUARTER, serial_twin, sized_call
 from ..topk import ListedSpans
 
@@ -34,13 +35,13 @@ __all__ = ["EVERY_KEY_BLOCK", "NeededKeys", "needed_keys", "needed_key_blocks", 
 EVERY_KEY_BLOCK = np.ones((1, 0), np.uint8)
 
 
-@njit(cache=True)
+@njit
 def _bit(packed_row, c):
     """Candidate block ``c`` of a row of bits packed as ``np.packbits`` packs them."""
     return (packed_row[c >> 3] >> (7 - (c & 7))) & 1
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _needed_kernel(packed, clen, block, lanes, out):
     for s in prange(out.shape[0]):
         out[s] = 0
@@ -70,7 +71,7 @@ def needed_key_blocks(packed: np.ndarray, clen: np.ndarray, block: int, lanes: i
     return out
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _mask_kernel(scores, packed, clen, block, need, lanes):
     for s in prange(scores.shape[0]):
         n = min(max(clen[s], 0), scores.shape[1])
@@ -105,7 +106,7 @@ def mask_outside_candidates(scores: np.ndarray, packed: np.ndarray, clen: np.nda
                np.ascontiguousarray(clen, np.int64), block, need, lanes)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _clear_kernel(scores, need, lanes):
     for s in prange(min(scores.shape[0], need.shape[0])):
         for b in range(need.shape[1]):
@@ -123,7 +124,7 @@ def clear_key_blocks(scores: np.ndarray, need: np.ndarray, lanes: int) -> None:
                need, lanes)
 
 
-@njit(cache=True)
+@njit
 def _walk_quarters(packed_row, n, block, out):
     """The first keys of the quarters (``QUARTER`` keys) holding a visible candidate position
     of a row (``n`` positions visible), in order, into ``out`` when it has room; their count."""
@@ -143,7 +144,7 @@ def _walk_quarters(packed_row, n, block, out):
     return k
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _quarters_kernel(packed, clen, block, offsets, firsts, counts):
     """Each row's quarters into ``firsts[offsets[s]:offsets[s + 1]]`` (none where that is
     empty, as with every offset 0), and their count into ``counts[s]``."""

@@ -8,8 +8,8 @@ scoring above -inf are kept. Later index sources may only pick inside those bloc
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from ..jit import njit
 from ..numerics import is_int
 from .block_maxima import visible_block_maxima
 from .selection import top_k_sets
@@ -17,7 +17,7 @@ from .selection import top_k_sets
 __all__ = ["candidate_block_bits", "candidate_mask", "select_candidate_blocks"]
 
 
-@njit(cache=True)
+@njit
 def _finish_block_scores(block_scores, clen, block, valid):
     """The block scores of rows whose visible blocks hold their maxima: -inf from there to
     ``valid`` blocks, the newest visible block pinned to +inf."""
@@ -87,7 +87,7 @@ def _candidate_block_mask(scores: np.ndarray, clen: np.ndarray, topk_blocks: int
     return mask
 
 
-@njit(cache=True)
+@njit
 def _pack_picks(block_scores, picked, out):
     """The picked blocks scoring above -inf as bits of ``out`` (zeros), packed along each row in
     ``np.packbits``' order (block 0 the first byte's highest bit)."""

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from ..numerics import (AMX_ROWS, DOT_LANES, DOT_ROWS, MAX_BLOCK, QUARTER, amx_begin, amx_dot_tile,
                         amx_end, amx_mix_tile, bf16_dot_tile, claim_next, in_beside_block,
                         int8_dot_into, int8_pairs_into, pairs_mix_tile, serial_twin,
@@ -44,7 +45,7 @@ __all__ = ["LAYOUTS", "tile_scores_packed"]
 SHARED_BLOCKS = 64
 
 
-@njit(cache=True)
+@njit
 def _first_seeing(clen, T, t0):
     """The first of the ``T`` queries that sees a position of the key block at ``t0`` (``T``
     when none does): ``clen`` grows with the query."""
@@ -54,7 +55,7 @@ def _first_seeing(clen, T, t0):
     return s
 
 
-@njit(cache=True)
+@njit
 def _next_run(need, b, a, T):
     """The next run ``[a, e)`` of queries from ``a`` that need key block ``b`` (``need [T,
     blocks]``; no column: every query needs every block), ``(T, T)`` when none does: the
@@ -69,7 +70,7 @@ def _next_run(need, b, a, T):
     return a, e
 
 
-@njit(cache=True)
+@njit
 def _mix_dots(d, w, clen, t0, s_lo, out, block, block_max, finite):
     """The dot products ``d`` of a key block (a query head a row) of the queries ``s_lo ..``,
     mixed into ``out`` where visible, and their block maxima when ``block`` > 0. ``finite``:
@@ -80,7 +81,7 @@ def _mix_dots(d, w, clen, t0, s_lo, out, block, block_max, finite):
         key_block_maxima(out, clen, t0, s_lo, block, block_max)
 
 
-@njit(cache=True)
+@njit
 def _mix_target(out, mixed, clen, s_lo, t0, block, block_max):
     """Where a mixing tile kernel writes the key block at ``t0``'s scores of the queries
     ``s_lo ..``: ``(scores, maxima_out, maxima, whole)``.
@@ -102,7 +103,7 @@ def _mix_target(out, mixed, clen, s_lo, t0, block, block_max):
     return mixed[:T - s_lo], maxima_out, maxima, False
 
 
-@njit(cache=True)
+@njit
 def _finish_mixed(mixed, clen, s_lo, t0, out, whole, maxima, block, block_max):
     """After a mixing tile kernel wrote :func:`_mix_target`'s scores: the visible ones of a
     partly seen key block into ``out``, and the block maxima the kernel did not take."""
@@ -114,7 +115,7 @@ def _finish_mixed(mixed, clen, s_lo, t0, out, whole, maxima, block, block_max):
         key_block_maxima(out, clen, t0, s_lo, block, block_max)
 
 
-@njit(cache=True)
+@njit
 def _bf16_run(pairs, blocks, w, clen, b, s_lo, e, d, out, block, block_max):
     """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX512-BF16."""
     ih = w.shape[1]
@@ -125,7 +126,7 @@ def _bf16_run(pairs, blocks, w, clen, b, s_lo, e, d, out, block, block_max):
     _mix_dots(d, w[:e], clen[:e], b * DOT_LANES, s_lo, out[:e], block, block_max, False)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, nogil=True)
 def _bf16_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX512-BF16: ``q = (pairs,)``, ``keys = (blocks,)``."""
     T = w.shape[0]
@@ -142,14 +143,14 @@ def _bf16_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, bloc
 _bf16_kernel_serial = serial_twin(_bf16_kernel)
 
 
-@njit(cache=True)
+@njit
 def _mixes_folded(q, ih):
     """Whether VNNI's queries ``q`` are folded rows (one correction a row) of whole row tiles a
     query (``ih`` heads): then :func:`~ds41numba.numerics.vnni_mix_tile` mixes them as formed."""
     return ih % AMX_ROWS == 0 and q[1].shape[1] == 1
 
 
-@njit(cache=True)
+@njit
 def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, block, block_max):
     """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX512-VNNI."""
     ih = w.shape[1]
@@ -169,7 +170,7 @@ def _vnni_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, blo
     _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max, True)
 
 
-@njit(cache=True)
+@njit
 def _seen_whole(clen, width, lo, hi, need, block):
     """The end of the key blocks from ``lo`` (up to ``hi``) that every query sees whole and
     needs, for a mixing kernel to score straight into the score rows: ``lo`` where ``need``
@@ -180,7 +181,7 @@ def _seen_whole(clen, width, lo, hi, need, block):
     return max(lo, min(hi, min(clen.min(), width) // DOT_LANES))
 
 
-@njit(cache=True)
+@njit
 def _whole_target(out, block_max, b, maxima):
     """Where a mixing kernel writes key block ``b``'s scores, seen whole by every query: its
     columns of the score rows, and (with ``maxima``) of the block maxima."""
@@ -188,7 +189,7 @@ def _whole_target(out, block_max, b, maxima):
     return out[:, b * DOT_LANES:(b + 1) * DOT_LANES], block_max[:, b * per:(b + 1) * per]
 
 
-@njit(cache=True)
+@njit
 def _vnni_whole(q, keys, w_rows, lo, hi, converts, out, maxima, block_max):
     """Key blocks ``lo .. hi - 1``, each seen whole by every query, on VNNI's folded rows: a
     :func:`~ds41numba.numerics.vnni_mix_tile` call a block straight into the score rows (and,
@@ -200,7 +201,7 @@ def _vnni_whole(q, keys, w_rows, lo, hi, converts, out, maxima, block_max):
                       maxima)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _vnni_blocks(q, keys, w, clen, lo, hi, converts, out, block, block_max, need, d, mixed):
     """Key blocks ``lo .. hi - 1`` of :func:`_vnni_kernel`'s scores (``d`` and ``mixed`` the
     caller's buffers)."""
@@ -218,7 +219,7 @@ def _vnni_blocks(q, keys, w, clen, lo, hi, converts, out, block, block_max, need
             a, e = _next_run(need, b, e, T)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, nogil=True)
 def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX512-VNNI: ``q = (quads, corr, scales)``, ``keys = (quads, scales)``,
     per-block or folded. Folded rows (one correction a row) of whole row tiles a query are
@@ -234,7 +235,7 @@ def _vnni_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, bloc
 _vnni_kernel_serial = serial_twin(_vnni_kernel)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, nogil=True)
 def _vnni_quarters_kernel(q, keys, w, clen, offsets, firsts, group_at, workers, converts, out):
     """A candidate consumer's scores on VNNI's folded rows: each query's quarters (``firsts[
     offsets[s]:offsets[s + 1]]``, :func:`~.candidate_scores.candidate_quarters`) four to a
@@ -291,7 +292,7 @@ def _quarter_scores(q, keys, w, clen, quarters, converts, out):
                clen, offsets, firsts, group_at, min(numba.get_num_threads(), n_groups), converts, out)
 
 
-@njit(cache=True)
+@njit
 def _amx_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, block, block_max):
     """Key block ``b``'s scores of the queries ``s_lo .. e`` on AMX (the thread holds the tile
     state)."""
@@ -314,7 +315,7 @@ def _amx_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, converts, out, bloc
     _finish_mixed(mixed, clen[:e], s_lo, t0, out[:e], whole, maxima, block, block_max)
 
 
-@njit(cache=True)
+@njit
 def _pairs_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, out, block, block_max):
     """Key block ``b``'s scores of the queries ``s_lo .. e`` on AVX2: mixed as they are formed
     (:func:`~ds41numba.numerics.pairs_mix_tile`) where a query is whole row tiles."""
@@ -335,7 +336,7 @@ def _pairs_run(q, keys, w, w_rows, clen, b, s_lo, e, d, mixed, out, block, block
     _mix_dots(d, w[:e], clen[:e], t0, s_lo, out[:e], block, block_max, True)
 
 
-@njit(cache=True)
+@njit
 def _pairs_whole(q, keys, w_rows, lo, hi, out, maxima, block_max):
     """:func:`_vnni_whole` on AVX2: a :func:`~ds41numba.numerics.pairs_mix_tile` call a block."""
     for b in range(lo, hi):
@@ -343,7 +344,7 @@ def _pairs_whole(q, keys, w_rows, lo, hi, out, maxima, block_max):
         pairs_mix_tile(q[0], q[1], q[2], w_rows, keys[0][b], keys[1][b], got, got_max, maxima)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d, mixed):
     """Key blocks ``lo .. hi - 1`` of :func:`_pairs_kernel`'s scores (``d`` and ``mixed`` the
     caller's buffers)."""
@@ -360,7 +361,7 @@ def _pairs_blocks(q, keys, w, clen, lo, hi, out, block, block_max, need, d, mixe
             a, e = _next_run(need, b, e, T)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, nogil=True)
 def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AVX2: the per-block layout of :func:`_vnni_kernel`, ``q = (quads, corr,
     scales)``, ``keys = (quads, scales)``, through :func:`~ds41numba.numerics.int8_pairs_into`."""
@@ -374,7 +375,7 @@ def _pairs_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, blo
 _pairs_kernel_serial = serial_twin(_pairs_kernel)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, nogil=True)
 def _amx_kernel(q, keys, w, clen, n_blocks, workers, converts, out, block, block_max, need):
     """The scores on AMX: ``q = (quads, scales)``, ``keys = (quads, scales)``, both folded.
     Queries of whole row tiles are mixed as they are formed
@@ -402,7 +403,7 @@ LAYOUTS = {"bf16": _bf16_kernel, "int8": _vnni_kernel, "vnni_folded": _vnni_kern
            "amx": _amx_kernel, "int8_pairs": _pairs_kernel}
 
 
-@njit(cache=True)
+@njit
 def _claimed_run(counter, n_blocks):
     """The next run of ``SHARED_BLOCKS`` key blocks, ``[lo, hi)``, claimed on ``counter``
     (empty when none is left)."""
@@ -410,7 +411,7 @@ def _claimed_run(counter, n_blocks):
     return lo, min(n_blocks, lo + SHARED_BLOCKS)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _vnni_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, need, counter):
     """:func:`_vnni_kernel`'s key blocks a run at a time (:func:`_claimed_run`), each run by the
     thread that claims it: calls on two threads share them
@@ -423,7 +424,7 @@ def _vnni_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, n
         lo, hi = _claimed_run(counter, n_blocks)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _pairs_claimed(q, keys, w, clen, n_blocks, converts, out, block, block_max, need, counter):
     """:func:`_vnni_claimed` on AVX2 (:func:`_pairs_kernel`'s blocks): a kernel of its own, as
     VNNI's instructions do not compile for a CPU without them."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from ..numerics import serial_twin, sized_call
 from ..topk import (ListedSpans, nth_element_set_into, partial_sort_set_hinted,
                     partial_sort_set_listed)
@@ -51,7 +52,7 @@ def top_k_sets(scores, clen, k, out, hints=None, block=0, listed=None):
                    scores if hints is None else hints, block)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _whole_row_sets(scores, k, out):
     """:func:`top_k_sets` in the ``nth_element`` branch (``k * 64 > width``): the whole row's set."""
     width = scores.shape[1]
@@ -63,7 +64,7 @@ def _whole_row_sets(scores, k, out):
 _whole_row_sets_serial = serial_twin(_whole_row_sets)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _heap_sets(scores, clen, k, out, hints, block):
     """:func:`top_k_sets` in the ``partial_sort`` branch, runs skipped by ``hints`` where
     ``block`` > 0."""
@@ -75,7 +76,7 @@ def _heap_sets(scores, clen, k, out, hints, block):
 _heap_sets_serial = serial_twin(_heap_sets)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _heap_sets_listed(scores, clen, k, out, offsets, firsts, span):
     """:func:`top_k_sets` in the ``partial_sort`` branch of rows that are -inf outside the spans
     of ``span`` positions at ``firsts[offsets[s]:offsets[s + 1]]``, which it visits alone."""

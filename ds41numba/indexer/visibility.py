@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from ..numerics import output_buffer, serial_twin, sized_call
 
 __all__ = ["visible_lengths", "masked_buffer"]
@@ -18,7 +19,7 @@ def visible_lengths(start_pos: int, seqlen: int, ratio: int, prefill: bool | Non
     return np.full(seqlen, (start_pos + seqlen) // ratio, dtype=np.int64)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _mask_kernel(out, clen, upto):
     for s in prange(out.shape[0]):
         out[s, min(max(clen[s], 0), upto):upto] = -np.inf

@@ -9,10 +9,11 @@ Whether they run (or numpy's f32 BLAS instead) is read from :func:`.backend.tier
 from __future__ import annotations
 
 import llvmlite.ir as ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ..jit import njit
 from .vector_ir import (F32, I32, V16F, V16I, broadcast_tile, close_loop, extent, i64, open_loop, prefetch,
                         row_operands, row_pointer, splat, wide_registers)
 from .workers import serial_twin, sized_call
@@ -299,7 +300,7 @@ def _tile_product_impl(a, b, out, later):
     return impl
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def gemm_bf16(a, b, out, groups, block_pairs):
     """``out = a . b`` for every block of columns: ``a [M, groups * P]`` (M a multiple of
     DOT_ROWS; pairs, or ``[M, groups * 2P]`` f32 values for the FMA kernel),

@@ -7,26 +7,27 @@ values are refused, not rounded: the caller rounds first, as the reference does.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .bf16_dot import DOT_LANES
 from .formats import as_f32_array, output_buffer
 
 __all__ = ["bf16_pairs", "pack_bf16_pairs"]
 
 
-@njit(cache=True)
+@njit
 def _bf16_pair(lo, hi):
     """Two bf16 values (f32 bit patterns) as one uint32, ``lo`` in the low half."""
     return (lo >> np.uint32(16)) | (hi & np.uint32(0xFFFF0000))
 
 
-@njit(cache=True)
+@njit
 def _n_not_bf16(lo, hi):
     return ((lo & np.uint32(0xFFFF)) != 0) + ((hi & np.uint32(0xFFFF)) != 0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _pairs_kernel(bits, out, in_order):
     """A operand: ``out[i, p]`` = the pair (``bits[i, 2p]``, ``bits[i, 2p + 1]``), or with
     ``in_order`` (``bits[i, 2p + 1]``, ``bits[i, 2p]``); returns how many values were not bf16
@@ -43,7 +44,7 @@ def _pairs_kernel(bits, out, in_order):
     return bad
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _blocked_pairs_kernel(bits, out, first):
     """B operand: row ``i`` into lane ``(first + i) % DOT_LANES`` of block ``(first + i) //
     DOT_LANES`` of ``out [blocks, d / 2, DOT_LANES]``; returns how many values were not bf16."""

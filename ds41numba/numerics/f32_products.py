@@ -34,8 +34,9 @@ and checks the arguments.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .f32_tiles import CHAIN_LANES, CHAIN_ROWS, TILE_LANES, TILE_ROWS, chain_tile, fma_tile, lanes_tile
 from .formats import aligned_empty
 from .workers import serial_twin, sized_call
@@ -62,7 +63,7 @@ _CHUNK_ROWS = 8 * TILE_ROWS
 _MIN_ITEMS = 8
 
 
-@njit(cache=True)
+@njit
 def blocked_rows(m: int) -> int:
     """How many leading rows of an M-row product the reference's two-thread MKL sends to its
     blocked kernel (the rest go to the small kernel, or the NN chain); sparse attention's heads
@@ -79,7 +80,7 @@ def blocked_rows(m: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit
 def _tiles(x, panel, o, k0, k1, first):
     """The micro-kernel over all rows of ``x`` (``o`` the same rows) for the block k0..k1."""
     rows = x.shape[0]
@@ -88,7 +89,7 @@ def _tiles(x, panel, o, k0, k1, first):
         fma_tile(x[r:r1, k0:k1], panel, o[r:r1], first)
 
 
-@njit(cache=True)
+@njit
 def _blocked_item(x, wp, out, rows, n_out, col_groups, item):
     """Work item ``item`` of ``out[:rows] = x[:rows] . w.T`` in the blocked kernel's order: a
     chunk of rows by a group of column panels (``wp`` is w packed by :func:`pack_columns`,
@@ -118,7 +119,7 @@ def _blocked_item(x, wp, out, rows, n_out, col_groups, item):
                 out[r0 + r, c0 + c] = scratch[r, c]
 
 
-@njit(cache=True)
+@njit
 def _small_item(x, wp, out, first_row, peels, n_out, j):
     """Panel j of rows ``first_row ..`` of ``out = x . w.T`` in the small kernel's order
     (products rounded, no FMA), row r with ``peels[r - first_row]``."""
@@ -146,7 +147,7 @@ def _small_item(x, wp, out, first_row, peels, n_out, j):
             out[r, c0 + t] = res[t]
 
 
-@njit(cache=True)
+@njit
 def _chain_item(x, v, out, first_row, j):
     """Columns ``j*CHAIN_LANES ..`` of rows ``first_row ..`` of ``out = x . v`` (``v [K, N]``):
     one sequential chain over K per output, products rounded (no FMA)."""
@@ -173,7 +174,7 @@ def _chain_item(x, v, out, first_row, j):
 # thread (workers.sized_call). The items do not depend on which thread runs them.
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _blocked_kernel(x, wp, out, rows, n_out, col_groups, n_items):
     for item in prange(n_items):
         _blocked_item(x, wp, out, rows, n_out, col_groups, item)
@@ -182,7 +183,7 @@ def _blocked_kernel(x, wp, out, rows, n_out, col_groups, n_items):
 _blocked_kernel_serial = serial_twin(_blocked_kernel)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _small_kernel(x, wp, out, first_row, peels, n_out):
     for j in prange(wp.shape[0]):
         _small_item(x, wp, out, first_row, peels, n_out, j)
@@ -191,7 +192,7 @@ def _small_kernel(x, wp, out, first_row, peels, n_out):
 _small_kernel_serial = serial_twin(_small_kernel)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _chain_kernel(x, v, out, first_row, n_items):
     for j in prange(n_items):
         _chain_item(x, v, out, first_row, j)
@@ -205,7 +206,7 @@ _chain_kernel_serial = serial_twin(_chain_kernel)
 # ----------------------------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit
 def _pack_item(w, out, transposed, j):
     """Panel j: ``out[j, k, t] = w[j*TILE_LANES + t, k]`` (``transposed``: ``w[k, j*TILE_LANES +
     t]``), zero past the last column."""
@@ -222,7 +223,7 @@ def _pack_item(w, out, transposed, j):
                 out[j, k, t] = w[c, k]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _pack_kernel(w, out, transposed):
     for j in prange(out.shape[0]):
         _pack_item(w, out, transposed, j)

@@ -11,8 +11,9 @@ import os
 import time
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .bf16_dot import DOT_LANES, DOT_ROWS, tile_product
 from .bf16_layouts import bf16_pairs
 from .formats import ELEMENT_COST
@@ -26,7 +27,7 @@ _NO_VALUES = (True, 255, 0)
 _U32 = np.uint32
 
 
-@njit(cache=True)
+@njit
 def magnitudes_range(low_bits, smallest_less_one, largest, shift):
     """A range from magnitude bits: the smallest non-zero magnitude (less one: a zero's wraps
     to the top) and the largest, their exponent above bit ``shift`` (255: inf or NaN), and
@@ -38,7 +39,7 @@ def magnitudes_range(low_bits, smallest_less_one, largest, shift):
     return low_bits == 0 and lo != 0 and hi != 255, lo, hi
 
 
-@njit(cache=True)
+@njit
 def _row_range(row, pairs):
     """The range of one row of bits: f32 values, or (``pairs``) pairs of bf16 values. One pass
     of unsigned minima, maxima and ors over the magnitudes' bits: an inf or NaN is a largest
@@ -59,7 +60,7 @@ def _row_range(row, pairs):
     return magnitudes_range(low_bits, smallest, largest, _U32(23))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _bits_range(bits, pairs):
     """The range of ``bits [n, m]``: f32 values that should hold bf16 values, or (``pairs``)
     pairs of bf16 values. Rows in parallel, then their ranges together."""
@@ -128,7 +129,7 @@ def fma_faster() -> bool:
     return _fma_choice[0]
 
 
-@njit(cache=True)
+@njit
 def _hot_tiles(a, b, out, reps):
     for _ in range(reps):
         tile_product(a, b, out, False)

@@ -13,8 +13,9 @@ rows were folded whole.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .bf16_dot import DOT_LANES
 from .formats import ELEMENT_COST, aligned_empty
 from .int8_layouts import (INT8_GROUP, INT8_MAX, MAX_EXP, MIN_EXP, NO_EXP, blocks_out, check_out,
@@ -35,13 +36,13 @@ AMX_K = 64
 AMX_ROWS = 16
 
 
-@njit(cache=True)
+@njit
 def _pow2(e):
     """``2^e`` as an f32, for ``-126 <= e <= 127``."""
     return np.uint32((e + 127) << 23).view(np.float32)
 
 
-@njit(cache=True)
+@njit
 def _fold_row(row, ints, exps):
     """``row`` as folded integers in ``ints`` (``n_g * 2^(e_g - e_min)``; those past a byte, in a
     row that cannot be folded, as 0); returns ``(bad, emin, emax, scale)``, ``scale = 2^e_min`` (1
@@ -81,7 +82,7 @@ def _fold_row(row, ints, exps):
 _FOLD_CHUNK = 64
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _fold_kernel(x, out, scales, first, offset):
     """Row i of ``x`` folded into lane ``L = (first + i) % lanes`` of block ``(first + i) //
     lanes``: its bytes plus ``offset`` ``out[block, p, 4L .. 4L + 3]`` (``out`` the quads' bytes,
@@ -191,7 +192,7 @@ def pack_offset_folded_blocks(x: np.ndarray, out: tuple | None = None, first: in
     return _pack_folded(x, out, first, FOLDED_KEY_OFFSET, "pack_offset_folded_blocks")
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _corrections_kernel(quads, out):
     for i in prange(quads.shape[0]):
         total = 0

@@ -18,10 +18,11 @@ import numbers
 
 import llvmlite.ir as ir
 import numpy as np
-from numba import njit, prange, types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..jit import njit
 from .workers import worth_parallel
 
 __all__ = ["is_int", "FP4_BLOCK", "LATENT_BLOCK", "FP8_BLOCK", "E4M3_MAX", "E2M1_MAX", "bf16_scalar",
@@ -49,12 +50,12 @@ _F32_NAN_BITS = 0x7FC00000
 # ----------------------------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit
 def _f32_from_bits(bits):
     return np.uint32(bits).view(np.float32)
 
 
-@njit(cache=True)
+@njit
 def _round_magnitude(a, mbits, emin):
     """RNE of the finite f32 magnitude with bit pattern ``a`` onto a binary format with ``mbits``
     mantissa bits, normal exponents from ``emin`` up (no upper bound) and subnormals below. Returns
@@ -85,7 +86,7 @@ def _round_magnitude(a, mbits, emin):
     return np.int64(np.float32(np.float32(n) * np.float32(2.0 ** (emin - mbits))).view(np.uint32))
 
 
-@njit(cache=True)
+@njit
 def _bf16_rne_bits(bits):
     """An f32's bits rounded to bf16's (RNE), truncated: right for every value but a NaN."""
     # Ties go to the even bf16 pattern: add 0x7FFF plus the lowest kept bit, then truncate.
@@ -93,7 +94,7 @@ def _bf16_rne_bits(bits):
     return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
 
 
-@njit(cache=True)
+@njit
 def bf16_scalar(v):
     """Round an f32 to the nearest bf16 value (RNE), returned as f32. NaN -> quiet NaN of the same
     sign (as ml_dtypes), +-inf -> +-inf, overflow past the largest bf16 -> +-inf, -0.0 stays -0.0."""
@@ -104,14 +105,14 @@ def bf16_scalar(v):
                           else _bf16_rne_bits(bits))
 
 
-@njit(cache=True)
+@njit
 def bf16_scalar_no_payload(v):
     """:func:`bf16_scalar` of a value that is no NaN, or a NaN as bf16_scalar makes them (quiet,
     no payload: sign | 0x7FC00000), which is its own rounding: without the NaN branch."""
     return _f32_from_bits(_bf16_rne_bits(np.float32(v).view(np.uint32)))
 
 
-@njit(cache=True)
+@njit
 def e4m3_scalar(v):
     """f32 -> float8_e4m3fn (RNE) -> f32, as ml_dtypes converts: |v| rounding above 448 (that is
     |v| > 464; 464 itself ties to the even 448) and +-inf become NaN, because e4m3fn has no infinity
@@ -128,7 +129,7 @@ def e4m3_scalar(v):
     return _f32_from_bits(sign | r)
 
 
-@njit(cache=True)
+@njit
 def e2m1_scalar(v):
     """f32 -> float4_e2m1fn (RNE) -> f32: |v| onto {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Binary RNE is the
     reference's even-3-bit-code tie rule, since the codes 0..7 are the format's bit patterns in order.
@@ -147,7 +148,7 @@ def e2m1_scalar(v):
     return _f32_from_bits(sign | r)
 
 
-@njit(cache=True)
+@njit
 def pow2ceil_scalar(v):
     """The smallest power of two >= v, exactly: 2^e for v = 1.m * 2^e, times 2 when m != 0. Defined
     for v > 0: a subnormal v gives its exact (possibly subnormal) power of two, v > 2^127 and +inf give
@@ -183,7 +184,7 @@ _OP_E2M1 = 2
 _OP_POW2CEIL = 3
 
 
-@njit(cache=True)
+@njit
 def _convert_range(x, op, lo, hi):
     # Index a slice from 0: with x[lo + i] numba's negative-index wraparound makes LLVM
     # vectorise the loop into gathers and scatters, several times slower.
@@ -202,7 +203,7 @@ def _convert_range(x, op, lo, hi):
             v[i] = pow2ceil_scalar(v[i])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _convert_kernel(x, op, chunk):
     n = x.shape[0]
     nchunks = (n + chunk - 1) // chunk
@@ -254,7 +255,7 @@ def pow2ceil(x):
     return _convert(x, _OP_POW2CEIL, "pow2ceil")
 
 
-@njit(cache=True)
+@njit
 def _bf16_valued_range(src, lo, hi):
     for i in range(lo, hi):
         v = src[i]
@@ -272,7 +273,7 @@ def is_bf16_valued(x):
     return bool(_bf16_valued_range(flat, 0, flat.shape[0]))
 
 
-@njit(cache=True)
+@njit
 def _bf16_halves_range(bits, out, lo, hi):
     """``out[i]``: the high half of ``bits[i]`` (an f32's), for ``i`` in ``lo .. hi``; False when
     one of them is not that f32's value (its low half is not zero) or is a NaN."""
@@ -285,7 +286,7 @@ def _bf16_halves_range(bits, out, lo, hi):
     return bad == 0
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _bf16_halves_kernel(bits, out, chunk):
     n = bits.shape[0]
     nchunks = (n + chunk - 1) // chunk
@@ -341,7 +342,7 @@ def round_bf16_inplace(x):
 
 
 
-@njit(cache=True)
+@njit
 def nan_max(best, v):
     """The larger of ``best`` and ``v``, where a NaN wins and then stays (torch's max and amax
     propagate NaN): fold it over values starting from -inf (or 0 for magnitudes)."""

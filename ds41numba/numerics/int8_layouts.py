@@ -11,8 +11,9 @@ decomposition and checks (:func:`group_exponent`, :func:`range_of`, :func:`check
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .bf16_dot import DOT_LANES
 from .formats import ELEMENT_COST, FP4_BLOCK, as_f32_array
 from .workers import serial_twin, sized_call
@@ -44,7 +45,7 @@ EMPTY_RANGE = np.array([0, NO_EXP, -NO_EXP, 0], np.int64)
 MIN_EXP, MAX_EXP = -126, 124
 
 
-@njit(cache=True)
+@njit
 def group_exponent(blk):
     """The ``e`` of a group: the smallest with ``INT8_MAX * 2^e >= max |x|``, read from the bits
     of ``max |x|`` (no division that could round); ``NO_EXP`` for a group of zeros, and
@@ -62,7 +63,7 @@ def group_exponent(blk):
     return biased - 127 - (3 if (top & 0x7FFFFF) <= 0x400000 else 2)
 
 
-@njit(cache=True)
+@njit
 def _decompose_row(row, ints, scales):
     """``row [d]`` as ``ints[i] * scales[i // INT8_GROUP]`` with ``|ints| <= INT8_MAX`` and
     power-of-two scales (1 for a group of zeros); returns ``(bad, emin, emax)`` over the
@@ -96,7 +97,7 @@ def _decompose_row(row, ints, scales):
     return bad, emin, emax
 
 
-@njit(cache=True)
+@njit
 def _quad(ints, p, offset):
     """Values ``4p .. 4p + 3`` of ``ints`` plus ``offset`` as the bytes of one uint32, value
     ``4p`` in the low byte (x86 is little-endian: byte k of the lane is byte k in memory)."""
@@ -106,7 +107,7 @@ def _quad(ints, p, offset):
     return q
 
 
-@njit(cache=True)
+@njit
 def range_of(bad, emin, emax):
     """The range (see ``EMPTY_RANGE``) of rows with these per-row results."""
     out = EMPTY_RANGE.copy()
@@ -119,7 +120,7 @@ def range_of(bad, emin, emax):
     return out
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _rows_kernel(x, quads, corr, scales):
     """A operand: row i of ``x`` as signed bytes ``quads [n, d / 4]``, its per-group scales and
     ``-KEY_OFFSET * sum(n)`` per group (``corr``); returns the rows' range."""
@@ -140,7 +141,7 @@ def _rows_kernel(x, quads, corr, scales):
 _rows_kernel_serial = serial_twin(_rows_kernel)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _blocks_kernel(x, quads, scales, first):
     """B operand: row i of ``x`` into lane ``(first + i) % DOT_LANES`` of block ``(first + i) //
     DOT_LANES``, bytes ``n + KEY_OFFSET``; returns the rows' range."""

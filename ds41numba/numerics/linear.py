@@ -9,8 +9,9 @@ import contextlib
 import threading
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .backend import tier_at_least
 from .bf16_dot import DOT_LANES, DOT_ROWS, gemm_bf16_sized
 from .bf16_layouts import bf16_pairs
@@ -223,7 +224,7 @@ TINY_BF16_LINEAR = 4096
 _PACK_ROWS = 1024
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _pack_bits(bits, out, first):
     """bf16 bit rows ``bits [n, k]`` (uint16) into lanes ``first ..`` of ``out [blocks, ceil(k/2),
     DOT_LANES]``; the high half of an odd k's last pair stays zero."""
@@ -246,7 +247,7 @@ _pack_bits_serial = serial_twin(_pack_bits)
 _WIDEN_PAIRS = 32
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _widen_pairs(pairs, k_in, out):
     """``out [rows, k_in]`` float32: rows ``0 .. rows - 1`` of the blocks ``pairs [blocks, ceil(k_in
     / 2), DOT_LANES]`` (their first lanes), each value exactly the bf16 it holds."""

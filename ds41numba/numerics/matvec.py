@@ -16,8 +16,9 @@ import contextlib
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .bf16_dot import DOT_LANES, MATVEC_BLOCKS, bf16_matvec_tile
 from .formats import bf16_scalar
 from .workers import claim_next, serial_twin, sized_call, work_beside
@@ -29,19 +30,19 @@ __all__ = ["MATVEC_MEMBERS", "matvec_into", "matvec_beside", "pair_lo", "pair_hi
 MATVEC_MEMBERS = 4
 
 
-@njit(cache=True)
+@njit
 def pair_lo(pair):
     """The f32 value of a bf16 pair's low half (its even input)."""
     return np.uint32(pair << np.uint32(16)).view(np.float32)
 
 
-@njit(cache=True)
+@njit
 def pair_hi(pair):
     """The f32 value of a bf16 pair's high half (its odd input)."""
     return np.uint32(pair & np.uint32(0xFFFF0000)).view(np.float32)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item, acc, part):
     """Work item ``item`` of ``out = bf16(x @ W.T)``: up to ``MATVEC_BLOCKS`` blocks of one group.
 
@@ -96,7 +97,7 @@ def _matvec_bf16_block(x, pairs, out, groups, k_in, block, item, acc, part):
             out[i, g * rank + first + j] = bf16_scalar(acc[i, j // DOT_LANES, j % DOT_LANES])
 
 
-@njit(cache=True)
+@njit
 def _item_ends(pairs, groups):
     """Per work item of the call's one list (each weight's items in order), the blocks of
     weights read up to its end: what a thread's share is measured in (the items of a weight's
@@ -116,7 +117,7 @@ def _item_ends(pairs, groups):
     return ends
 
 
-@njit(cache=True)
+@njit
 def _items_up_to(ends, blocks):
     """How many items end at or before ``blocks`` blocks (``ends`` ascending): a binary search
     (numba's ``np.searchsorted`` compiles for most of a second of a cold start)."""
@@ -130,7 +131,7 @@ def _items_up_to(ends, blocks):
     return lo
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _run_items(x, pairs, outs, groups, k_in, block, lo, hi):
     """Work items ``lo .. hi - 1`` of the call's one list."""
     acc = np.empty((x.shape[0], MATVEC_BLOCKS, DOT_LANES), np.float32)
@@ -145,7 +146,7 @@ def _run_items(x, pairs, outs, groups, k_in, block, lo, hi):
         _matvec_bf16_block(x, pairs[j], outs[j], groups[j], k_in, block, item - first, acc, part)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, nogil=True)
 def _matvec_kernel(x, pairs, outs, groups, k_in, block, workers):
     # Each of ``workers`` takes one run of items holding an equal share of the blocks (numba's
     # own split of the items would give one thread a whole item more of four blocks where a
@@ -163,7 +164,7 @@ def _matvec_kernel(x, pairs, outs, groups, k_in, block, workers):
 _matvec_kernel_serial = serial_twin(_matvec_kernel)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _claimed_kernel(x, pairs, outs, groups, k_in, block, next_item, most):
     """The call's work items, each run by the thread that claims it (``next_item[0]``), at most
     ``most`` of them: the calls of :func:`matvec_beside`'s two threads share them."""

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .formats import ELEMENT_COST, as_f32_array, bf16_scalar
 from .workers import serial_twin, sized_call
 
@@ -25,7 +26,7 @@ _SUM_LEVELS = 4
 # and RMSNorm took 3.2 s to compile on a Zen 4 core instead of 1.9 (the same code and speed).
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def _ceil_log2(x):
     if x <= 2:
         return 1
@@ -37,7 +38,7 @@ def _ceil_log2(x):
     return r
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def _add_group(x, square, lanes, i, acc):
     """Group i (4 vectors of ``lanes`` values) into the 4 ILP partial sums ``acc[0]``."""
     for k in range(_SUM_ILP):
@@ -47,7 +48,7 @@ def _add_group(x, square, lanes, i, acc):
             acc[0, k, l] += v * v if square else v
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def _multi_row_sum(x, square, lanes, size, acc):
     """``multi_row_sum`` with 4 ILP rows of ``lanes`` lanes over ``size`` groups of 4 * lanes values:
     ``acc[0, k, l]`` ends with the sum of values ``(4 * i + k) * lanes + l``, accumulated in cascade
@@ -76,7 +77,7 @@ def _multi_row_sum(x, square, lanes, size, acc):
                 acc[0, k, l] += acc[j, k, l]
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def torch_sum_f32(x, square):
     """The f32 sum of the 1-D float32 row ``x`` (of its squares, each rounded to f32, when ``square``)
     in exactly the order torch's CPU ``sum`` over a contiguous last dimension adds them with 8-lane
@@ -106,7 +107,7 @@ def torch_sum_f32(x, square):
     return total
 
 
-@njit(cache=True)
+@njit
 def _rms_norm_row(x, w, eps, out):
     n = x.shape[0]
     mean = torch_sum_f32(x, True) / np.float32(n)
@@ -115,7 +116,7 @@ def _rms_norm_row(x, w, eps, out):
         out[j] = bf16_scalar((x[j] * r) * w[j])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _rms_norm_kernel(x, w, eps, out):
     for i in prange(x.shape[0]):
         _rms_norm_row(x[i], w, eps, out[i])

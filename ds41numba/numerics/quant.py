@@ -11,8 +11,9 @@ element rounding, the product with the scale and its bf16 rounding. ``quant_row`
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..jit import njit
 from .formats import (ELEMENT_COST, FP4_BLOCK, FP8_BLOCK, LATENT_BLOCK, bf16_scalar, check_inplace,
                       e2m1_scalar, e4m3_scalar, is_int, nan_max, pow2ceil_scalar)
 from .workers import worth_parallel
@@ -22,7 +23,7 @@ __all__ = ["act_quant_fp8_inplace", "fp4_quant_e8m0_inplace", "fp4_quant_e4m3_in
 
 
 
-@njit(cache=True)
+@njit
 def _block_amax(blk):
     # Largest |x| in f32; a NaN anywhere makes it NaN, as torch's amax does.
     amax = np.float32(0.0)
@@ -31,7 +32,7 @@ def _block_amax(blk):
     return amax
 
 
-@njit(cache=True)
+@njit
 def _clamp(y, bound):
     # NaN passes through unchanged, as in torch.clamp.
     if y > bound:
@@ -46,7 +47,7 @@ Q_FP4_E8M0 = 1  # fp4_act_quant: e2m1 elements, power-of-two scale
 Q_FP4_E4M3 = 2  # latent quantiser: e2m1 elements, e4m3 scale
 
 
-@njit(cache=True)
+@njit
 def quant_row(row, block, kind):
     """One of the three quantise-dequantise schemes on a 1-D float32 view, in place.
 
@@ -79,7 +80,7 @@ def quant_row(row, block, kind):
             blk[j] = bf16_scalar(q * s)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _quant_kernel(flat, block, kind):
     for b in prange(flat.shape[0] // block):
         quant_row(flat[b * block : (b + 1) * block], block, kind)

@@ -7,8 +7,8 @@ exponentials, the 16-lane sum and the scaling, as sparse attention runs it over 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from ..jit import njit
 from .formats import fma_f32, nan_max
 
 __all__ = ["SOFTMAX_LANES", "expf_u10", "softmax_rows"]
@@ -31,13 +31,13 @@ _EXP_C5 = np.float32(0.5)
 _RINT_MAGIC = np.float32(12582912.0)
 
 
-@njit(cache=True)
+@njit
 def _pow2i(e):
     """2^e as f32 for -126 <= e <= 127 (Sleef's vpow2i: the exponent field alone)."""
     return np.uint32((e + 127) << 23).view(np.float32)
 
 
-@njit(cache=True)
+@njit
 def expf_u10(d):
     """e^d as Sleef_expf16_u10 computes it, bit for bit (d float32)."""
     t = d * _R_LN2F
@@ -62,7 +62,7 @@ def expf_u10(d):
     return u
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def softmax_rows(x, pos, listed, n, W, sink, scale, lo, hi, lanes):
     """In place over ``x[:n, lo:hi]`` (the dot products of the compacted list): torch's AVX512
     ``_vec_softmax_lastdim`` of each head's row ``[scores * scale (-inf at -1 entries), sink]``

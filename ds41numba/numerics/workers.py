@@ -18,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import llvmlite.ir as ir
 import numba
 import numpy as np
-from numba import njit
 from numba.extending import intrinsic
 from threadpoolctl import ThreadpoolController
+
+from ..jit import njit
 
 __all__ = ["PARALLEL_MIN_MACS", "POOL_MIN_MACS", "worth_parallel", "serial_twin", "sized_call",
            "single_threaded_blas", "in_workers", "split_range", "claim_next", "can_work_beside",
@@ -64,7 +65,7 @@ def serial_twin(kernel):
                               f.__closure__)
     body.__qualname__ = f"{f.__qualname__}_serial"    # numba's cache files are named by it
     body.__doc__ = f"{f.__qualname__} without parallel=True (workers.serial_twin)."
-    twin = njit(cache=True, nogil=kernel.targetoptions.get("nogil", False))(body)
+    twin = njit(nogil=kernel.targetoptions.get("nogil", False))(body)
     _TWINS[kernel] = twin
     return twin
 
