@@ -5,9 +5,9 @@ after another in one process; a first ``ds41numba golden`` spends nearly all its
 (about 30 kernels, 50 s on one core). The kernels and argument types a run calls are known
 ahead: ``kernels.txt`` beside this module lists those of the built-in default golden on every
 tier (:mod:`.numerics.backend`), with what each cost to compile. :func:`compile_ahead` finds
-the ones missing from numba's on-disk cache, shares them out between processes (one per core;
-each kernel whole in one of them) and returns when they are all cached: the run then loads
-them in a second. A kernel the list misses, or whose code changed since it was recorded, is
+the ones missing from numba's on-disk cache, compiles them in processes (one per core, each
+taking the next *family* of kernels left, costliest first) and returns when they are all
+cached: the run then loads them in a second. A kernel the list misses, or whose code changed since it was recorded, is
 compiled by the run itself as before, so a stale list costs time, never a result; the test
 suite checks the list against what the default golden calls.
 
@@ -36,6 +36,7 @@ import importlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from dataclasses import dataclass, replace
@@ -199,16 +200,18 @@ def _families(kernels: list[Kernel]) -> list[tuple[list[str], float]]:
     return [(names, sum(cost[m] for m in names)) for _, names in families]
 
 
-def _shares(kernels: list[Kernel], n: int) -> list[list[str]]:
-    """The kernels' names in ``n`` shares of about equal compile time: their families
-    (:func:`_families`), each whole in one share, the costliest first (greedy)."""
-    shares: list[list[str]] = [[] for _ in range(n)]
-    loads = [0.0] * n
-    for names, seconds in sorted(_families(kernels), key=lambda f: -f[1]):
-        i = loads.index(min(loads))
-        shares[i] += names
-        loads[i] += seconds
-    return [s for s in shares if s]
+def _claimed(families: list[list[str]], claims: Path):
+    """The families (each a list of kernel names) this process claims, in order: each of the
+    processes compiling ahead walks the same list, costliest first, and takes a family when it
+    is the first to create its claim file in ``claims``. A process that finishes early takes
+    the next family left, so the processes end close together whatever each family really costs
+    (a list's seconds were measured alone, in another hour, each helper counted once)."""
+    for i, names in enumerate(families):
+        try:
+            os.close(os.open(claims / str(i), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        yield names
 
 
 @contextlib.contextmanager
@@ -260,19 +263,23 @@ def compile_ahead(quiet: bool = False, every_tier: bool = False, extra: tuple[Pa
     missing = _missing(tiers, lists)
     if not missing:
         return 0
-    shares = _shares(missing, _cores())
+    families = [names for names, _ in sorted(_families(missing), key=lambda f: -f[1])]
+    n = min(_cores(), len(families))
     if not quiet:
-        print(f"compiling {len(missing)} numba kernels for this CPU in {len(shares)} "
-              f"process{'es' if len(shares) > 1 else ''} (once; later runs load them)...",
+        print(f"compiling {len(missing)} numba kernels for this CPU in {n} "
+              f"process{'es' if n > 1 else ''} (once; later runs load them)...",
               file=sys.stderr, flush=True)
     start = time.perf_counter()
     options = ["--tiers", ",".join(tiers)] + (["--lists", ",".join(map(str, lists))] if lists else [])
-    children = [subprocess.Popen([sys.executable, "-m", _MODULE, *options, *share],
-                                 stdout=subprocess.DEVNULL)
-                for share in shares[1:]]
-    _compile(shares[0], tiers, lists)
-    for child in children:
-        child.wait()        # a failed child leaves its kernels to the run: slower, never wrong
+    with tempfile.TemporaryDirectory(prefix="ds41numba-claims-") as claims:
+        families_args = [",".join(names) for names in families]
+        children = [subprocess.Popen([sys.executable, "-m", _MODULE, *options, "--claims", claims,
+                                      *families_args], stdout=subprocess.DEVNULL)
+                    for _ in range(n - 1)]
+        for names in _claimed(families, Path(claims)):
+            _compile(names, tiers, lists)
+        for child in children:
+            child.wait()    # a failed child leaves its kernels to the run: slower, never wrong
     if not quiet:
         print(f"compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return len(missing)
@@ -284,11 +291,16 @@ def _main(argv: list[str]) -> None:
     p.add_argument("--tiers", help="the tiers, comma-separated, whose calls to compile "
                                    "(default: this CPU's)")
     p.add_argument("--lists", help="more list files than kernels.txt, comma-separated")
-    p.add_argument("names", nargs="+", help="module:qualname of the kernels to compile")
+    p.add_argument("--claims", help="a directory of claims shared with other processes: compile "
+                                    "only the families this process is first to claim there")
+    p.add_argument("families", nargs="+", help="module:qualname of the kernels to compile, a "
+                                               "family's names joined by commas")
     args = p.parse_args(argv)
     tiers = tuple(args.tiers.split(",")) if args.tiers else (backend(),)
     lists = tuple(Path(p) for p in args.lists.split(",")) if args.lists else ()
-    _compile(args.names, tiers, lists)
+    families = [f.split(",") for f in args.families]
+    for names in _claimed(families, Path(args.claims)) if args.claims else families:
+        _compile(names, tiers, lists)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Compiling ahead (ds41numba/compile_ahead.py): the list of kernels is what the default golden
-calls, its types spell and read back exactly, the shares keep a kernel whole, and a kernel
+calls, its types spell and read back exactly, processes claim each family of kernels once, and a kernel
 compiled ahead in one process is what another finds in the cache."""
 
 from __future__ import annotations
@@ -49,16 +49,19 @@ def test_a_signature_spells_as_numba_reads_it(argtypes, spelling):
     assert tuple(sigutils.normalize_signature(spelling)[0]) == argtypes
 
 
-def test_shares_keep_a_kernel_whole_and_balance_the_seconds():
-    k = lambda name, s: ahead.Kernel("*", s, name, "(int64,)")
-    kernels = [k("m:a", 10.0), k("m:b", 6.0), k("m:b", 3.0), k("m:c", 5.0), k("m:d", 4.0), k("m:e", 1.0)]
-    shares = ahead._shares(kernels, 2)
-    assert sorted(n for s in shares for n in s) == ["m:a", "m:b", "m:c", "m:d", "m:e"]
-    assert shares == [["m:a", "m:d", "m:e"], ["m:b", "m:c"]]      # 15 s and 14 s
-    assert ahead._shares(kernels, 8) == [["m:a"], ["m:b"], ["m:c"], ["m:d"], ["m:e"]]
+def test_processes_claim_each_family_once_in_order(tmp_path):
+    """Two processes walking the same families: whichever asks first takes the next one left;
+    every family is compiled by exactly one of them, and a late walker finds none left."""
+    families = [["m:a"], ["m:b", "m:c"], ["m:d"], ["m:e"]]
+    first, second = ahead._claimed(families, tmp_path), ahead._claimed(families, tmp_path)
+    taken = [next(first), next(second), next(second), next(first)]
+    assert taken == families
+    assert list(first) == [] and list(second) == []
+    assert list(ahead._claimed(families, tmp_path)) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3"]
 
 
-def test_kernels_that_compile_mostly_the_same_helpers_are_one_family_in_one_share():
+def test_kernels_that_compile_mostly_the_same_helpers_are_one_family():
     """The golden's two runners-up kernels call most of the same helpers (compiled once in one
     process, not in each of two); sparse attention and the top-k of whole rows call none of
     theirs, nor each other's."""
@@ -76,10 +79,6 @@ def test_kernels_that_compile_mostly_the_same_helpers_are_one_family_in_one_shar
         (["_whole_row_sets_serial"], seconds["_whole_row_sets_serial"])]
     top_k = next(k for k in kernels if k.name.endswith(":_whole_row_sets_serial"))
     assert "_adjust_heap" in {d.py_func.__qualname__ for d in ahead._helpers(top_k.dispatcher())}
-    shares = sorted(sorted(set(s)) for s in ahead._shares(kernels, 3))
-    assert shares == sorted([sorted({k.name for k in kernels if "runners" in k.name}),
-                             sorted({k.name for k in kernels if "sparse" in k.name}),
-                             sorted({k.name for k in kernels if "sets" in k.name})])
 
 
 @pytest.mark.parametrize("path", [ahead.KERNELS, kernel_list.SUITE_KERNELS], ids=["golden", "suite"])
@@ -102,16 +101,20 @@ def test_the_list_holds_every_kernel_the_default_golden_calls_on_a_tier(tier):
     assert called and called <= listed, sorted(called - listed)
 
 
-def test_a_kernel_compiled_ahead_is_in_the_cache_another_process_reads(tmp_path):
-    """A child compiles one listed kernel into an empty cache: another process finds it there,
-    and the kernels still missing are one fewer."""
+@pytest.mark.parametrize("claims", [False, True], ids=["named", "claimed"])
+def test_a_kernel_compiled_ahead_is_in_the_cache_another_process_reads(tmp_path, claims):
+    """A child compiles one listed kernel into an empty cache (named, or claimed as compiling
+    ahead's children claim a family): another process finds it there, and the kernels still
+    missing are one fewer."""
     kernel = next(k for k in ahead.read_kernels() if k.name.endswith(":_pack_picks"))
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     check = [sys.executable, "-c", "from ds41numba import compile_ahead as a; "
              f"k = [k for k in a.read_kernels() if k.name == {kernel.name!r}][0]; "
              "print(a._cached(k), len(a._missing((a.backend(),))))"]
     before = subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.split()
-    subprocess.run([sys.executable, "-m", "ds41numba.compile_ahead", kernel.name], env=env, check=True)
+    options = ["--claims", str(tmp_path)] if claims else []
+    subprocess.run([sys.executable, "-m", "ds41numba.compile_ahead", *options, kernel.name],
+                   env=env, check=True)
     after = subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert before[0] == "False" and after[0] == "True"
     assert int(after[1]) == int(before[1]) - 1
