@@ -3,7 +3,9 @@
 Run from the repository root:
 
 * ``asv machine --yes && asv run --python=same --quick`` -- every benchmark once;
-* ``python -m benchmarks.report --quick`` -- GFLOP/s and ratios against numpy, peak RSS.
+* ``python -m benchmarks.report --quick`` -- GFLOP/s and ratios against numpy, peak RSS;
+* ``python -m benchmarks.cost_model`` -- a 1,048,576-token layer projected from shorter runs;
+* ``python -m benchmarks.first_run`` -- the default golden on an empty numba cache, then warm.
 
 The production layers are v41-flash layers 0 (ratio 0), 2 (ratio 2, kv + index source) and 20
 (ratio 1, kv + index + candidate source), with deterministic weights and inputs from
