@@ -7,9 +7,9 @@ ahead: ``kernels.txt`` beside this module lists those of the built-in default go
 tier (:mod:`.numerics.backend`), with what each cost to compile. :func:`compile_ahead` finds
 the ones missing from numba's on-disk cache, compiles them in processes (one per core, each
 taking the next *family* of kernels left, costliest first) and returns when they are all
-cached: the run then loads them in a second. A kernel the list misses, or whose code changed since it was recorded, is
-compiled by the run itself as before, so a stale list costs time, never a result; the test
-suite checks the list against what the default golden calls.
+cached: the run then loads them in a second. A kernel the list misses, or whose code changed
+since it was recorded, is compiled by the run itself as before, so a stale list costs time,
+never a result; the test suite checks the list against what the default golden calls.
 
 The test suite compiles ahead too, more than a golden does: the list's kernels of every tier
 this CPU has (the tests run each tier) and those of ``tests/kernels.txt``, the kernels only
