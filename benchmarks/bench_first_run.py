@@ -35,8 +35,6 @@ class ColdGolden:
 
 
 class WarmGolden(ColdGolden):
-    rounds = 3                # a few seconds a sample, after a cold golden in setup
-
     def setup(self):
         super().setup()
         self.track_seconds()                  # the first golden fills the cache

@@ -1,6 +1,6 @@
 """Compiling ahead (ds41numba/compile_ahead.py): the list of kernels is what the default golden
-calls, its types spell and read back exactly, processes claim each family of kernels once, and a kernel
-compiled ahead in one process is what another finds in the cache."""
+calls, its types spell and read back exactly, processes claim each family of kernels once, and
+a kernel compiled ahead in one process is what another finds in the cache."""
 
 from __future__ import annotations
 
