@@ -226,15 +226,19 @@ def tier_for_run(multiply_adds: float):
         yield
 
 
-def _compile(names: list[str], tiers: tuple[str, ...], lists: tuple[Path, ...] = ()) -> None:
-    """Compile (into numba's cache) the listed kernels named, as ``tiers`` call them."""
-    chosen = set(names)
-    for k in _read(tiers, lists):
-        if k.name in chosen:
-            try:
-                k.dispatcher().compile(k.argtypes())
-            except Exception:       # a stale line (a kernel renamed or retyped): the run compiles
-                continue            # what it calls itself, as without the list
+def _compile(families, tiers: tuple[str, ...], lists: tuple[Path, ...] = ()) -> None:
+    """Compile (into numba's cache) the listed kernels of each family in ``families`` (lists of
+    kernel names, taken one by one: :func:`_claimed`'s as they are claimed), as ``tiers`` call
+    them. The lists are read once."""
+    listed = _read(tiers, lists)
+    for names in families:
+        chosen = set(names)
+        for k in listed:
+            if k.name in chosen:
+                try:
+                    k.dispatcher().compile(k.argtypes())
+                except Exception:   # a stale line (a kernel renamed or retyped): the run compiles
+                    continue        # what it calls itself, as without the list
 
 
 def _enabled() -> bool:
@@ -276,8 +280,7 @@ def compile_ahead(quiet: bool = False, every_tier: bool = False, extra: tuple[Pa
         children = [subprocess.Popen([sys.executable, "-m", _MODULE, *options, "--claims", claims,
                                       *families_args], stdout=subprocess.DEVNULL)
                     for _ in range(n - 1)]
-        for names in _claimed(families, Path(claims)):
-            _compile(names, tiers, lists)
+        _compile(_claimed(families, Path(claims)), tiers, lists)
         for child in children:
             child.wait()    # a failed child leaves its kernels to the run: slower, never wrong
     if not quiet:
@@ -299,8 +302,7 @@ def _main(argv: list[str]) -> None:
     tiers = tuple(args.tiers.split(",")) if args.tiers else (backend(),)
     lists = tuple(Path(p) for p in args.lists.split(",")) if args.lists else ()
     families = [f.split(",") for f in args.families]
-    for names in _claimed(families, Path(args.claims)) if args.claims else families:
-        _compile(names, tiers, lists)
+    _compile(_claimed(families, Path(args.claims)) if args.claims else families, tiers, lists)
 
 
 if __name__ == "__main__":

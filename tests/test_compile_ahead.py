@@ -132,7 +132,7 @@ def test_a_stale_line_is_skipped_not_raised(line, tmp_path, monkeypatch):
     stale.write_text(line + "\n")
     monkeypatch.setattr(ahead, "KERNELS", stale)
     ahead._missing((backend(),))
-    ahead._compile([line.split()[2]], (backend(),))
+    ahead._compile([[line.split()[2]]], (backend(),))
 
 
 def test_every_tier_takes_the_lines_of_the_tiers_below_this_cpus(tmp_path, monkeypatch):

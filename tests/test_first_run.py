@@ -13,7 +13,7 @@ def test_the_kernels_compiled_are_read_from_compile_aheads_own_message(monkeypat
     monkeypatch.setattr(ahead, "_enabled", lambda: True)
     monkeypatch.setattr(ahead, "_missing", lambda tiers, lists=(): kernels)
     monkeypatch.setattr(ahead, "_cores", lambda: 1)
-    monkeypatch.setattr(ahead, "_compile", lambda names, tiers, lists=(): None)
+    monkeypatch.setattr(ahead, "_compile", lambda families, tiers, lists=(): list(families))
     assert ahead.compile_ahead() == 7
     assert first_run._COMPILING.search(capsys.readouterr().err).group(1) == "7"
 
